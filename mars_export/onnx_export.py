@@ -1,0 +1,59 @@
+"""Export the step graph to ONNX with torch's dynamo exporter (opset 18).
+
+The window W is fixed; batch and past length are dynamic (past may be 0, the first step).
+I/O names come from :mod:`runtime.bundle`, the one place they are defined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+from transformers import PreTrainedModel
+
+from mars_export.step_module import StepModule
+from runtime import bundle
+
+OPSET = 18
+_EXAMPLE_BATCH, _EXAMPLE_PAST = 2, 5
+
+
+def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_context: int) -> None:
+    """Write the step graph of ``model`` with window ``window`` to ``path``.
+
+    Weights go to external data next to ``path`` only when the graph is over 2 GB.
+
+    Raises:
+        RuntimeError: the exporter failed (the message names the torch.export step).
+    """
+    cfg = model.config
+    num_layers, num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    batch, past = Dim("batch", min=1, max=1024), Dim("past", min=0, max=max_context)
+    example = _example_inputs(cfg.vocab_size, num_layers, num_kv_heads, head_dim, window, model.dtype)
+    kv_shapes = [({0: batch, 2: past}, {0: batch, 2: past}) for _ in range(num_layers)]
+    dynamic_shapes = {"input_ids": {0: batch}, "position_ids": {0: batch},
+                      "attention_mask": {0: batch, 3: past + window}, "past": kv_shapes}
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        program = torch.onnx.export(
+            StepModule(model).eval(), example, dynamo=True, dynamic_shapes=dynamic_shapes,
+            input_names=bundle.input_names(num_layers), output_names=bundle.output_names(num_layers),
+            opset_version=OPSET, optimize=True)
+    program.save(str(path), external_data=_size_bytes(model) > 2 * 1024**3)
+
+
+def _example_inputs(vocab: int, num_layers: int, num_kv_heads: int, head_dim: int, window: int, dtype):
+    b, p = _EXAMPLE_BATCH, _EXAMPLE_PAST
+    input_ids = torch.randint(0, vocab, (b, window))  # [B, W]
+    position_ids = torch.arange(p, p + window).repeat(b, 1)  # [B, W]
+    mask = torch.ones(b, 1, window, p + window, dtype=torch.bool).tril(p)  # [B, 1, W, P + W]
+    past = [(torch.zeros(b, num_kv_heads, p, head_dim, dtype=dtype),
+             torch.zeros(b, num_kv_heads, p, head_dim, dtype=dtype)) for _ in range(num_layers)]
+    return input_ids, position_ids, mask, past
+
+
+def _size_bytes(model: PreTrainedModel) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())

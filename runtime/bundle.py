@@ -1,0 +1,144 @@
+"""The export bundle: file names, ONNX I/O names and the versioned JSON config (DESIGN.md §5).
+
+This module is the one place where the I/O names of the step graph live; the exporter
+(`mars_export`) and every runtime backend import them from here.
+
+Step graph I/O (B batch, W window, P past length, H KV heads, D head dim, V vocab):
+    inputs   input_ids                  int64 [B, W]
+             position_ids               int64 [B, W]
+             attention_mask             bool  [B, 1, W, P + W]   True = query may see key;
+                                        keys are the P cached entries, then the W new ones
+             past_key_values.{i}.key    dtype [B, H, P, D]       (i = layer index)
+             past_key_values.{i}.value  dtype [B, H, P, D]
+    outputs  logits                     float32 [B, W, V]        (float32 in fp16 exports too)
+             present.{i}.key            dtype [B, H, W, D]       ONLY the W new entries
+             present.{i}.value          dtype [B, H, W, D]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "mars_config.json"
+ONNX_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+DTYPES = ("float32", "float16")
+
+
+class BundleError(ValueError):
+    """A bundle is missing a file, malformed, or of another format version."""
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    """Names of the key and value inputs of ``layer``."""
+    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    """Names of the key and value outputs of ``layer`` (the W new entries only)."""
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+def input_names(num_layers: int) -> list[str]:
+    """All step-graph input names, in graph order."""
+    kv = [name for i in range(num_layers) for name in past_names(i)]
+    return [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, *kv]
+
+
+def output_names(num_layers: int) -> list[str]:
+    """All step-graph output names, in graph order."""
+    kv = [name for i in range(num_layers) for name in present_names(i)]
+    return [LOGITS, *kv]
+
+
+@dataclass(frozen=True)
+class BundleConfig:
+    """Everything a runtime needs to know about a bundle besides the graph and tokenizer.
+
+    Attributes:
+        block_size: B, the most tokens one decode step may accept (MARS §3).
+        window: W, the fixed sequence length of the step graph (W >= B).
+        mask_token / mask_token_id: the MARS mask token (DESIGN.md §1).
+        eos_token_ids: ids that end generation (a model may list several).
+        pad_token_id: id fed at window positions whose output is ignored.
+        bos_token_id: beginning-of-sequence id, or None.
+        num_layers, num_kv_heads, head_dim, vocab_size: model shape.
+        max_context: largest position + 1 the model supports (tokens).
+        dtype: weight/activation/KV dtype, "float32" or "float16"; logits are float32.
+        source_model: where the weights came from.
+        onnx_file: step graph file name inside the bundle.
+        parity: results of the export-time parity check against PyTorch.
+        format_version: bundle format; a runtime refuses other versions.
+    """
+
+    block_size: int
+    window: int
+    mask_token: str
+    mask_token_id: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    bos_token_id: int | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    dtype: str
+    source_model: str
+    onnx_file: str = ONNX_FILE
+    parity: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.format_version != FORMAT_VERSION:
+            raise BundleError(f"bundle format version {self.format_version} is not supported by this runtime "
+                              f"(it reads version {FORMAT_VERSION}); re-export the bundle with this version's mars-export")
+        if not 1 <= self.block_size <= self.window:
+            raise BundleError(f"block_size must be in 1..window ({self.window}), got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise BundleError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not self.eos_token_ids:
+            raise BundleError("eos_token_ids is empty: generation could never stop at an end token")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_context"):
+            if getattr(self, name) < 1:
+                raise BundleError(f"{name} must be positive, got {getattr(self, name)}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def to_json(self) -> str:
+        """Serialize with stable key order, for writing ``mars_config.json``."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def load_config(bundle_dir: str | Path) -> BundleConfig:
+    """Read and validate ``mars_config.json`` of a bundle directory.
+
+    Raises:
+        BundleError: the directory or config is missing, not JSON, lacks or has unknown
+            fields, or has another format version.
+    """
+    path = Path(bundle_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise BundleError(f"{path} not found: {bundle_dir} is not a MARS bundle (export one with mars-export)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path} is not valid JSON ({e}); re-export the bundle") from e
+    if not isinstance(raw, dict):
+        raise BundleError(f"{path} must hold a JSON object; re-export the bundle")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{path}: bundle format version {version} is not supported by this runtime "
+                          f"(it reads version {FORMAT_VERSION}); re-export the bundle with this version's mars-export")
+    try:
+        return BundleConfig(**raw)
+    except TypeError as e:
+        raise BundleError(f"{path} has missing or unknown fields ({e}); re-export the bundle") from e
+

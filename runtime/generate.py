@@ -1,0 +1,58 @@
+"""Generate text from a MARS bundle: ``python -m runtime.generate DIR --prompt TEXT [options]``.
+
+Runs prefill and the MARS acceptance loop on onnxruntime and prints the text, or with
+``--json`` one JSON object with the ids, the text and the counts (tokens, decode forwards,
+TPF, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from runtime.bundle import BundleError, load_config
+from runtime.decoding import Decoder, DecodeParams
+from runtime.onnx_backend import PROVIDERS, OnnxBackend
+from runtime.tokenizer import Tokenizer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
+    p.add_argument("bundle", help="bundle directory written by mars-export")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
+    p.add_argument("--metric", default="probability", help="confidence metric: probability, margin or entropy")
+    p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        params = DecodeParams(tau=args.tau, metric=args.metric, max_new_tokens=args.max_new_tokens,
+                              block_size=args.block_size)
+        config = load_config(args.bundle)
+        tokenizer = Tokenizer(args.bundle)
+        decoder = Decoder(OnnxBackend(args.bundle, config, args.provider, args.threads), config)
+        prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+                      else tokenizer.encode(args.prompt))
+        result = decoder.generate(prompt_ids, params)
+    except (BundleError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = tokenizer.decode(result.token_ids)
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": text, "tau": params.tau, **result.summary()}))
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Run the bundle's step graph on onnxruntime (CPU by default; CUDA/TensorRT providers if present).
+
+The backend owns the session and nothing else: it takes explicit inputs and past KV and
+returns logits and the new KV; caching and acceptance live elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from runtime import bundle
+from runtime.bundle import BundleConfig, BundleError
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.Fail,
+                ort_state.NoSuchFile, ort_state.RuntimeException)
+
+
+class OnnxBackend:
+    """An onnxruntime session over a bundle's step graph.
+
+    Args:
+        bundle_dir: the bundle directory.
+        config: its :class:`~runtime.bundle.BundleConfig`.
+        provider: execution provider, one of ``cpu``, ``cuda``, ``tensorrt``.
+        num_threads: intra-op threads; 0 lets onnxruntime choose.
+
+    Raises:
+        BundleError: the ONNX file is missing, corrupt or truncated, or its I/O names do
+            not match the config.
+        ValueError: unknown or unavailable provider.
+    """
+
+    def __init__(self, bundle_dir: str | Path, config: BundleConfig, provider: str = "cpu", num_threads: int = 0):
+        path = Path(bundle_dir) / config.onnx_file
+        if not path.is_file():
+            raise BundleError(f"{path} not found; re-export the bundle with mars-export")
+        self.session = _make_session(path, provider, num_threads)
+        self.num_layers = config.num_layers
+        self.kv_dtype = np.dtype(config.dtype)
+        _check_io(self.session, config, path)
+
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+             past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """Run one forward over a window.
+
+        Args:
+            input_ids: int64 [B, W].
+            position_ids: int64 [B, W].
+            attention_mask: bool [B, 1, W, P + W].
+            past: per layer (key, value), each [B, H, P, D] in the bundle dtype.
+
+        Returns:
+            logits float32 [B, W, V], and per layer the new (key, value) [B, H, W, D].
+        """
+        feeds = {bundle.INPUT_IDS: input_ids, bundle.POSITION_IDS: position_ids,
+                 bundle.ATTENTION_MASK: attention_mask}
+        for i, (k, v) in enumerate(past):
+            key_name, value_name = bundle.past_names(i)
+            feeds[key_name], feeds[value_name] = k, v
+        logits, *kv = self.session.run(None, feeds)
+        return logits, list(zip(kv[0::2], kv[1::2]))
+
+
+def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceSession:
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown execution provider {provider!r}; choose one of {sorted(PROVIDERS)}")
+    name = PROVIDERS[provider]
+    if name not in ort.get_available_providers():
+        raise ValueError(f"execution provider {name} is not available in this onnxruntime build "
+                         f"(available: {ort.get_available_providers()})")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads
+    try:
+        return ort.InferenceSession(str(path), options, providers=[name])
+    except _LOAD_ERRORS as e:
+        first_line = str(e).strip().splitlines()[0][:300]
+        raise BundleError(f"cannot load {path}: the ONNX file is corrupt or truncated ({first_line}); "
+                          "re-export the bundle with mars-export") from e
+
+
+def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -> None:
+    got_in = [i.name for i in session.get_inputs()]
+    got_out = [o.name for o in session.get_outputs()]
+    if got_in != bundle.input_names(config.num_layers) or got_out != bundle.output_names(config.num_layers):
+        raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
+                          f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "
+                          "re-export the bundle")

@@ -1,0 +1,87 @@
+"""Tokenizer and chat template of a bundle, without transformers or torch.
+
+Encoding and decoding use the ``tokenizers`` library on the bundle's ``tokenizer.json``;
+chat templates are rendered with jinja2 in a sandbox, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from runtime.bundle import TOKENIZER_FILE, BundleError
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+class Tokenizer:
+    """Encode, decode and apply the chat template of a bundle directory.
+
+    Raises:
+        BundleError: ``tokenizer.json`` is missing or unreadable.
+    """
+
+    def __init__(self, bundle_dir: str | Path):
+        bundle_dir = Path(bundle_dir)
+        path = bundle_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise BundleError(f"{path} not found: the bundle lacks its tokenizer; re-export it with mars-export")
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
+            raise BundleError(f"cannot read {path} ({e}); re-export the bundle") from e
+        self._special = _special_tokens(bundle_dir)
+        self.chat_template = _read_chat_template(bundle_dir)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are recognized."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the bundle's template.
+
+        Raises:
+            ValueError: the bundle has no chat template.
+        """
+        if self.chat_template is None:
+            raise ValueError("this bundle has no chat template; pass a plain prompt instead of --chat")
+        return _compile(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                   **self._special)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Ids of the rendered chat, ready for generation (no extra special tokens added)."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _read_chat_template(bundle_dir: Path) -> str | None:
+    if (bundle_dir / TEMPLATE_FILE).is_file():
+        return (bundle_dir / TEMPLATE_FILE).read_text()
+    config = bundle_dir / TOKENIZER_CONFIG_FILE
+    return json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+
+
+def _special_tokens(bundle_dir: Path) -> dict:
+    config = bundle_dir / TOKENIZER_CONFIG_FILE
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    names = ("bos_token", "eos_token", "pad_token", "unk_token")
+    return {name: raw[name] for name in names if isinstance(raw.get(name), str)}
+
+
+def _compile(template: str) -> jinja2.Template:
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)

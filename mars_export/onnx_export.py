@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,12 +39,26 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     kv_shapes = [({0: batch, 2: past}, {0: batch, 2: past}) for _ in range(num_layers)]
     dynamic_shapes = {"input_ids": {0: batch}, "position_ids": {0: batch},
                       "attention_mask": {0: batch, 3: past + window}, "past": kv_shapes}
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+    # The exporter narrates each pass on stdout and warns about unrelated optional packages
+    # (torchvision) and deprecations; the bundle's parity check is what reports on the result.
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _quiet("torch.onnx"):
+        warnings.simplefilter("ignore")
         program = torch.onnx.export(
             StepModule(model).eval(), example, dynamo=True, dynamic_shapes=dynamic_shapes,
             input_names=bundle.input_names(num_layers), output_names=bundle.output_names(num_layers),
             opset_version=OPSET, optimize=True)
     program.save(str(path), external_data=_size_bytes(model) > 2 * 1024**3)
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _example_inputs(vocab: int, num_layers: int, num_kv_heads: int, head_dim: int, window: int, dtype):

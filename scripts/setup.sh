@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install the toolkit with its pinned dependencies.
+# Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[export,dev,bench]"

@@ -1,0 +1,79 @@
+"""Tier 1: the acceptance rule, confidence metrics, KV cache and window mask on hand-made arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.acceptance import confidence, count_accepted
+from runtime.decoding import DecodeParams, causal_window_mask
+from runtime.kv_cache import KVCache
+
+STOP = frozenset({2})
+
+
+@pytest.mark.parametrize("confs, tau, max_accept, expected", [
+    ([0.1, 0.9, 0.9, 0.9], 0.5, 8, 4),   # all masks pass
+    ([0.1, 0.9, 0.4, 0.9], 0.5, 8, 2),   # strictly left to right: stops at the first failure
+    ([0.1, 0.4, 0.9, 0.9], 0.5, 8, 1),   # the AR token is accepted whatever its confidence
+    ([0.1, 0.9, 0.9, 0.9], 0.5, 3, 3),   # bounded by max_accept (block size / budget)
+    ([0.1, 0.5, 0.9, 0.9], 0.5, 8, 1),   # confidence must exceed tau, not equal it
+    ([1.0, 1.0, 1.0, 1.0], 1.0, 8, 1),   # tau = 1: one token per step even at probability 1
+    ([0.0, 0.0, 0.0, 0.0], 0.0, 8, 1),   # tau = 0 still needs a positive confidence
+])
+def test_count_accepted(confs, tau, max_accept, expected):
+    ids = np.array([5, 6, 7, 8])
+    assert count_accepted(ids, np.array(confs), tau, max_accept, STOP) == expected
+
+
+def test_nothing_accepted_after_an_end_token():
+    assert count_accepted(np.array([5, 2, 7, 8]), np.ones(4) * 0.99, 0.5, 8, STOP) == 2
+    assert count_accepted(np.array([2, 6, 7, 8]), np.ones(4) * 0.99, 0.5, 8, STOP) == 1
+
+
+def test_confidence_metrics():
+    logits = np.log(np.array([[0.7, 0.2, 0.1], [1 / 3, 1 / 3, 1 / 3]], dtype=np.float32))
+    np.testing.assert_allclose(confidence(logits, "probability"), [0.7, 1 / 3], rtol=1e-5)
+    np.testing.assert_allclose(confidence(logits, "margin"), [0.5, 0.0], atol=1e-6)
+    entropy = -(0.7 * np.log(0.7) + 0.2 * np.log(0.2) + 0.1 * np.log(0.1))
+    np.testing.assert_allclose(confidence(logits, "entropy"), [1 - entropy / np.log(3), 0.0], atol=1e-5)
+    with pytest.raises(ValueError, match="unknown confidence metric"):
+        confidence(logits, "nope")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tau": -0.1}, "tau must be a number >= 0"),
+    ({"tau": float("nan")}, "tau must be a number >= 0"),
+    ({"metric": "logit"}, "unknown confidence metric"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"block_size": 0}, "block_size must be >= 1"),
+])
+def test_decode_params_reject_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeParams(**kwargs)
+
+
+def test_tau_above_one_is_allowed():
+    assert DecodeParams(tau=1.5).tau == 1.5
+
+
+def test_causal_window_mask():
+    mask = causal_window_mask(past_len=2, window=3)
+    assert mask.shape == (1, 1, 3, 5) and mask.dtype == bool
+    expected = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=bool)
+    np.testing.assert_array_equal(mask[0, 0], expected)
+    assert causal_window_mask(0, 2)[0, 0].tolist() == [[True, False], [True, True]]
+
+
+def test_kv_cache_commits_only_real_positions():
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=np.float32)
+    new = [(np.full((1, 1, 4, 2), 10.0 * layer + np.arange(4)[None, None, :, None]),
+            np.full((1, 1, 4, 2), -1.0)) for layer in range(2)]
+    cache.commit(new, 3)  # window of 4, only 3 real tokens
+    past = cache.past()
+    assert cache.length == 3 and past[1][0].shape == (1, 1, 3, 2)
+    np.testing.assert_array_equal(past[1][0][0, 0, :, 0], [10, 11, 12])
+    cache.commit(new, 2)
+    np.testing.assert_array_equal(cache.past()[0][0][0, 0, :, 0], [0, 1, 2, 0, 1])
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        cache.commit(new, 2)

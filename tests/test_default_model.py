@@ -1,0 +1,70 @@
+"""Tier 3: the default model (SmolLM2-135M-Instruct) end to end on real prompts.
+
+The ONNX runtime at tau = 1 must reproduce transformers' greedy ``generate`` id for id
+on GSM8K test questions and HumanEval prompts with the chat template applied.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mars_export.model_source import default_checkpoint
+from runtime.bundle import load_config
+from runtime.decoding import Decoder, DecodeParams
+from runtime.onnx_backend import OnnxBackend
+from runtime.tokenizer import Tokenizer
+
+from conftest import real_prompts
+
+MAX_NEW = 128
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    path = default_checkpoint()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def check_identity(default_bundle, hf_model, prompts):
+    model, hf_tokenizer = hf_model
+    config = load_config(default_bundle)
+    decoder, tokenizer = Decoder(OnnxBackend(default_bundle, config), config), Tokenizer(default_bundle)
+    for kind, text in prompts:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.encode_chat(messages)
+        assert ids == list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                            return_dict=True)["input_ids"])
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids):]
+        result = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
+        assert result.token_ids == expected.tolist(), f"{kind} prompt {text[:60]!r} diverged"
+        assert result.tpf == 1.0
+        assert tokenizer.decode(result.token_ids) == hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_export_recorded_parity(default_bundle):
+    config = load_config(default_bundle)
+    assert config.mask_token == "<empty_output>" and config.mask_token_id == 16
+    assert config.parity["top1_agreement"] == 1.0
+    assert config.parity["max_abs_logit_diff"] <= config.parity["tolerance"]
+
+
+def test_tau_one_equals_generate_on_real_prompts(default_bundle, hf_model):
+    check_identity(default_bundle, hf_model, real_prompts(3))
+
+
+@pytest.mark.slow
+def test_tau_one_equals_generate_on_ten_prompts_each(default_bundle, hf_model):
+    check_identity(default_bundle, hf_model, real_prompts(10))
+
+
+def test_lower_tau_never_emits_the_mask_token(default_bundle):
+    config = load_config(default_bundle)
+    decoder, tokenizer = Decoder(OnnxBackend(default_bundle, config), config), Tokenizer(default_bundle)
+    _, text = real_prompts(1)[0]
+    ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+    result = decoder.generate(ids, DecodeParams(tau=0.5, max_new_tokens=32))
+    assert config.mask_token_id not in result.token_ids
+    assert result.num_forwards <= result.num_tokens

@@ -1,0 +1,124 @@
+"""Bad bundles, bad arguments and failed exports give one clear error line and lose nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mars_export import bundle_writer
+from mars_export.parity import ParityError
+from mars_export import cli as export_cli
+from runtime import generate
+
+from conftest import export
+
+
+@pytest.fixture
+def bundle(tiny_bundle, tmp_path):
+    """A private copy of a tiny bundle that a test may damage."""
+    _, original = tiny_bundle("llama", 4)
+    return shutil.copytree(original, tmp_path / "bundle")
+
+
+def error_lines(capsys) -> list[str]:
+    """stderr lines that report an error (progress bars of model loading may precede them)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error")]
+    assert not errors or lines[-1] == errors[-1], "the error must be the last line"
+    return errors
+
+
+def run_generate(bundle, capsys, *extra):
+    code = generate.main([str(bundle), "--prompt", "hello", "--max-new-tokens", "4", *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_valid_bundle_generates(bundle, capsys):
+    code, out, err = run_generate(bundle, capsys, "--json", "--tau", "1.5")
+    assert code == 0 and err == []
+    result = json.loads(out)
+    assert result["num_tokens"] == len(result["token_ids"]) == 4 and result["tpf"] == 1.0
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: (b / "model.onnx").write_bytes(b"\x08\x07garbage" * 100), "corrupt or truncated"),
+    (lambda b: (b / "model.onnx").write_bytes((b / "model.onnx").read_bytes()[:50_000]), "corrupt or truncated"),
+    (lambda b: (b / "model.onnx").unlink(), "model.onnx not found"),
+    (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json not found"),
+    (lambda b: (b / "mars_config.json").unlink(), "is not a MARS bundle"),
+    (lambda b: (b / "mars_config.json").write_text("{not json"), "is not valid JSON"),
+    (lambda b: (b / "mars_config.json").write_text(
+        (b / "mars_config.json").read_text().replace('"format_version": 1', '"format_version": 99')),
+     "format version 99 is not supported"),
+])
+def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
+    damage(bundle)
+    code, _, err = run_generate(bundle, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+@pytest.mark.parametrize("tau, message", [("-0.5", "tau must be a number >= 0"), ("nan", "tau must be a number >= 0")])
+def test_bad_tau(bundle, capsys, tau, message):
+    code, _, err = run_generate(bundle, capsys, "--tau", tau)
+    assert code == 2 and len(err) == 1 and message in err[0]
+
+
+def test_prompt_beyond_context(bundle, capsys):
+    code, _, err = run_generate(bundle, capsys, "--max-new-tokens", "100000")
+    assert code == 2 and len(err) == 1 and "exceeds the model's max context" in err[0]
+
+
+def test_failed_export_leaves_nothing(tiny_bundle, tmp_path, monkeypatch, capsys):
+    ckpt, _ = tiny_bundle("llama", 4)
+
+    def failing_parity(*args, **kwargs):
+        raise ParityError("parity check failed: injected")
+    monkeypatch.setattr(bundle_writer, "check_parity", failing_parity)
+    out = tmp_path / "out" / "bundle"
+    code = export_cli.main([str(ckpt), "-o", str(out), "--block", "4", "--mask-token", "<mask>"])
+    err = error_lines(capsys)
+    assert code == 2 and err == ["error: parity check failed: injected"]
+    assert list((tmp_path / "out").iterdir()) == []  # no bundle, no partial directory
+
+
+def test_existing_output_is_kept(tiny_bundle, tmp_path, capsys):
+    ckpt, _ = tiny_bundle("llama", 4)
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code = export_cli.main([str(ckpt), "-o", str(out), "--block", "4", "--mask-token", "<mask>"])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and "--force" in err[0]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block", "8", "--window", "4"], "need 1 <= --block <= --window"),
+    (["--block", "4"], "no MARS mask token is recorded"),
+    (["--block", "4", "--mask-token", "<|im_end|>"], "is the bos/eos/pad token"),
+])
+def test_export_argument_errors(tiny_bundle, tmp_path, capsys, args, message):
+    ckpt, _ = tiny_bundle("llama", 4)
+    code = export_cli.main([str(ckpt), "-o", str(tmp_path / "b"), *args])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert not (tmp_path / "b").exists()
+
+
+def test_unknown_model_path(tmp_path, capsys):
+    code = export_cli.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "b")])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and "expected 'default', a .gguf file" in err[0]
+
+
+def test_force_replaces_existing_bundle(tiny_bundle, tmp_path):
+    ckpt, _ = tiny_bundle("llama", 4)
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    export(str(ckpt), out, 4, 4, "--mask-token", "<mask>", "--force")
+    assert not (out / "stale.txt").exists() and (out / "mars_config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]

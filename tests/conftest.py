@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import make_checkpoint  # noqa: E402
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def export(model: str, out: Path, block: int, window: int, *extra: str) -> Path:
-    from mars_export.cli import main
-    assert main([model, "-o", str(out), "--block", str(block), "--window", str(window), *extra]) == 0
-    return out
+from support import export
+from tiny_models import make_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +26,3 @@ def tiny_bundle(tmp_path_factory):
 def default_bundle(tmp_path_factory):
     """The default model exported with B = W = 8 (downloads it once into the user cache)."""
     return export("default", tmp_path_factory.mktemp("default") / "bundle", 8, 8)
-
-
-def real_prompts(num_each: int) -> list[tuple[str, str]]:
-    """(kind, text) of the first ``num_each`` GSM8K test questions and HumanEval prompts."""
-    import gzip
-    gsm8k = [json.loads(line)["question"] for line in (SHARED_DATA / "gsm8k/test.jsonl").open()][:num_each]
-    with gzip.open(SHARED_DATA / "humaneval/HumanEval.jsonl.gz", "rt") as f:
-        humaneval = [json.loads(line)["prompt"] for line in f][:num_each]
-    return [("gsm8k", q) for q in gsm8k] + [("humaneval", p) for p in humaneval]

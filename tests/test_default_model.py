@@ -16,7 +16,7 @@ from runtime.decoding import Decoder, DecodeParams
 from runtime.onnx_backend import OnnxBackend
 from runtime.tokenizer import Tokenizer
 
-from conftest import real_prompts
+from support import real_prompts
 
 MAX_NEW = 128
 

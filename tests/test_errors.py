@@ -12,7 +12,7 @@ from mars_export.parity import ParityError
 from mars_export import cli as export_cli
 from runtime import generate
 
-from conftest import export
+from support import export
 
 
 @pytest.fixture

@@ -1,0 +1,178 @@
+"""MARS fine-tuning on the Hugging Face ``Trainer`` (runs as is under ``accelerate launch`` / ``torchrun``).
+
+:class:`MarsTrainer` swaps the LM loss for the MARS objective (MARS, arXiv 2604.07023;
+DESIGN.md §2) and logs its two terms, ``loss_mask`` and ``loss_ar``, beside ``loss``.
+:func:`run_training` loads the model and data, trains (full or LoRA), and writes a plain
+Hugging Face checkpoint whose ``config.json`` records the mask token and block size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from mars_export.model_source import load_model
+from mars_export.training.config import LoraSettings, TrainConfig
+from mars_export.training.data import ExampleDataset, MarsCollator, load_examples
+from mars_export.training.objective import MarsLoss, compute_mars_loss
+
+ADAPTER_DIR = "adapter"
+
+
+class MarsTrainer(Trainer):
+    """``Trainer`` whose loss is ``CE(noisy) + alpha * CE(clean)`` on two-stream batches.
+
+    Batches come from :class:`~mars_export.training.data.MarsCollator` (``input_ids``,
+    ``prompt_lengths``, ``lengths``). The loss is a per-batch token mean, so the Trainer
+    divides it by the gradient accumulation steps.
+    """
+
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, mask_token_id: int, block_size: int, alpha: float = 1.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mask_token_id, self.block_size, self.alpha = mask_token_id, block_size, alpha
+        self._term_sums = torch.zeros(2, device=self.args.device)  # [loss_mask, loss_ar] since the last log
+        self._num_terms = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = compute_mars_loss(model, inputs["input_ids"], inputs["prompt_lengths"], inputs["lengths"],
+                                self.mask_token_id, self.block_size, self.alpha, self.mask_dtype())
+        if model.training:
+            self._record_terms(out)
+        terms = {"loss_mask": out.loss_mask, "loss_ar": out.loss_ar}
+        return (out.loss, terms) if return_outputs else out.loss
+
+    def mask_dtype(self) -> torch.dtype:
+        """The dtype attention runs in: the autocast dtype under mixed precision, else the weights'."""
+        if self.args.bf16:
+            return torch.bfloat16
+        if self.args.fp16:
+            return torch.float16
+        return next(self.model.parameters()).dtype
+
+    def _record_terms(self, out: MarsLoss) -> None:
+        terms = torch.stack([out.loss_mask.detach(), out.loss_ar.detach()])
+        self._term_sums += terms.to(self._term_sums.device)
+        self._num_terms += 1
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the mean ``loss_mask`` / ``loss_ar`` since the last log to each training log."""
+        if "loss" in logs and self._num_terms:
+            means = self.accelerator.reduce(self._term_sums / self._num_terms, reduction="mean")
+            logs["loss_mask"], logs["loss_ar"] = round(means[0].item(), 4), round(means[1].item(), 4)
+            self._term_sums.zero_()
+            self._num_terms = 0
+        super().log(logs, start_time)
+
+
+def prepare_lora_model(model: PreTrainedModel, settings: LoraSettings, mask_token_id: int) -> PeftModel:
+    """Wrap ``model`` with a LoRA adapter (and, if asked, a trainable mask-token embedding row)."""
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=settings.target_modules, task_type="CAUSAL_LM",
+                        trainable_token_indices=[mask_token_id] if settings.train_mask_embedding else None)
+    return get_peft_model(model, config)
+
+
+def choose_precision(precision: str) -> str:
+    """``auto`` -> bf16 on a CUDA device that supports it, fp16 on other CUDA devices, fp32 otherwise."""
+    if precision != "auto":
+        if precision != "fp32" and not torch.cuda.is_available():
+            raise ValueError(f"--precision {precision} needs a CUDA device; use fp32 on CPU")
+        return precision
+    if not torch.cuda.is_available():
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def make_training_args(config: TrainConfig) -> TrainingArguments:
+    """``TrainingArguments`` for ``config``: no evaluation, no reporting integrations."""
+    precision = choose_precision(config.precision)
+    return TrainingArguments(
+        output_dir=config.output, per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum, learning_rate=config.learning_rate,
+        lr_scheduler_type=config.lr_scheduler, warmup_steps=config.warmup_steps,
+        num_train_epochs=config.epochs, max_steps=config.max_steps, seed=config.seed,
+        save_strategy="steps" if config.save_steps else "no", save_steps=config.save_steps or 500,
+        logging_steps=config.logging_steps, report_to="none", remove_unused_columns=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        bf16=precision == "bf16", fp16=precision == "fp16", dataloader_num_workers=0,
+    )
+
+
+def find_resume_checkpoint(config: TrainConfig) -> str | None:
+    """The checkpoint to resume from, or None for a fresh run.
+
+    Raises:
+        ValueError: ``--resume`` without a checkpoint in ``--output``, or a fresh run into an
+            ``--output`` that already holds checkpoints (it would overwrite them).
+    """
+    last = get_last_checkpoint(config.output) if Path(config.output).is_dir() else None
+    if config.resume and last is None:
+        raise ValueError(f"--resume: no checkpoint-* directory in {config.output}")
+    if not config.resume and last is not None:
+        raise ValueError(f"{config.output} already holds {Path(last).name}; pass --resume to continue "
+                         "from it, or choose another --output")
+    return last
+
+
+def prepare_trainer(config: TrainConfig) -> tuple[MarsTrainer, str | None]:
+    """Load the model and data for ``config`` and build the trainer (full or LoRA).
+
+    Returns:
+        The trainer and the checkpoint to resume from (None for a fresh run).
+
+    Raises:
+        ValueError: a bad model spec, data file, mask token or ``--resume`` state.
+    """
+    resume_from = find_resume_checkpoint(config)
+    set_seed(config.seed)
+    loaded = load_model(config.model, config.mask_token)
+    examples, _ = load_examples(config.data, loaded.tokenizer, config.max_length)
+    model = loaded.model.train()
+    if config.lora is not None:
+        model = prepare_lora_model(model, config.lora, loaded.mask_token_id)
+    pad_id = loaded.tokenizer.pad_token_id
+    trainer = MarsTrainer(
+        model=model, args=make_training_args(config), train_dataset=ExampleDataset(examples),
+        data_collator=MarsCollator(loaded.tokenizer.eos_token_id if pad_id is None else pad_id),
+        processing_class=loaded.tokenizer, mask_token_id=loaded.mask_token_id,
+        block_size=config.block_size, alpha=config.alpha,
+    )
+    return trainer, resume_from
+
+
+def run_training(config: TrainConfig) -> Path:
+    """Fine-tune ``config.model`` with the MARS objective and save the final checkpoint.
+
+    Returns:
+        ``config.output``, holding a plain Hugging Face checkpoint (LoRA merged in), the
+        tokenizer, and for LoRA runs the adapter alone under ``adapter/``.
+    """
+    trainer, resume_from = prepare_trainer(config)
+    trainer.train(resume_from_checkpoint=resume_from)
+    save_final_model(trainer, config)
+    return Path(config.output)
+
+
+def save_final_model(trainer: MarsTrainer, config: TrainConfig) -> None:
+    """Write the trained model to ``config.output`` as a plain checkpoint (LoRA merged).
+
+    ``config.json`` keeps ``mars_mask_token(_id)`` and gains ``mars_block_size``. A LoRA run
+    also writes its adapter (safetensors) to ``output/adapter``.
+    """
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if isinstance(model, PeftModel):
+        trainer.save_model(str(Path(config.output) / ADAPTER_DIR))
+        if trainer.is_world_process_zero():
+            merged = model.merge_and_unload()
+            merged.config.mars_block_size = config.block_size
+            merged.save_pretrained(config.output)
+            trainer.processing_class.save_pretrained(config.output)
+        return
+    model.config.mars_block_size = config.block_size
+    trainer.save_model(config.output)

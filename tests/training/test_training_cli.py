@@ -1,0 +1,115 @@
+"""``mars-train`` end to end on a tiny model: train, checkpoint, resume, LoRA merge, distill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from tiny_mars import EOS_ID, MASK_ID, make_model, make_tokenizer
+from transformers import AutoModelForCausalLM
+
+from mars_export.model_source import load_model
+from mars_export.training.cli import main
+from mars_export.training.distill import generate_greedy
+
+
+def train(checkpoint: str, data: str, output: Path, *extra: str) -> int:
+    return main([checkpoint, "--data", data, "--output", str(output), "--block-size", "2", "--lr", "1e-3",
+                 "--lr-scheduler", "constant", "--logging-steps", "1", "--max-length", "256", *extra])
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def test_train_checkpoint_reload_and_resume(tiny_checkpoint, tiny_jsonl, tmp_path):
+    out = tmp_path / "run"
+    assert train(tiny_checkpoint, tiny_jsonl, out, "--max-steps", "3", "--save-steps", "3") == 0
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert all({"loss_mask", "loss_ar"} <= set(log) for log in state["log_history"] if "loss" in log)
+    reloaded = load_model(str(out))
+    assert (reloaded.mask_token, reloaded.mask_token_id) == ("<mask>", MASK_ID)
+    assert json.loads((out / "config.json").read_text())["mars_block_size"] == 2
+    assert not torch.equal(weights(out)["model.embed_tokens.weight"],
+                           weights(Path(tiny_checkpoint))["model.embed_tokens.weight"])
+
+    assert train(tiny_checkpoint, tiny_jsonl, out, "--max-steps", "5", "--save-steps", "3", "--resume") == 0
+    resumed = json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())
+    assert resumed["global_step"] == 5
+    assert resumed["log_history"][:3] == state["log_history"][:3]  # steps 1-3 came from the checkpoint
+
+    straight = tmp_path / "straight"
+    assert train(tiny_checkpoint, tiny_jsonl, straight, "--max-steps", "5", "--save-steps", "0") == 0
+    for name, tensor in weights(straight).items():
+        torch.testing.assert_close(weights(out)[name], tensor, msg=f"resumed run differs at {name}")
+
+
+def test_resume_errors(tiny_checkpoint, tiny_jsonl, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        train(tiny_checkpoint, tiny_jsonl, tmp_path / "empty", "--max-steps", "1", "--resume")
+    assert exc.value.code == 2
+    (tmp_path / "busy" / "checkpoint-1").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        train(tiny_checkpoint, tiny_jsonl, tmp_path / "busy", "--max-steps", "1")
+
+
+def test_lora_output_is_a_merged_plain_checkpoint(tiny_checkpoint, tiny_jsonl, tmp_path):
+    out = tmp_path / "lora"
+    assert train(tiny_checkpoint, tiny_jsonl, out, "--max-steps", "2", "--save-steps", "0", "--lora",
+                 "--lora-rank", "4") == 0
+    assert not (out / "adapter_config.json").exists()
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert merged.config.mars_mask_token_id == MASK_ID
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(merged.model.embed_tokens.weight[MASK_ID], base.model.embed_tokens.weight[MASK_ID])
+    assert torch.equal(merged.model.embed_tokens.weight[MASK_ID + 1], base.model.embed_tokens.weight[MASK_ID + 1])
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    ids = torch.randint(4, 260, (1, 12))
+    torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_greedy_matches_one_prompt_at_a_time():
+    model, tokenizer = make_model(), make_tokenizer()
+    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a much longer question"}]]
+    batched = generate_greedy(model, tokenizer, prompts, max_new_tokens=6)
+    assert batched == [generate_greedy(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
+
+
+def eos_model() -> torch.nn.Module:
+    """An untied tiny Llama whose every greedy step says end-of-turn (hand-set weights)."""
+    model = make_model(tie=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0  # the residual stream is the embedding
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[EOS_ID, 0] = 1.0
+    return model
+
+
+def test_distill_writes_chat_jsonl_and_drops_unfinished(tmp_path):
+    eos_model().save_pretrained(tmp_path / "eos")
+    make_tokenizer().save_pretrained(tmp_path / "eos")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question": "q1", "answer": "ignored"}\n{"prompt": "q2"}\n')
+    out = tmp_path / "distilled.jsonl"
+    assert main(["distill", str(tmp_path / "eos"), "--prompts", str(prompts), "--output", str(out),
+                 "--max-new-tokens", "3", "--batch-size", "2"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in records] == ["q1", "q2"]
+    assert all(r["messages"][-1] == {"role": "assistant", "content": ""} for r in records)
+
+    random_model = tmp_path / "random"
+    make_model(seed=3).save_pretrained(random_model)
+    make_tokenizer().save_pretrained(random_model)
+    assert main(["distill", str(random_model), "--prompts", str(prompts), "--output", str(out),
+                 "--max-new-tokens", "2"]) == 0
+    assert out.read_text() == ""  # two random tokens never end with end-of-turn here

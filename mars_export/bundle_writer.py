@@ -15,7 +15,7 @@ from pathlib import Path
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import check_parity, measure_parity, parity_prompts
-from runtime.bundle import CONFIG_FILE, ONNX_FILE, BundleConfig
+from runtime.bundle import CONFIG_FILE, ONNX_FILE, BundleConfig, BundleError
 from runtime.onnx_backend import OnnxBackend
 
 
@@ -23,9 +23,13 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int) -> BundleC
     """The bundle config for ``loaded`` (parity not yet measured).
 
     Raises:
-        BundleError: block_size not in 1..window, or the model lacks an end token.
+        BundleError: block_size not in 1..window, the window exceeds the model's context,
+            or the model lacks an end token.
     """
     cfg, tok = loaded.model.config, loaded.tokenizer
+    if window >= cfg.max_position_embeddings:
+        raise BundleError(f"--window {window} must be smaller than the model's context of "
+                          f"{cfg.max_position_embeddings} tokens")
     eos = loaded.model.generation_config.eos_token_id
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})
     return BundleConfig(

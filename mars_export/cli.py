@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
+from pathlib import Path
 
 from runtime.bundle import BundleError
 
@@ -33,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     window = args.window if args.window is not None else args.block
     if not 1 <= args.block <= window:
-        print(f"error: need 1 <= --block <= --window, got block {args.block}, window {window}", file=sys.stderr)
+        print(f"error: need 1 <= --block <= --window, got --block {args.block}"
+              + (f", --window {args.window}" if args.window is not None else ""), file=sys.stderr)
+        return 2
+    if Path(args.output).exists() and not args.force:
+        print(f"error: {args.output} already exists; choose another -o or pass --force to replace it", file=sys.stderr)
         return 2
     if not args.parity_tol >= 0:
         print(f"error: --parity-tol must be a number >= 0 (max |Δlogit| allowed), got {args.parity_tol}", file=sys.stderr)
@@ -43,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     from mars_export.parity import ParityError
 
     start = time.perf_counter()
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the partial bundle is removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         loaded = load_model(args.model, args.mask_token)
         config = write_bundle(loaded, args.output, args.block, window, args.parity_tol, args.force)
     except (ValueError, FileExistsError, ParityError, BundleError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
     print(json.dumps({"bundle": args.output, "seconds": round(time.perf_counter() - start, 1),
                       "block_size": config.block_size, "window": config.window, "parity": config.parity}))
     return 0

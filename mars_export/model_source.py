@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -69,10 +70,13 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             source += " + MARS LoRA adapter shipped with mars-edge"
     else:
         path = Path(spec)
+        if not path.exists():
+            raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected 'default', "
+                             "'default-mars', a .gguf file, or a Hugging Face checkpoint directory)")
         if path.is_file() and path.suffix == ".gguf":
-            model, tokenizer = _load_gguf(path)
+            model, tokenizer = _read(_load_gguf, path)
         elif path.is_dir() and (path / "config.json").exists():
-            model, tokenizer = _load_hf_dir(path)
+            model, tokenizer = _read(_load_hf_dir, path)
         else:
             raise ValueError(f"cannot load model {spec!r}: expected 'default', 'default-mars', a .gguf file, "
                              "or a Hugging Face checkpoint directory containing config.json")
@@ -99,6 +103,16 @@ def default_checkpoint() -> Path:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     return target
+
+
+def _read(loader, path: Path):
+    """Run ``loader(path)``, turning the errors of unreadable files into one clear ValueError."""
+    try:
+        return loader(path)
+    except (OSError, ValueError, struct.error, EOFError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot read model {path}: {first_line[:300]} (is the file complete, and is it a "
+                         "GGUF file or a checkpoint with its weights and tokenizer?)") from e
 
 
 def merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:

@@ -18,7 +18,7 @@ Step graph I/O (B batch, W window, P past length, H KV heads, D head dim, V voca
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 FORMAT_VERSION = 1
@@ -110,6 +110,12 @@ class BundleConfig:
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_context"):
             if getattr(self, name) < 1:
                 raise BundleError(f"{name} must be positive, got {getattr(self, name)}")
+        ids = {"mask_token_id": self.mask_token_id, "pad_token_id": self.pad_token_id,
+               **{f"eos_token_ids[{i}]": t for i, t in enumerate(self.eos_token_ids)}}
+        for name, token_id in ids.items():
+            if not 0 <= token_id < self.vocab_size:
+                raise BundleError(f"{name} {token_id} is outside the vocabulary (0..{self.vocab_size - 1}); "
+                                  "re-export the bundle")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     def to_json(self) -> str:
@@ -134,11 +140,16 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
     if not isinstance(raw, dict):
         raise BundleError(f"{path} must hold a JSON object; re-export the bundle")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise BundleError(f"{path}: bundle format version {version} is not supported by this runtime "
+    if version != FORMAT_VERSION or type(version) is not int:
+        raise BundleError(f"{path}: bundle format version {version!r} is not supported by this runtime "
                           f"(it reads version {FORMAT_VERSION}); re-export the bundle with this version's mars-export")
+    known = {f.name for f in fields(BundleConfig)}
+    required = {f.name for f in fields(BundleConfig) if f.default is MISSING and f.default_factory is MISSING}
+    missing, unknown = sorted(required - raw.keys()), sorted(raw.keys() - known)
+    if missing or unknown:
+        raise BundleError(f"{path} has missing fields {missing} and unknown fields {unknown}; re-export the bundle")
     try:
         return BundleConfig(**raw)
-    except TypeError as e:
-        raise BundleError(f"{path} has missing or unknown fields ({e}); re-export the bundle") from e
+    except TypeError as e:  # a field of the wrong JSON type, e.g. a string where a number belongs
+        raise BundleError(f"{path} has a field of the wrong type ({e}); re-export the bundle") from e
 

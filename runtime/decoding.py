@@ -43,7 +43,7 @@ class DecodeParams:
         stop_ids: ids that end generation; None = the bundle's eos ids.
 
     Raises:
-        ValueError: tau negative or NaN, unknown metric, max_new_tokens < 1, block_size < 1.
+        ValueError: tau negative, NaN or infinite, unknown metric, max_new_tokens < 1, block_size < 1.
     """
 
     tau: float = 1.0
@@ -53,8 +53,9 @@ class DecodeParams:
     stop_ids: frozenset[int] | None = None
 
     def __post_init__(self):
-        if not isinstance(self.tau, (int, float)) or math.isnan(self.tau) or self.tau < 0:
-            raise ValueError(f"tau must be a number >= 0, got {self.tau}; tau >= 1 means one token per step (greedy AR)")
+        if not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) or self.tau < 0:
+            raise ValueError(f"tau must be a finite number >= 0, got {self.tau}; "
+                             "tau >= 1 means one token per step (greedy AR)")
         if self.metric not in METRICS:
             raise ValueError(f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
         if self.max_new_tokens < 1:

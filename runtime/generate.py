@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from runtime.acceptance import METRICS
 from runtime.bundle import BundleError, load_config
 from runtime.decoding import Decoder, DecodeParams
 from runtime.onnx_backend import PROVIDERS, OnnxBackend
@@ -23,9 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
-    p.add_argument("--metric", default="probability", help="confidence metric: probability, margin or entropy")
+    p.add_argument("--metric", default="probability", choices=METRICS, help="confidence metric (default probability)")
     p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

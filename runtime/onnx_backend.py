@@ -20,7 +20,8 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
-_LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.Fail,
+MAX_THREADS = 256
+_LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.InvalidArgument, ort_state.Fail,
                 ort_state.NoSuchFile, ort_state.RuntimeException)
 
 
@@ -36,13 +37,15 @@ class OnnxBackend:
     Raises:
         BundleError: the ONNX file is missing, corrupt or truncated, or its I/O names do
             not match the config.
-        ValueError: unknown or unavailable provider.
+        ValueError: unknown or unavailable provider, or num_threads outside 0..256.
     """
 
     def __init__(self, bundle_dir: str | Path, config: BundleConfig, provider: str = "cpu", num_threads: int = 0):
         path = Path(bundle_dir) / config.onnx_file
         if not path.is_file():
             raise BundleError(f"{path} not found; re-export the bundle with mars-export")
+        if not 0 <= num_threads <= MAX_THREADS:
+            raise ValueError(f"num_threads must be in 0..{MAX_THREADS} (0 lets onnxruntime choose), got {num_threads}")
         self.session = _make_session(path, provider, num_threads)
         self.num_layers = config.num_layers
         self.kv_dtype = np.dtype(config.dtype)
@@ -93,4 +96,8 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
     if got_in != bundle.input_names(config.num_layers) or got_out != bundle.output_names(config.num_layers):
         raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
                           f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "
+                          "re-export the bundle")
+    window = session.get_inputs()[0].shape[1]
+    if window != config.window:
+        raise BundleError(f"{path} has a window of {window} tokens but {bundle.CONFIG_FILE} says {config.window}; "
                           "re-export the bundle")

@@ -40,7 +40,15 @@ class Tokenizer:
         self.chat_template = _read_chat_template(bundle_dir)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are recognized."""
+        """Token ids of ``text``; special tokens written in the text are recognized.
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (e.g. undecodable bytes from a shell).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid UTF-8 text ({e.reason} at position {e.start})") from e
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -51,12 +59,15 @@ class Tokenizer:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the bundle's template.
 
         Raises:
-            ValueError: the bundle has no chat template.
+            ValueError: the bundle has no chat template, or it fails to render.
         """
         if self.chat_template is None:
             raise ValueError("this bundle has no chat template; pass a plain prompt instead of --chat")
-        return _compile(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   **self._special)
+        try:
+            return _compile(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                       **self._special)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the bundle's chat template failed: {e}; re-export the bundle or drop --chat") from e
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Ids of the rendered chat, ready for generation (no extra special tokens added)."""

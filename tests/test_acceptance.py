@@ -42,8 +42,9 @@ def test_confidence_metrics():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tau": -0.1}, "tau must be a number >= 0"),
-    ({"tau": float("nan")}, "tau must be a number >= 0"),
+    ({"tau": -0.1}, "tau must be a finite number >= 0"),
+    ({"tau": float("inf")}, "tau must be a finite number >= 0"),
+    ({"tau": float("nan")}, "tau must be a finite number >= 0"),
     ({"metric": "logit"}, "unknown confidence metric"),
     ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
     ({"block_size": 0}, "block_size must be >= 1"),

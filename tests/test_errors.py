@@ -30,6 +30,13 @@ def error_lines(capsys) -> list[str]:
     return errors
 
 
+def set_config(bundle, **changes):
+    """Rewrite fields of the bundle's config; a value of None removes the field."""
+    path = bundle / "mars_config.json"
+    raw = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+
+
 def run_generate(bundle, capsys, *extra):
     code = generate.main([str(bundle), "--prompt", "hello", "--max-new-tokens", "4", *extra])
     out = capsys.readouterr()
@@ -46,7 +53,12 @@ def test_valid_bundle_generates(bundle, capsys):
 @pytest.mark.parametrize("damage, message", [
     (lambda b: (b / "model.onnx").write_bytes(b"\x08\x07garbage" * 100), "corrupt or truncated"),
     (lambda b: (b / "model.onnx").write_bytes((b / "model.onnx").read_bytes()[:50_000]), "corrupt or truncated"),
+    (lambda b: (b / "model.onnx").write_bytes(b""), "corrupt or truncated"),
     (lambda b: (b / "model.onnx").unlink(), "model.onnx not found"),
+    (lambda b: set_config(b, mask_token_id=999999), "mask_token_id 999999 is outside the vocabulary"),
+    (lambda b: set_config(b, window=16, block_size=4), "has a window of 4 tokens but mars_config.json says 16"),
+    (lambda b: set_config(b, format_version="1"), "format version '1' is not supported"),
+    (lambda b: set_config(b, num_layers=None), "missing fields ['num_layers']"),
     (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json not found"),
     (lambda b: (b / "mars_config.json").unlink(), "is not a MARS bundle"),
     (lambda b: (b / "mars_config.json").write_text("{not json"), "is not valid JSON"),
@@ -60,10 +72,25 @@ def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
-@pytest.mark.parametrize("tau, message", [("-0.5", "tau must be a number >= 0"), ("nan", "tau must be a number >= 0")])
+@pytest.mark.parametrize("tau, message", [("-0.5", "tau must be a finite number >= 0"), ("nan", "tau must be a finite number >= 0"), ("inf", "tau must be a finite number >= 0")])
 def test_bad_tau(bundle, capsys, tau, message):
     code, _, err = run_generate(bundle, capsys, "--tau", tau)
     assert code == 2 and len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--threads", "-1"], "num_threads must be in 0..256"),
+    (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
+])
+def test_bad_runtime_arguments(bundle, capsys, extra, message):
+    code, _, err = run_generate(bundle, capsys, *extra)
+    assert code == 2 and len(err) == 1 and message in err[0]
+
+
+def test_broken_chat_template(bundle, capsys):
+    (bundle / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    code, _, err = run_generate(bundle, capsys, "--chat")
+    assert code == 2 and len(err) == 1 and "chat template failed" in err[0]
 
 
 def test_prompt_beyond_context(bundle, capsys):
@@ -97,6 +124,7 @@ def test_existing_output_is_kept(tiny_bundle, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--block", "8", "--window", "4"], "need 1 <= --block <= --window"),
+    (["--block", "4", "--window", "100000", "--mask-token", "<mask>"], "must be smaller than the model's context"),
     (["--block", "0"], "need 1 <= --block <= --window"),
     (["--block", "4", "--parity-tol", "-1"], "--parity-tol must be a number >= 0"),
     (["--block", "4", "--parity-tol", "nan"], "--parity-tol must be a number >= 0"),
@@ -111,10 +139,25 @@ def test_export_argument_errors(tiny_bundle, tmp_path, capsys, args, message):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "m.gguf").write_bytes(b"GGUF\n"), "cannot read model"),
+    (lambda d: (d / "config.json").write_text("{not json"), "cannot read model"),
+])
+def test_unreadable_model_files(tmp_path, capsys, make, message):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    make(model_dir)
+    target = next(model_dir.iterdir())
+    code = export_cli.main([str(target if target.suffix == ".gguf" else model_dir), "-o", str(tmp_path / "b")])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert not (tmp_path / "b").exists()
+
+
 def test_unknown_model_path(tmp_path, capsys):
     code = export_cli.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "b")])
     err = error_lines(capsys)
-    assert code == 2 and len(err) == 1 and "expected 'default', a .gguf file" in err[0]
+    assert code == 2 and len(err) == 1 and "no such file or directory" in err[0]
 
 
 def test_force_replaces_existing_bundle(tiny_bundle, tmp_path):

@@ -68,3 +68,15 @@ def test_lower_tau_never_emits_the_mask_token(default_bundle):
     result = decoder.generate(ids, DecodeParams(tau=0.5, max_new_tokens=32))
     assert config.mask_token_id not in result.token_ids
     assert result.num_forwards <= result.num_tokens
+
+
+def test_default_mars_merges_the_shipped_adapter():
+    from mars_export.model_source import load_model
+
+    loaded = load_model("default-mars")
+    base = AutoModelForCausalLM.from_pretrained(default_checkpoint(), dtype=torch.float32)
+    assert loaded.mask_token == "<empty_output>" and loaded.mask_token_id == 16
+    assert loaded.model.config.mars_block_size == 4
+    assert type(loaded.model) is type(base)  # a plain model: the adapter is merged, not wrapped
+    merged, original = loaded.model.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight
+    assert merged.shape == original.shape and not torch.equal(merged, original)

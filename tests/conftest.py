@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from support import export
 from tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Torch on one thread: the tiny models run fastest so, and the two cores of the test
+    machine are shared with onnxruntime (and with other jobs)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,8 @@
-"""Fixtures of the mars-eval tests: one thread for torch, and a tiny exported bundle."""
+"""Fixtures of the mars-eval tests: a tiny exported bundle."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """The tiny export runs fastest on one thread, and the test machine's two cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

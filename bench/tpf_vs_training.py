@@ -19,7 +19,9 @@ from pathlib import Path
 
 from peft import PeftModel
 
-from mars_export.model_source import load_checkpoint, default_checkpoint
+from mars_export.evaluation.scoring import common_prefix
+from mars_export.model_source import default_checkpoint, load_checkpoint
+from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder
 from runtime.decoding import DecodeParams
 
@@ -38,8 +40,7 @@ def measure(adapter: Path | None, prompts: list[str], args) -> dict:
     tokens = forwards = identical = 0
     prefix = 0.0
     for text in prompts:
-        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)["input_ids"])
+        ids = chat_prompt_ids(tokenizer, text)
         ar = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=args.max_new_tokens)).token_ids
         result = decoder.generate(ids, DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens))
         tokens, forwards = tokens + result.num_tokens, forwards + result.num_forwards
@@ -48,12 +49,6 @@ def measure(adapter: Path | None, prompts: list[str], args) -> dict:
     return {"tpf": tokens / forwards, "num_tokens": tokens, "num_forwards": forwards,
             "exact_agreement_with_ar": identical / len(prompts), "prefix_agreement_with_ar": prefix / len(prompts)}
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def main() -> None:

@@ -27,10 +27,11 @@ class ParityError(RuntimeError):
 def parity_prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     """Chat-formatted ids of the real prompts shipped in ``mars_export/data/parity_prompts.json``."""
     raw = json.loads(resources.files("mars_export").joinpath("data/parity_prompts.json").read_text())
-    return [_chat_ids(tokenizer, p["text"]) for p in raw["prompts"]]
+    return [chat_prompt_ids(tokenizer, p["text"]) for p in raw["prompts"]]
 
 
-def _chat_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids of ``text`` as one user message with the generation prompt (plain encoding without a template)."""
     messages = [{"role": "user", "content": text}]
     if tokenizer.chat_template:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder, greedy_generate
 from runtime.bundle import load_config
 from runtime.decoding import Decoder, DecodeParams
@@ -30,11 +31,6 @@ def load(tiny_bundle, arch, window):
     return model, tokenizer, config, Decoder(OnnxBackend(bundle, config), config)
 
 
-def chat_ids(tokenizer, text):
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"])
-
-
 def hf_greedy(model, ids, max_new, mask_token_id):
     """transformers greedy generate; the random model may rank the mask token first, which
     MARS decoders never emit, so it is suppressed here too."""
@@ -50,7 +46,7 @@ def hf_greedy(model, ids, max_new, mask_token_id):
 def test_tau_one_equals_transformers_generate(tiny_bundle, arch, window):
     model, tokenizer, config, decoder = load(tiny_bundle, arch, window)
     for text in PROMPTS:
-        ids = chat_ids(tokenizer, text)
+        ids = chat_prompt_ids(tokenizer, text)
         result = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
         assert result.token_ids == hf_greedy(model, ids, MAX_NEW, config.mask_token_id)
         assert result.num_forwards == result.num_tokens and result.tpf == 1.0
@@ -63,7 +59,7 @@ def test_reference_and_runtime_agree_at_tau_half(tiny_bundle, arch, window):
     reference = ReferenceDecoder(model, config.block_size, config.window, config.mask_token_id, config.eos_token_ids)
     tpfs = []
     for text in PROMPTS:
-        ids = chat_ids(tokenizer, text)
+        ids = chat_prompt_ids(tokenizer, text)
         params = DecodeParams(tau=0.5, max_new_tokens=MAX_NEW)
         expected, got = reference.generate(ids, params), decoder.generate(ids, params)
         assert got.token_ids == expected.token_ids
@@ -74,7 +70,7 @@ def test_reference_and_runtime_agree_at_tau_half(tiny_bundle, arch, window):
 
 def test_reference_greedy_equals_transformers_generate(tiny_bundle):
     model, tokenizer, config, _ = load(tiny_bundle, "llama", 4)
-    ids = chat_ids(tokenizer, PROMPTS[0])
+    ids = chat_prompt_ids(tokenizer, PROMPTS[0])
     result = greedy_generate(model, ids, MAX_NEW, frozenset(config.eos_token_ids))
     assert result.token_ids == hf_greedy(model, ids, MAX_NEW, config.mask_token_id)
 
@@ -83,7 +79,7 @@ def test_reference_greedy_equals_transformers_generate(tiny_bundle):
 def test_long_prompt_beyond_export_example(tiny_bundle, arch):
     """Prefill of ~300 tokens (the export example had 5 past + W) then decoding past it."""
     model, tokenizer, config, decoder = load(tiny_bundle, arch, 8)
-    ids = chat_ids(tokenizer, "Count the sheep: " + " ".join(str(i) for i in range(90)))
+    ids = chat_prompt_ids(tokenizer, "Count the sheep: " + " ".join(str(i) for i in range(90)))
     assert len(ids) > 250
     result = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=64))
     assert result.token_ids == hf_greedy(model, ids, 64, config.mask_token_id)
@@ -107,5 +103,5 @@ def test_mask_token_never_in_output(tiny_bundle):
     model, tokenizer, config, decoder = load(tiny_bundle, "qwen2", 8)
     for tau in (1.0, 0.5, 0.0):
         for text in PROMPTS:
-            result = decoder.generate(chat_ids(tokenizer, text), DecodeParams(tau=tau, max_new_tokens=MAX_NEW))
+            result = decoder.generate(chat_prompt_ids(tokenizer, text), DecodeParams(tau=tau, max_new_tokens=MAX_NEW))
             assert config.mask_token_id not in result.token_ids

@@ -26,7 +26,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def confidence(logits: np.ndarray, metric: str = "probability") -> np.ndarray:
-    """Confidence of the argmax of each row, in [0, 1]; [T, V] float32 -> [T] float32.
+    """Confidence of the argmax of each row of logits, in [0, 1]; [T, V] float32 -> [T] float32.
+
+    Raises:
+        ValueError: unknown metric.
+    """
+    return probability_confidence(softmax(logits.astype(np.float32, copy=False)), metric)
+
+
+def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np.ndarray:
+    """Confidence of the most likely token of each row of probabilities; [T, V] -> [T] float32.
 
     Metrics:
         probability: p(argmax) (the paper's rule; default).
@@ -36,7 +45,6 @@ def confidence(logits: np.ndarray, metric: str = "probability") -> np.ndarray:
     Raises:
         ValueError: unknown metric.
     """
-    probs = softmax(logits.astype(np.float32, copy=False))
     if metric == "probability":
         return probs.max(axis=-1)
     if metric == "margin":
@@ -67,5 +75,30 @@ def count_accepted(predicted_ids: np.ndarray, confidences: np.ndarray, tau: floa
     count = 1
     while (count < limit and int(predicted_ids[count - 1]) not in stop_ids
            and confidences[count] > tau):
+        count += 1
+    return count
+
+
+def count_verified(drafts: list[int], predicted_ids: np.ndarray, max_accept: int, stop_ids: frozenset[int]) -> int:
+    """Verify mode (DESIGN.md §3): how many tokens one step yields from k drafts, left to right.
+
+    ``predicted_ids[i]`` is the argmax at the input before draft i+1 (index 0: at the last
+    real token). Draft i+1 is kept while it equals ``predicted_ids[i]``; the tokens yielded
+    are ``predicted_ids[:n]``, i.e. the kept drafts and then the argmax after the last kept
+    one (the correction, or the next token). So the output is exactly greedy AR.
+
+    Args:
+        drafts: the k draft ids fed after the real tokens.
+        predicted_ids: [>= k + 1] int argmax ids.
+        max_accept: upper bound on n (block size, remaining budget), >= 1.
+        stop_ids: end-token ids; nothing is yielded after one of them.
+
+    Returns:
+        n, 1 <= n <= min(k + 1, max_accept); the n - 1 kept drafts are real tokens whose KV is valid.
+    """
+    assert max_accept >= 1 and len(predicted_ids) > len(drafts)
+    count = 1
+    while (count < max_accept and count <= len(drafts) and int(predicted_ids[count - 1]) not in stop_ids
+           and drafts[count - 1] == int(predicted_ids[count - 1])):
         count += 1
     return count

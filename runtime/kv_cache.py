@@ -1,52 +1,103 @@
-"""KV cache for one sequence over preallocated buffers (DESIGN.md §3).
+"""KV cache for a batch of sequences over preallocated buffers (DESIGN.md §3, §4).
 
-Dimension letters: L layers, H KV heads, S max cached positions, D head dim, W window.
+Dimension letters: L layers, N slots (batch rows), H KV heads, S capacity (positions per
+slot), D head dim, W window, n rows in one step (the slots 0..n-1).
 
-Only the KV of positions whose input was a real token is committed; KV computed at mask
-or padding positions is never written. Memory traffic per decode step: the step graph
-takes the past as a contiguous [1, H, length, D] array per layer, so :meth:`past` copies
-``2 * L * H * length * D`` elements out of the buffers, and :meth:`commit` copies
-``2 * L * H * count * D`` in. (Removing the copy-out needs a graph that reads the whole
-buffer in place; that is the batched cache manager's job.)
+Layout: per layer one key and one value buffer ``[N, H, S, D]``; slot ``i`` is batch row
+``i`` of every step, and ``lengths[i]`` is how many of its positions hold committed KV.
+The step graph reads ``buffer[:n]`` directly: a slice on the leading axis is a contiguous
+view, so the past is handed to the backend without a copy, and the attention mask hides
+positions ``>= lengths[i]`` of each row (stale KV of earlier requests included).
+
+Memory traffic of the cache manager per step:
+  - :meth:`past`: none (views).
+  - :meth:`commit`: writes ``2 * L * H * D * count_i`` elements for each row ``i`` (only
+    positions whose input was a real token; KV of mask and padding positions is dropped).
+  - :meth:`reserve`: the capacity S doubles (or halves) only when the longest row needs it,
+    copying the committed prefix once; over a generation of T positions this totals less
+    than ``2 * T`` positions per row, i.e. O(1) per generated token.
+The graph itself reads the whole ``[n, H, S, D]`` past each step, so S is kept within 2x
+of the longest row (4x after rows shrink, before :meth:`reserve` shrinks it).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+MIN_CAPACITY = 16
+
 
 class KVCache:
-    """Per-layer key/value buffers ``[1, H, S, D]`` and the number of committed positions.
+    """Per-layer key/value buffers ``[N, H, S, D]`` and the committed length of each slot.
 
     Args:
         num_layers, num_kv_heads, head_dim: model shape.
-        max_len: S, the most positions the cache can hold.
+        max_len: the most positions one slot may ever hold (the capacity S grows up to it).
         dtype: numpy dtype of the bundle's KV (float32 or float16).
+        num_slots: N, the most sequences cached at once.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype):
-        shape = (1, num_kv_heads, max_len, head_dim)
-        self.keys = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.length = 0
-        self.max_len = max_len
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, num_slots: int = 1):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_len, self.dtype, self.num_slots = max_len, np.dtype(dtype), num_slots
+        self.lengths = np.zeros(num_slots, dtype=np.int64)  # [N] committed positions per slot
+        self.keys: list[np.ndarray] = []    # L x [N, H, S, D]
+        self.values: list[np.ndarray] = []  # L x [N, H, S, D]
+        self._allocate(min(MIN_CAPACITY, max_len))
 
-    def past(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Committed KV per layer as contiguous ``([1, H, length, D], [1, H, length, D])``."""
-        n = self.length
-        return [(np.ascontiguousarray(k[:, :, :n]), np.ascontiguousarray(v[:, :, :n]))
-                for k, v in zip(self.keys, self.values)]
+    @property
+    def capacity(self) -> int:
+        """S, positions per slot in the current buffers."""
+        return self.keys[0].shape[2]
 
-    def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], count: int) -> None:
-        """Append the first ``count`` entries of each layer's new KV ``[1, H, W, D]``.
+    def reserve(self, needed: int) -> None:
+        """Make S at least ``needed``: double until it fits; halve while the longest row is under S / 4.
 
         Raises:
-            ValueError: the cache would overflow ``max_len``.
+            ValueError: ``needed`` exceeds ``max_len``.
         """
-        end = self.length + count
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.max_len}")
-        for (k_new, v_new), k, v in zip(presents, self.keys, self.values):
-            k[:, :, self.length:end] = k_new[:, :, :count]
-            v[:, :, self.length:end] = v_new[:, :, :count]
-        self.length = end
+        if needed > self.max_len:
+            raise ValueError(f"KV cache overflow: {needed} positions > capacity {self.max_len}")
+        used = max(int(self.lengths.max()), needed)
+        target = self.capacity
+        while target < needed:
+            target *= 2
+        while target > MIN_CAPACITY and used * 4 <= target:
+            target //= 2
+        target = min(target, self.max_len)
+        if target != self.capacity:
+            self._allocate(target)
+
+    def past(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy)."""
+        return [(k[:num_rows], v[:num_rows]) for k, v in zip(self.keys, self.values)]
+
+    def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], counts) -> None:
+        """Append, for each row i, the first ``counts[i]`` of its new KV ``[n, H, W, D]`` to slot i.
+
+        Raises:
+            ValueError: a slot would overflow the current capacity (call :meth:`reserve` first).
+        """
+        counts = np.asarray(counts, dtype=np.int64)  # [n]
+        ends = self.lengths[:len(counts)] + counts
+        if (ends > self.capacity).any():
+            raise ValueError(f"KV cache overflow: {int(ends.max())} positions > capacity {self.capacity}")
+        for row in np.flatnonzero(counts):
+            start, count = int(self.lengths[row]), int(counts[row])
+            for (k_new, v_new), k, v in zip(presents, self.keys, self.values):
+                k[row, :, start:start + count] = k_new[row, :, :count]
+                v[row, :, start:start + count] = v_new[row, :, :count]
+        self.lengths[:len(counts)] = ends
+
+    def free(self, slot: int) -> None:
+        """Forget slot ``slot``'s KV (its buffers are reused as they are; the mask hides them)."""
+        self.lengths[slot] = 0
+
+    def _allocate(self, capacity: int) -> None:
+        shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
+        keep = min(capacity, self.capacity) if self.keys else 0
+        keys = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        values = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        for old, new in zip(self.keys + self.values, keys + values):
+            new[:, :, :keep] = old[:, :, :keep]
+        self.keys, self.values = keys, values

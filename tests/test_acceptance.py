@@ -70,11 +70,32 @@ def test_kv_cache_commits_only_real_positions():
     cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=np.float32)
     new = [(np.full((1, 1, 4, 2), 10.0 * layer + np.arange(4)[None, None, :, None]),
             np.full((1, 1, 4, 2), -1.0)) for layer in range(2)]
-    cache.commit(new, 3)  # window of 4, only 3 real tokens
-    past = cache.past()
-    assert cache.length == 3 and past[1][0].shape == (1, 1, 3, 2)
-    np.testing.assert_array_equal(past[1][0][0, 0, :, 0], [10, 11, 12])
-    cache.commit(new, 2)
-    np.testing.assert_array_equal(cache.past()[0][0][0, 0, :, 0], [0, 1, 2, 0, 1])
+    cache.commit(new, [3])  # window of 4, only 3 real tokens
+    assert cache.lengths.tolist() == [3] and cache.capacity == 6
+    np.testing.assert_array_equal(cache.past(1)[1][0][0, 0, :3, 0], [10, 11, 12])
+    cache.commit(new, [2])
+    np.testing.assert_array_equal(cache.past(1)[0][0][0, 0, :, 0], [0, 1, 2, 0, 1, 0])
     with pytest.raises(ValueError, match="KV cache overflow"):
-        cache.commit(new, 2)
+        cache.commit(new, [2])
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        cache.reserve(7)
+
+
+def test_kv_cache_rows_advance_independently_and_past_is_a_view():
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=3, max_len=1000, dtype=np.float32, num_slots=3)
+    cache.reserve(40)
+    assert cache.capacity == 64  # doubled from 16 until it fits
+    new = [(np.arange(2 * 2 * 4 * 3, dtype=np.float32).reshape(2, 2, 4, 3), np.ones((2, 2, 4, 3), np.float32))]
+    cache.commit(new, [4, 1])
+    cache.commit(new, [0, 2])
+    assert cache.lengths.tolist() == [4, 3, 0]
+    key = cache.past(2)[0][0]
+    assert key.shape == (2, 2, 64, 3) and np.shares_memory(key, cache.keys[0])  # no copy of the past
+    np.testing.assert_array_equal(key[1, :, :3], new[0][0][1, :, [0, 0, 1]].transpose(1, 0, 2))
+    cache.reserve(200)  # growing keeps the committed prefix
+    assert cache.capacity == 256
+    np.testing.assert_array_equal(cache.past(2)[0][0][1, :, :3], key[1, :, :3])
+    cache.free(0)
+    cache.free(1)
+    cache.reserve(20)  # every row short again: the buffers shrink
+    assert cache.capacity == 64  # halved while the longest row (20) fits in a quarter

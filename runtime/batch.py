@@ -1,0 +1,45 @@
+"""Step-graph inputs for a batch of rows over the slot cache (the only place that builds model arrays).
+
+Dimension letters: n rows, W window, S cache capacity, V vocabulary.
+
+Row i of a step is cache slot i. It feeds W token ids at positions ``lengths[i] ..
+lengths[i] + W - 1``; its queries see the ``lengths[i]`` committed keys of its slot and,
+causally, the W new keys. An idle row (a free slot inside the batch) feeds padding at
+positions 0..W-1 and sees only its own window, so its softmax stays finite; its outputs
+are ignored and nothing of it is committed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.kv_cache import KVCache
+
+
+def window_mask(lengths: np.ndarray, capacity: int, window: int) -> np.ndarray:
+    """bool [n, 1, W, S + W]: row i, query q sees cached keys < lengths[i] and new keys 0..q."""
+    keys = np.arange(capacity + window)  # [S + W]
+    queries = np.arange(window)          # [W]
+    cached = keys[None, None, :] < lengths[:, None, None]                                       # [n, 1, S + W]
+    new = (keys[None, :] >= capacity) & (keys[None, :] - capacity <= queries[:, None])          # [W, S + W]
+    return (cached | new[None])[:, None]                                                        # [n, 1, W, S + W]
+
+
+def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int):
+    """One forward over slots 0..n-1.
+
+    Args:
+        backend: object with ``step(input_ids, position_ids, attention_mask, past)``.
+        cache: the slot cache; its capacity must hold every row's length + W.
+        rows: for each slot, W token ids, or None for an idle row.
+        pad_id: id fed in idle rows.
+
+    Returns:
+        logits float32 [n, W, V], and per layer the new (key, value) [n, H, W, D].
+    """
+    window = next(len(r) for r in rows if r is not None)
+    lengths = np.array([cache.lengths[i] if r is not None else 0 for i, r in enumerate(rows)], np.int64)  # [n]
+    ids = np.array([r if r is not None else [pad_id] * window for r in rows], np.int64)  # [n, W]
+    positions = lengths[:, None] + np.arange(window, dtype=np.int64)[None]              # [n, W]
+    mask = window_mask(lengths, cache.capacity, window)
+    return backend.step(ids, positions, mask, cache.past(len(rows)))

@@ -1,0 +1,284 @@
+"""The batched MARS decoding engine: schedule, run, accept, commit (MARS, arXiv 2604.07023, §3; DESIGN.md §3-4).
+
+Dimension letters: n batch rows (= cache slots 0..n-1), W window, V vocabulary.
+
+Every step is one forward of the step graph over the running rows:
+  - a prefilling row feeds its next W prompt tokens (never the last one) and commits them;
+  - a decoding row feeds its uncached real tokens, its drafts (verify mode), then mask
+    tokens; the output at the last real token is the AR prediction, each later output
+    predicts one more token ahead; the acceptance rule picks how many to keep.
+
+Two batch schemes (DESIGN.md §4):
+  - ``continuous``: each row commits the KV of its real tokens every step and advances on
+    its own; a finished row's slot is refilled from the waiting queue at the next step.
+  - ``block`` (the paper's block-level KV cache): a row's committed prefix is frozen for a
+    block of W positions; each step re-runs the block (the anchor token, the tokens
+    accepted so far in the block, then masks) until every row has a full block fed as W
+    real tokens; then every row commits its W block entries at once. Fast rows wait for
+    slow ones; new requests join only at a block boundary. Verify-mode rows always
+    advance per row.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.acceptance import count_accepted, count_verified
+from runtime.batch import run_batch
+from runtime.bundle import BundleConfig
+from runtime.kv_cache import KVCache
+from runtime.params import DecodeParams, GenerationResult, check_tau
+from runtime.sampling import select
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence
+
+SCHEMES = ("continuous", "block")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        max_batch_size: KV slots, i.e. the most sequences decoding at once (>= 1).
+        scheme: ``continuous`` or ``block`` (see the module docstring).
+        max_seq_len: positions per slot (prompt + generated + W); None = the bundle's max context.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    max_batch_size: int = 8
+    scheme: str = "continuous"
+    max_seq_len: int | None = None
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown batch scheme {self.scheme!r}; choose one of {SCHEMES}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens accepted in this step (possibly none).
+        finished: whether the request is done.
+        finish_reason: ``stop``, ``length`` or ``abort`` once finished, else None.
+        result: the request's tokens and counters so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    result: GenerationResult
+
+
+class Engine:
+    """Continuous-batching MARS decoder over a backend with ``step`` (onnxruntime or TensorRT).
+
+    Not thread-safe: drive it from one thread.
+
+    Args:
+        backend: object with ``step(input_ids, position_ids, attention_mask, past)`` as
+            :class:`runtime.onnx_backend.OnnxBackend`.
+        config: the bundle config.
+        engine_config: batch size, scheme and per-slot length.
+    """
+
+    def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
+        self.backend, self.config, self.engine_config = backend, config, engine_config
+        max_len = min(engine_config.max_seq_len or config.max_context, config.max_context)
+        self.cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
+                             np.dtype(config.dtype), engine_config.max_batch_size)
+        self.scheduler = Scheduler(engine_config.max_batch_size)
+        self._default_tau = 1.0
+        self.num_steps = 0  # batch forwards run so far
+
+    @property
+    def default_tau(self) -> float:
+        """tau of requests whose ``params.tau`` is None, read at every step (the live knob)."""
+        return self._default_tau
+
+    @default_tau.setter
+    def default_tau(self, tau: float) -> None:
+        self._default_tau = check_tau(tau)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Raises:
+            ValueError: empty prompt, an id outside the vocabulary, block_size above the
+                bundle's B, or prompt + max_new_tokens + W beyond the per-slot length.
+        """
+        cfg = self.config
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        block_size = params.block_size or cfg.block_size
+        if block_size > cfg.block_size:
+            raise ValueError(f"block_size {block_size} exceeds the bundle's block size {cfg.block_size}")
+        needed = len(prompt_ids) + params.max_new_tokens + cfg.window
+        if needed > self.cache.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + window "
+                             f"({cfg.window}) = {needed} exceeds the model's max context {self.cache.max_len}; "
+                             "shorten the prompt or lower max_new_tokens")
+        stop_ids = params.stop_ids if params.stop_ids is not None else frozenset(cfg.eos_token_ids)
+        request_id = request_id or uuid.uuid4().hex
+        self.scheduler.add(Sequence(request_id, list(prompt_ids), params, block_size, stop_ids))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now and free its slot; unknown or finished ids are ignored."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return
+        if seq.slot is None:
+            self.scheduler.remove_waiting(seq)
+        else:
+            self._finish(seq, "abort")
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests, run one forward over the running rows, accept and commit."""
+        can_admit = self.engine_config.scheme == "continuous" or all(
+            len(s.uncached) == 1 for s in self.scheduler.running.values())
+        running = self.scheduler.schedule(can_admit)
+        if not running:
+            return []
+        now = time.perf_counter()
+        for seq in running:
+            seq.start_time = seq.start_time or now
+        window = self.config.window
+        rows: list[list[int] | None] = [None] * self.scheduler.num_rows
+        for seq in running:
+            rows[seq.slot] = self._prepare_row(seq)
+        self.cache.reserve(max(int(self.cache.lengths[s.slot]) + window for s in running))
+        logits, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)  # [n, W, V]
+        logits[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
+        self.num_steps += 1
+        counts = np.zeros(len(rows), np.int64)  # [n] KV entries to commit per row
+        advanced = [(seq, out) for seq in running if (out := self._advance(seq, logits[seq.slot], counts))]
+        if self.engine_config.scheme == "block":
+            self._close_block(running, counts)
+        self.cache.commit(presents, counts)
+        for seq, out in advanced:
+            if out.finished:
+                self._finish(seq, out.finish_reason)
+        return [out for _, out in advanced]
+
+    def generate(self, prompts: list[list[int]], params: DecodeParams) -> list[GenerationResult]:
+        """Run ``prompts`` to completion with the same params; results in prompt order.
+
+        Raises:
+            ValueError: as :meth:`add_request`.
+        """
+        ids = [self.add_request(p, params) for p in prompts]
+        results = {}
+        while len(results) < len(ids):
+            results.update((o.request_id, o.result) for o in self.step() if o.finished)
+        return [results[i] for i in ids]
+
+    def _prepare_row(self, seq: Sequence) -> list[int]:
+        """The W ids row ``seq`` feeds: a prefill chunk, or uncached + drafts + masks."""
+        window = self.config.window
+        if seq.is_prefilling:
+            chunk = seq.prefill_chunk(window)
+            return chunk + [self.config.pad_token_id] * (window - len(chunk))
+        real = seq.uncached[:window] + seq.drafts[:window - min(len(seq.uncached), window)]
+        return real + [self.config.mask_token_id] * (window - len(real))
+
+    def _advance(self, seq: Sequence, logits: np.ndarray, counts: np.ndarray) -> StepOutput | None:
+        """Accept from this row's logits [W, V]; set its commit count; return its output (None in prefill)."""
+        if seq.is_prefilling:
+            chunk = seq.prefill_chunk(self.config.window)
+            counts[seq.slot] = len(chunk)
+            seq.num_prefilled += len(chunk)
+            seq.result.num_prefill_forwards += 1
+            if not seq.is_prefilling:
+                seq.result.prefill_seconds = time.perf_counter() - seq.start_time
+            return None
+        num_real = min(len(seq.uncached), self.config.window)
+        predictions = logits[num_real - 1:]  # [W - r + 1, V]: the AR prediction, then one per later input
+        if seq.params.mode == "verify":
+            tokens = self._accept_verify(seq, predictions, num_real, counts)
+        else:
+            tokens = self._accept_threshold(seq, predictions, num_real, counts)
+        seq.result.token_ids.extend(tokens)
+        seq.result.num_forwards += 1
+        reason = "stop" if tokens and tokens[-1] in seq.stop_ids else "length" if seq.num_remaining == 0 else None
+        return StepOutput(seq.request_id, tokens, reason is not None, reason, seq.result)
+
+    def _accept_threshold(self, seq: Sequence, predictions: np.ndarray, num_real: int, counts: np.ndarray) -> list[int]:
+        """MARS §3: keep predictions left to right while confident (threshold and ar modes)."""
+        params, window = seq.params, self.config.window
+        tau = 1.0 if params.mode == "ar" else self.default_tau if params.tau is None else params.tau
+        budget = min(seq.block_size, seq.num_remaining)
+        if self.engine_config.scheme == "block":
+            budget = min(budget, window + 1 - len(seq.uncached))  # a block yields at most W tokens
+            seq.is_block_ready = num_real == window
+        else:
+            counts[seq.slot] = num_real
+        if budget == 0:  # block scheme: a full block re-run until every row is ready
+            return []
+        ids, scores = select(predictions, params.temperature, params.top_k, params.top_p, params.metric,
+                             seq.rng, with_confidence=tau < 1.0)
+        tokens = [int(t) for t in ids[:count_accepted(ids, scores, tau, budget, seq.stop_ids)]]
+        seq.uncached = seq.uncached + tokens if self.engine_config.scheme == "block" else tokens
+        return tokens
+
+    def _accept_verify(self, seq: Sequence, predictions: np.ndarray, num_real: int, counts: np.ndarray) -> list[int]:
+        """DESIGN.md §3 verify mode: keep drafts equal to the argmax before them; exactly greedy AR."""
+        predicted = predictions.argmax(axis=-1)  # [W - r + 1]
+        drafts = seq.drafts[:self.config.window - num_real]
+        count = count_verified(drafts, predicted, min(seq.block_size, seq.num_remaining), seq.stop_ids)
+        tokens = [int(t) for t in predicted[:count]]
+        counts[seq.slot] = num_real + count - 1  # the real tokens and the kept drafts
+        is_all_kept = count - 1 == len(drafts) and tokens[-1] not in seq.stop_ids
+        seq.drafts = [int(t) for t in predicted[len(drafts) + 1:][:seq.block_size - 1]] if is_all_kept else []
+        seq.uncached = [tokens[-1]]
+        return tokens
+
+    def _close_block(self, running: list[Sequence], counts: np.ndarray) -> None:
+        """Block scheme: once every threshold-mode decoding row is ready, commit each row's W block entries."""
+        window = self.config.window
+        in_block = [s for s in running if not s.is_prefilling and s.params.mode != "verify"
+                    and not self._is_done(s)]
+        if not in_block or not all(s.is_block_ready for s in in_block):
+            return
+        for seq in in_block:
+            counts[seq.slot] = window
+            seq.uncached = seq.uncached[window:]
+            seq.is_block_ready = False
+
+    def _is_done(self, seq: Sequence) -> bool:
+        tokens = seq.result.token_ids
+        return seq.num_remaining == 0 or bool(tokens) and tokens[-1] in seq.stop_ids
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.result.finish_reason = reason
+        seq.result.seconds = time.perf_counter() - seq.start_time if seq.start_time else 0.0
+        self.cache.free(seq.slot)
+        self.scheduler.finish(seq)

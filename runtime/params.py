@@ -1,0 +1,119 @@
+"""Per-request decoding parameters and the result of one generation (plain data)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from runtime.acceptance import METRICS
+
+MODES = ("ar", "threshold", "verify")
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Per-request decoding parameters.
+
+    Attributes:
+        tau: confidence threshold, >= 0; >= 1 means one token per step (greedy AR, or plain
+            AR sampling). None = follow the engine's live default tau at every step.
+        mode: ``threshold`` (MARS §3: accept mask predictions while confident), ``ar`` (one
+            token per step, whatever tau), or ``verify`` (DESIGN.md §3: the previous step's
+            mask predictions are checked as drafts; output exactly greedy AR; tau unused).
+        metric: confidence metric, one of ``probability``, ``margin``, ``entropy``.
+        max_new_tokens: most tokens to generate, >= 1.
+        block_size: most tokens accepted per step; None = the bundle's B.
+        stop_ids: ids that end generation; None = the bundle's eos ids.
+        temperature: 0 = greedy; > 0 samples (see :mod:`runtime.sampling` for what tau means then).
+        top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
+        seed: seed of the request's random generator (sampling only); None = fresh entropy.
+
+    Raises:
+        ValueError: a value out of range (the message names the field and what is allowed),
+            or verify mode with temperature > 0.
+    """
+
+    tau: float | None = 1.0
+    mode: str = "threshold"
+    metric: str = "probability"
+    max_new_tokens: int = 128
+    block_size: int | None = None
+    stop_ids: frozenset[int] | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.tau is not None:
+            check_tau(self.tau)
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+        if self.metric not in METRICS:
+            raise ValueError(f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.mode == "verify" and self.temperature > 0:
+            raise ValueError("verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
+                             "or mode 'threshold'")
+
+
+def check_tau(tau) -> float:
+    """Return ``tau`` if it is a finite number >= 0.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if not _is_number(tau) or tau < 0:
+        raise ValueError(f"tau must be a finite number >= 0, got {tau}; tau >= 1 means one token per step (greedy AR)")
+    return float(tau)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class GenerationResult:
+    """Output of one generation.
+
+    Attributes:
+        token_ids: generated ids (prompt excluded), end token included if reached.
+        num_forwards: decode forwards (prefill excluded).
+        num_prefill_forwards: forwards spent on the prompt.
+        seconds / prefill_seconds: wall-clock time of the whole call / of prefill.
+        finish_reason: ``"stop"`` (end token), ``"length"`` (max_new_tokens) or ``"abort"``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    num_forwards: int = 0
+    num_prefill_forwards: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    finish_reason: str = "length"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per decode forward."""
+        return self.num_tokens / max(self.num_forwards, 1)
+
+    def summary(self) -> dict:
+        """The counts as a plain dict (for ``--json`` and benchmarks)."""
+        decode_seconds = self.seconds - self.prefill_seconds
+        return {"num_tokens": self.num_tokens, "num_forwards": self.num_forwards,
+                "num_prefill_forwards": self.num_prefill_forwards, "tpf": self.tpf,
+                "seconds": self.seconds, "prefill_seconds": self.prefill_seconds,
+                "decode_tokens_per_second": self.num_tokens / decode_seconds if decode_seconds > 0 else None,
+                "finish_reason": self.finish_reason}

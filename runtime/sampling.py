@@ -1,0 +1,68 @@
+"""Token selection for each prediction of a step: greedy, or sampled with temperature, top-k, top-p.
+
+Dimension letters: T predictions in one step, V vocabulary.
+
+Meaning of tau under sampling (our choice; the paper decodes greedily): every prediction
+j of a step is drawn from its own filtered distribution (temperature, then top-k, then
+top-p), and the confidence tested against tau is that of the same filtered distribution
+(for the probability metric: its largest probability). Prediction 0 is always accepted, so
+at tau >= 1 this is exactly ordinary AR sampling. Below 1, mask predictions are drawn from
+their marginals independently, which is an approximation of the joint the AR model would
+sample; higher temperatures flatten the distributions, so fewer tokens pass tau.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.acceptance import probability_confidence, softmax
+
+
+def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, metric: str,
+           rng: np.random.Generator | None, with_confidence: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Pick one token per row and its confidence.
+
+    Args:
+        logits: float32 [T, V].
+        temperature: 0 = greedy (argmax, confidence of the plain softmax); > 0 scales logits.
+        top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest set whose
+            probability reaches top_p (1.0 = all).
+        metric: confidence metric (:data:`runtime.acceptance.METRICS`).
+        rng: the request's generator; required when temperature > 0.
+        with_confidence: False skips the softmax of greedy rows (confidences are then 0).
+
+    Returns:
+        ids int64 [T], confidences float32 [T].
+    """
+    if temperature == 0 and not with_confidence:
+        return logits.argmax(axis=-1), np.zeros(len(logits), np.float32)
+    if temperature == 0:
+        probs = softmax(logits)
+        return logits.argmax(axis=-1), probability_confidence(probs, metric)
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    return sample(probs, rng), probability_confidence(probs, metric)
+
+
+def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Probabilities [T, V] after temperature, top-k and top-p (renormalized)."""
+    probs = softmax(logits / np.float32(temperature))
+    if 0 < top_k < probs.shape[-1]:
+        kth = np.partition(probs, -top_k, axis=-1)[:, -top_k, None]  # [T, 1]
+        probs = np.where(probs >= kth, probs, 0.0)
+    if top_p < 1.0:
+        order = np.argsort(-probs, axis=-1)  # [T, V]
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the strictly more likely tokens
+        keep_sorted = before < top_p * sorted_probs.sum(axis=-1, keepdims=True)
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+    return (probs / probs.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One draw per row of probs [T, V] by inverse CDF; int64 [T]."""
+    cdf = np.cumsum(probs, axis=-1)  # [T, V]
+    draws = rng.random(len(probs)) * cdf[:, -1]  # [T]
+    ids = (cdf <= draws[:, None]).sum(axis=-1)  # first index whose CDF passes the draw
+    return np.minimum(ids, probs.shape[-1] - 1).astype(np.int64)

@@ -1,0 +1,69 @@
+"""One request's decoding state: plain data that the scheduler and the engine read and update.
+
+A sequence is prefilling while prompt tokens other than the last remain uncached; then
+every step feeds its ``uncached`` real tokens (the last prompt token first, later the tokens
+accepted in the previous step), the verify-mode ``drafts``, and mask tokens up to the
+window W (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.params import DecodeParams, GenerationResult
+
+
+@dataclass
+class Sequence:
+    """A request from admission to its last token.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_ids: prompt token ids (>= 1).
+        params: the request's :class:`DecodeParams`.
+        block_size: B for this request (params.block_size or the bundle's).
+        stop_ids: ids that end it.
+        slot: its KV-cache slot (= batch row) while running, else None.
+        num_prefilled: prompt tokens whose KV is committed.
+        uncached: real tokens whose KV is not cached yet, fed first in the next step.
+        drafts: verify mode: ids proposed by the previous step's masks, fed after ``uncached``.
+        is_block_ready: block scheme: its window held W real tokens in the last forward and
+            its block is full, so that forward's KV of the block is exact.
+        rng: random generator (sampling only).
+        result: tokens and counters so far.
+        start_time: ``time.perf_counter()`` at admission.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: DecodeParams
+    block_size: int
+    stop_ids: frozenset[int]
+    slot: int | None = None
+    num_prefilled: int = 0
+    uncached: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    is_block_ready: bool = False
+    rng: np.random.Generator | None = None
+    result: GenerationResult = field(default_factory=GenerationResult)
+    start_time: float = 0.0
+
+    def __post_init__(self):
+        self.uncached = [self.prompt_ids[-1]]
+        if self.params.temperature > 0:
+            self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt_ids) - 1
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.params.max_new_tokens - self.result.num_tokens
+
+    def prefill_chunk(self, window: int) -> list[int]:
+        """The next at most W prompt tokens to prefill (never the last prompt token)."""
+        return self.prompt_ids[self.num_prefilled:min(self.num_prefilled + window, len(self.prompt_ids) - 1)]

@@ -37,3 +37,9 @@ def tiny_bundle(tmp_path_factory):
 def default_bundle(tmp_path_factory):
     """The default model exported with B = W = 8 (downloads it once into the user cache)."""
     return export("default", tmp_path_factory.mktemp("default") / "bundle", 8, 8)
+
+
+@pytest.fixture(scope="session")
+def default_mars_bundle(tmp_path_factory):
+    """The MARS default model (the shipped adapter merged) exported with B = W = 4."""
+    return export("default-mars", tmp_path_factory.mktemp("default-mars") / "bundle", 4, 4)

@@ -1,7 +1,8 @@
 """Tier 3: the default model (SmolLM2-135M-Instruct) end to end on real prompts.
 
 The ONNX runtime at tau = 1 must reproduce transformers' greedy ``generate`` id for id
-on GSM8K test questions and HumanEval prompts with the chat template applied.
+on GSM8K test questions and HumanEval prompts with the chat template applied, alone and
+as rows of a batch (both batch schemes), and verify mode must reproduce it too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mars_export.model_source import default_checkpoint
 from runtime.bundle import load_config
 from runtime.decoding import Decoder, DecodeParams
+from runtime.engine import Engine, EngineConfig
 from runtime.onnx_backend import OnnxBackend
 from runtime.tokenizer import Tokenizer
 
@@ -27,19 +29,34 @@ def hf_model():
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def check_identity(default_bundle, hf_model, prompts):
+def hf_greedy(default_bundle, hf_model, prompts) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, transformers greedy ids) per prompt; checks our chat encoding on the way."""
     model, hf_tokenizer = hf_model
-    config = load_config(default_bundle)
-    decoder, tokenizer = Decoder(OnnxBackend(default_bundle, config), config), Tokenizer(default_bundle)
-    for kind, text in prompts:
+    tokenizer = Tokenizer(default_bundle)
+    pairs = []
+    for _, text in prompts:
         messages = [{"role": "user", "content": text}]
         ids = tokenizer.encode_chat(messages)
         assert ids == list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                             return_dict=True)["input_ids"])
         with torch.no_grad():
             expected = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids):]
+        pairs.append((ids, expected.tolist()))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def greedy_pairs(default_bundle, hf_model):
+    return hf_greedy(default_bundle, hf_model, real_prompts(3))
+
+
+def check_identity(default_bundle, hf_model, pairs):
+    _, hf_tokenizer = hf_model
+    config = load_config(default_bundle)
+    decoder, tokenizer = Decoder(OnnxBackend(default_bundle, config), config), Tokenizer(default_bundle)
+    for ids, expected in pairs:
         result = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
-        assert result.token_ids == expected.tolist(), f"{kind} prompt {text[:60]!r} diverged"
+        assert result.token_ids == expected, f"prompt {tokenizer.decode(ids)[:80]!r} diverged"
         assert result.tpf == 1.0
         assert tokenizer.decode(result.token_ids) == hf_tokenizer.decode(expected, skip_special_tokens=True)
 
@@ -51,13 +68,22 @@ def test_export_recorded_parity(default_bundle):
     assert config.parity["max_abs_logit_diff"] <= config.parity["tolerance"]
 
 
-def test_tau_one_equals_generate_on_real_prompts(default_bundle, hf_model):
-    check_identity(default_bundle, hf_model, real_prompts(3))
+def test_tau_one_equals_generate_on_real_prompts(default_bundle, hf_model, greedy_pairs):
+    check_identity(default_bundle, hf_model, greedy_pairs)
 
 
 @pytest.mark.slow
 def test_tau_one_equals_generate_on_ten_prompts_each(default_bundle, hf_model):
-    check_identity(default_bundle, hf_model, real_prompts(10))
+    check_identity(default_bundle, hf_model, hf_greedy(default_bundle, hf_model, real_prompts(10)))
+
+
+@pytest.mark.parametrize("scheme, mode", [("continuous", "ar"), ("block", "ar"), ("continuous", "verify")])
+def test_batch_rows_and_verify_mode_equal_generate(default_bundle, greedy_pairs, scheme, mode):
+    config = load_config(default_bundle)
+    engine = Engine(OnnxBackend(default_bundle, config), config, EngineConfig(max_batch_size=4, scheme=scheme))
+    results = engine.generate([ids for ids, _ in greedy_pairs], DecodeParams(mode=mode, max_new_tokens=MAX_NEW))
+    for result, (ids, expected) in zip(results, greedy_pairs):
+        assert result.token_ids == expected, f"{scheme}/{mode}: a row diverged from its solo greedy run"
 
 
 def test_lower_tau_never_emits_the_mask_token(default_bundle):
@@ -80,3 +106,16 @@ def test_default_mars_merges_the_shipped_adapter():
     assert type(loaded.model) is type(base)  # a plain model: the adapter is merged, not wrapped
     merged, original = loaded.model.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight
     assert merged.shape == original.shape and not torch.equal(merged, original)
+
+
+def test_verify_mode_on_the_mars_default_model_is_lossless_and_gains_tokens(default_mars_bundle):
+    config = load_config(default_mars_bundle)
+    backend, tokenizer = OnnxBackend(default_mars_bundle, config), Tokenizer(default_mars_bundle)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for _, text in real_prompts(3)]
+    params = DecodeParams(max_new_tokens=64)
+    greedy = [Decoder(backend, config).generate(ids, params).token_ids for ids in prompts]
+    engine = Engine(backend, config, EngineConfig(max_batch_size=3))
+    results = engine.generate(prompts, DecodeParams(mode="verify", max_new_tokens=64))
+    assert [r.token_ids for r in results] == greedy
+    tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
+    assert tpf > 1.0, f"verify mode kept no drafts on the MARS model (TPF {tpf:.3f})"

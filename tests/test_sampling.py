@@ -1,0 +1,86 @@
+"""Tier 1, hand-made arrays: sampling filters, the verify-mode rule, the scheduler, the batch mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.acceptance import count_verified
+from runtime.batch import window_mask
+from runtime.params import DecodeParams
+from runtime.sampling import filtered_probs, sample, select
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence
+
+LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))  # [1, 4]
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    np.testing.assert_allclose(filtered_probs(LOGITS, 1.0, 2, 1.0), [[0.625, 0.375, 0, 0]], atol=1e-6)
+    # top-p 0.8: 0.5 + 0.3 reaches 0.8, so the third token is cut
+    np.testing.assert_allclose(filtered_probs(LOGITS, 1.0, 0, 0.8), [[0.625, 0.375, 0, 0]], atol=1e-6)
+    np.testing.assert_allclose(filtered_probs(LOGITS, 1.0, 0, 0.81), [[0.5, 0.3, 0.15, 0]] / np.float32(0.95),
+                               atol=1e-6)
+    np.testing.assert_allclose(filtered_probs(LOGITS, 1.0, 0, 0.3), [[1, 0, 0, 0]], atol=1e-6)
+    hot = filtered_probs(LOGITS, 2.0, 0, 1.0)[0]  # temperature 2 flattens: p ~ sqrt(p)
+    np.testing.assert_allclose(hot, np.sqrt([0.5, 0.3, 0.15, 0.05]) / np.sqrt([0.5, 0.3, 0.15, 0.05]).sum(), atol=1e-6)
+
+
+def test_sample_follows_the_distribution_and_never_picks_a_cut_token():
+    probs = filtered_probs(np.repeat(LOGITS, 20000, axis=0), 1.0, 3, 1.0)  # [20000, 4]
+    ids = sample(probs, np.random.default_rng(0))
+    np.testing.assert_allclose(np.bincount(ids, minlength=4) / len(ids), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+                               atol=0.01)
+
+
+def test_select_greedy_and_sampled_confidence():
+    ids, conf = select(LOGITS, 0.0, 0, 1.0, "probability", None)
+    assert ids.tolist() == [0] and conf[0] == pytest.approx(0.5)
+    ids, conf = select(LOGITS, 1.0, 2, 1.0, "probability", np.random.default_rng(0))
+    assert ids[0] in (0, 1) and conf[0] == pytest.approx(0.625)  # confidence of the filtered distribution
+    assert select(LOGITS, 0.0, 0, 1.0, "probability", None, with_confidence=False)[1].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("drafts, predicted, max_accept, expected", [
+    ([], [7, 1, 2], 4, 1),                # no drafts: the AR token only
+    ([7, 8, 9], [7, 8, 9, 4], 4, 4),      # every draft kept, plus the token after the last
+    ([7, 5, 9], [7, 8, 9, 4], 4, 2),      # second draft wrong: keep 7, then the correction 8
+    ([5, 8, 9], [7, 8, 9, 4], 4, 1),      # first draft wrong: the correction 7 only
+    ([7, 8, 9], [7, 8, 9, 4], 2, 2),      # capped by the block size / remaining budget
+    ([2, 8], [2, 8, 3], 4, 1),            # 2 is an end token: nothing after it
+])
+def test_count_verified(drafts, predicted, max_accept, expected):
+    assert count_verified(drafts, np.array(predicted), max_accept, frozenset({2})) == expected
+
+
+def test_scheduler_admits_fifo_into_the_lowest_free_slots():
+    seqs = [Sequence(str(i), [1, 2], DecodeParams(), 4, frozenset({0})) for i in range(4)]
+    scheduler = Scheduler(num_slots=3)
+    for seq in seqs:
+        scheduler.add(seq)
+    assert [s.request_id for s in scheduler.schedule()] == ["0", "1", "2"] and scheduler.num_rows == 3
+    scheduler.finish(seqs[0])
+    assert scheduler.num_rows == 3  # slot 0 free: an idle row inside the batch
+    assert scheduler.schedule(can_admit=False) == seqs[1:3]
+    assert [s.slot for s in scheduler.schedule()] == [0, 1, 2] and seqs[3].slot == 0
+    scheduler.finish(seqs[2])
+    assert scheduler.num_rows == 2 and scheduler.find("2") is None and scheduler.find("3") is seqs[3]
+
+
+def test_window_mask_per_row_lengths():
+    mask = window_mask(np.array([2, 0]), capacity=4, window=2)  # [2, 1, 2, 6]
+    assert mask.shape == (2, 1, 2, 6)
+    np.testing.assert_array_equal(mask[0, 0], [[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(mask[1, 0], [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1]])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "fast"}, "unknown mode"),
+    ({"temperature": -1}, "temperature must be"),
+    ({"top_p": 0}, "top_p must be in"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"mode": "verify", "temperature": 0.7}, "verify mode is greedy only"),
+])
+def test_decode_params_reject_bad_sampling_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeParams(**kwargs)

@@ -1,0 +1,122 @@
+"""Tokens/s and TPF of AR, threshold and verify mode at several batch sizes, both batch schemes.
+
+    python bench/engine_modes.py BUNDLE [--batch-sizes 1 4 16] [--taus 0.95 0.9 0.8]
+                                        [--num-prompts 16] [--max-new-tokens 64] [--threads 2]
+
+One run, one process, one onnxruntime session: for every (scheme, batch size) the same
+prompts (GSM8K test questions and HumanEval prompts from ../shared/data, alternating) go
+through the engine in AR mode (the baseline), threshold mode at each tau, and verify mode.
+Wall-clock covers prefill and decode of all requests (continuous batching admits them as
+slots free). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from mars_export.evaluation.tasks import load_gsm8k, load_humaneval
+from runtime.bundle import load_config
+from runtime.engine import Engine, EngineConfig
+from runtime.onnx_backend import OnnxBackend
+from runtime.params import DecodeParams
+from runtime.tokenizer import Tokenizer
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def load_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
+    """``count`` chat-formatted prompts, GSM8K and HumanEval alternating."""
+    half = (count + 1) // 2
+    items = [x for pair in zip(load_gsm8k(DATA / "gsm8k/test.jsonl", half),
+                               load_humaneval(DATA / "humaneval/HumanEval.jsonl.gz", half)) for x in pair]
+    return [tokenizer.encode_chat(item.messages()) for item in items[:count]]
+
+
+def run_config(backend, config, prompts, scheme: str, batch_size: int, params: DecodeParams) -> tuple[dict, list]:
+    engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size, scheme=scheme))
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(r.num_tokens for r in results)
+    row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "tau": params.tau,
+           "num_requests": len(prompts), "num_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+           "tpf": tokens / sum(r.num_forwards for r in results), "batch_forwards": engine.num_steps,
+           "prefill_seconds_mean": sum(r.prefill_seconds for r in results) / len(results)}
+    return row, [r.token_ids for r in results]
+
+
+def run(args) -> list[dict]:
+    config = load_config(args.bundle)
+    backend, tokenizer = OnnxBackend(args.bundle, config, num_threads=args.threads), Tokenizer(args.bundle)
+    prompts = load_prompts(tokenizer, args.num_prompts)
+    settings = [DecodeParams(mode="ar", max_new_tokens=args.max_new_tokens)]
+    settings += [DecodeParams(tau=tau, max_new_tokens=args.max_new_tokens) for tau in args.taus]
+    settings += [DecodeParams(mode="verify", max_new_tokens=args.max_new_tokens)]
+    rows = []
+    for scheme in args.schemes:
+        for batch_size in args.batch_sizes:
+            ar_row, ar_ids = None, None
+            for params in settings:  # AR first: the baseline of this scheme and batch size
+                row, ids = run_config(backend, config, prompts, scheme, batch_size, params)
+                ar_row, ar_ids = ar_row or row, ar_ids or ids
+                row["identical_to_ar"] = sum(a == b for a, b in zip(ids, ar_ids)) / len(ids)
+                row["speedup_vs_ar"] = row["tokens_per_second"] / ar_row["tokens_per_second"]
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--schemes", nargs="+", default=["continuous", "block"], choices=["continuous", "block"])
+    p.add_argument("--taus", type=float, nargs="+", default=[0.95, 0.9, 0.8])
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args()
+    rows = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "bundle": str(args.bundle), "command": "python bench/engine_modes.py " + " ".join(sys.argv[1:])}
+    (args.out / "engine_modes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(args.out / "engine_modes.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.out / "engine_modes.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    schemes = sorted({r["scheme"] for r in rows})
+    fig, axes = plt.subplots(1, len(schemes), figsize=(6 * len(schemes), 4), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes):
+        for label in dict.fromkeys(_label(r) for r in rows):
+            points = [(r["batch_size"], r["tokens_per_second"]) for r in rows
+                      if r["scheme"] == scheme and _label(r) == label]
+            ax.plot(*zip(*points), marker="o", label=label)
+        ax.set(title=f"{scheme} batching", xlabel="batch size", ylabel="tokens/s (all requests)", xscale="log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _label(row: dict) -> str:
+    return f"threshold tau={row['tau']}" if row["mode"] == "threshold" else row["mode"]
+
+
+if __name__ == "__main__":
+    main()

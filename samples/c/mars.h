@@ -1,0 +1,109 @@
+/* MARS decoding on the ONNX Runtime C API: shared types, the check macro, prototypes.
+ *
+ * MARS: "Enabling Autoregressive Models Multi-Token Generation", arXiv 2604.07023.
+ * Semantics: ../../../shared/DESIGN.md §3 (decoding) and §5 (export contract); the
+ * Python reference this program must match is runtime/decoding.py.
+ *
+ * Dimension letters (as in runtime/bundle.py): L layers, H KV heads, D head dim,
+ * W window, V vocabulary, P committed (cached) positions, S cache capacity.
+ */
+#ifndef MARS_H
+#define MARS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <onnxruntime_c_api.h>
+
+/* The ORT function table, set once by init_ort() before anything else runs. A global
+ * because every ORT call and every error goes through it (as in ONNX Runtime's samples). */
+extern const OrtApi *g_ort;
+
+/* ---- errors: ONE check macro ------------------------------------------------------
+ * Every failure is an OrtStatus*: those returned by ORT calls, and our own made by
+ * require()/errorf() (bad config, bad ids, bad arguments, out of memory). CHECK prints
+ * "mars_c: error at FILE:LINE: MESSAGE" and exits with status 1. */
+#ifdef __FILE_NAME__  /* gcc >= 12, clang: the file name without its directory */
+#define SOURCE_FILE __FILE_NAME__
+#else
+#define SOURCE_FILE __FILE__
+#endif
+#define CHECK(status_expr) check_status((status_expr), SOURCE_FILE, __LINE__)
+void check_status(OrtStatus *status, const char *file, int line);
+/* A new ORT_INVALID_ARGUMENT status with a printf-formatted message. */
+OrtStatus *errorf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* NULL when ok, else errorf(fmt, ...): CHECK(require(x > 0, "x must be > 0, got %d", x)). */
+OrtStatus *require(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void *check_malloc(size_t num_bytes, const char *file, int line);
+/* malloc whose failure goes through the same path, reported at the caller's line. */
+#define MALLOC(num_bytes) check_malloc((num_bytes), SOURCE_FILE, __LINE__)
+
+/* ---- the bundle config (mars_config.json), only the fields this program needs ---- */
+#define MAX_EOS_IDS 16
+#define MAX_NAME 256
+
+typedef struct {
+    int block_size;              /* B, most tokens accepted per decode step, 1..W */
+    int window;                  /* W, fixed sequence length of the step graph */
+    int mask_token_id;           /* MARS mask token, fed after the real tokens */
+    int pad_token_id;            /* fed after the real tokens of a prefill chunk */
+    int eos_token_ids[MAX_EOS_IDS]; /* [num_eos] ids that end generation */
+    int num_eos;                 /* 1..MAX_EOS_IDS */
+    int num_layers;              /* L */
+    int num_kv_heads;            /* H */
+    int head_dim;                /* D */
+    int vocab_size;              /* V */
+    int max_context;             /* largest position + 1 the model supports */
+    int kv_elem_size;            /* bytes per KV element: 4 (float32) or 2 (float16) */
+    ONNXTensorElementDataType kv_type; /* FLOAT or FLOAT16; logits are always FLOAT */
+    char onnx_file[MAX_NAME];    /* step graph file name inside the bundle */
+} MarsConfig;
+
+/* Reads and validates BUNDLE_DIR/mars_config.json; any problem is a CHECK failure. */
+void load_config(MarsConfig *cfg, const char *bundle_dir);
+
+/* ---- the KV cache: per layer a contiguous [1, H, P, D] block, capacity S ---------
+ * The buffers hold exactly the layout the step graph takes as past_key_values.{i},
+ * so no copy is made to feed them; commit() grows them in place (DESIGN.md §3: only
+ * the KV of real-token positions is committed). */
+typedef struct {
+    void **keys;                 /* [L] buffers of H * S * D elements, first H * P * D used as [1, H, P, D] */
+    void **values;               /* [L] same as keys */
+    int num_layers;              /* L */
+    int num_kv_heads;            /* H */
+    int head_dim;                /* D */
+    size_t elem_size;            /* bytes per element: 4 or 2 */
+    int length;                  /* P, committed positions */
+    int capacity;                /* S */
+} KVCache;
+
+void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity);
+void kv_cache_free(KVCache *cache);
+
+/* ---- the step graph: session and its fixed-shape I/O buffers ------------------ */
+typedef struct {
+    OrtEnv *env;
+    OrtSession *session;
+    OrtMemoryInfo *cpu;          /* where all our tensors live */
+    const char **input_names;    /* [2 + 1 + 2L] graph order: input_ids, position_ids, attention_mask, past k/v */
+    const char **output_names;   /* [1 + 2L]: logits, present k/v */
+    int num_layers;              /* L */
+    int window;                  /* W */
+    int64_t *input_ids;          /* [1, W] int64 */
+    int64_t *position_ids;       /* [1, W] int64 */
+    uint8_t *attention_mask;     /* [1, 1, W, S + W] bool (1 byte), first W * (P + W) used */
+    float *logits;               /* [1, W, V] float32, output */
+    void **presents;             /* [2L] buffers, each [1, H, W, D] of the KV dtype: k0, v0, k1, v1, ... */
+    OrtValue **inputs;           /* [3 + 2L]: 0, 1 over input_ids, position_ids (fixed); the rest made per run */
+    OrtValue **outputs;          /* [1 + 2L] over logits and presents (ORT writes into our buffers) */
+} StepGraph;
+
+void step_graph_init(StepGraph *graph, const MarsConfig *cfg, const char *bundle_dir, int num_threads,
+                     int max_cache);
+void step_graph_free(StepGraph *graph);
+/* Feed tokens[0..num_tokens-1] (1..W real tokens) padded with fill_id to W at positions
+ * P..P+W-1 under a causal mask; commit the KV of the num_tokens real tokens.
+ * Afterwards graph->logits holds the [W, V] logits of this window. */
+void run_window(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id);
+
+#endif

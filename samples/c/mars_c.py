@@ -1,0 +1,100 @@
+"""Run the C sample (samples/c, binary ``mars_c``) on text: tokenize, generate in C, detokenize.
+
+    python samples/c/mars_c.py BUNDLE --prompt TEXT [--chat] [--tau T] [--block-size N]
+                               [--max-new-tokens N] [--threads N] [--binary PATH] [--json]
+
+The prompt is encoded with the bundle's tokenizer (``runtime.tokenizer.Tokenizer``; with
+``--chat`` as one user message through the chat template), the ids go to the binary on
+stdin, the generated ids come back on its stdout and the counts as one JSON object on
+the last line of its stderr. Prints the text, or with ``--json`` one object shaped like
+``python -m runtime.generate --json``. Build the binary first (samples/c/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
+
+
+class MarsCError(RuntimeError):
+    """The binary exited with an error; the message is its own (``mars_c: error at FILE:LINE: ...``)."""
+
+
+def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], tau: float = 1.0,
+               max_new_tokens: int = 128, block_size: int | None = None, num_threads: int = 0,
+               timeout: float | None = None) -> tuple[list[int], dict]:
+    """Generate with the C binary.
+
+    Args:
+        binary: path of ``mars_c``.
+        bundle: bundle directory.
+        prompt_ids: prompt token ids.
+        tau, max_new_tokens, block_size: as in ``runtime.decoding.DecodeParams`` (probability metric).
+        num_threads: onnxruntime intra-op threads, 0 = onnxruntime's choice.
+        timeout: seconds before the binary is killed (None: no limit).
+
+    Returns:
+        The generated ids, and the counts (``num_tokens``, ``num_forwards``,
+        ``num_prefill_forwards``, ``tpf``, ``seconds``, ``prefill_seconds``,
+        ``decode_tokens_per_second``, ``finish_reason``).
+
+    Raises:
+        MarsCError: the binary failed (bad bundle, bad ids, onnxruntime error).
+    """
+    command = [str(binary), str(bundle), "--tau", repr(float(tau)), "--max-new-tokens", str(max_new_tokens),
+               "--threads", str(num_threads)]
+    if block_size is not None:
+        command += ["--block-size", str(block_size)]
+    proc = subprocess.run(command, input=" ".join(map(str, prompt_ids)), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise MarsCError(proc.stderr.strip() or f"{binary} exited with status {proc.returncode}")
+    return [int(t) for t in proc.stdout.split()], json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle", help="bundle directory written by mars-export")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
+    p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's choice)")
+    p.add_argument("--binary", default=str(DEFAULT_BINARY), help=f"the mars_c binary (default {DEFAULT_BINARY})")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from runtime.bundle import BundleError
+    from runtime.tokenizer import Tokenizer
+
+    args = parse_args(argv)
+    if not Path(args.binary).is_file():
+        print(f"error: {args.binary} not found; build it first (see samples/c/README.md)", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = Tokenizer(args.bundle)
+        ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+               else tokenizer.encode(args.prompt))
+        token_ids, counts = run_binary(args.binary, args.bundle, ids, args.tau, args.max_new_tokens,
+                                       args.block_size, args.threads)
+    except (BundleError, ValueError, MarsCError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = tokenizer.decode(token_ids)
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text, "tau": args.tau, **counts}))
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

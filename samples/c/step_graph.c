@@ -1,0 +1,246 @@
+/* The step graph on ONNX Runtime, and the KV cache it reads and grows.
+ *
+ * Step graph I/O (runtime/bundle.py; DESIGN.md §5), batch 1:
+ *   inputs   input_ids                 int64   [1, W]
+ *            position_ids              int64   [1, W]
+ *            attention_mask            bool    [1, 1, W, P + W]  (keys: P cached, then W new)
+ *            past_key_values.{i}.key   kv      [1, H, P, D]      (kv = float32 or float16)
+ *            past_key_values.{i}.value kv      [1, H, P, D]
+ *   outputs  logits                    float32 [1, W, V]
+ *            present.{i}.key / .value  kv      [1, H, W, D]      ONLY the W new entries
+ * Float16 KV is moved as opaque 2-byte elements: this program never does arithmetic on it.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mars.h"
+
+/* ---- KV cache ------------------------------------------------------------------ */
+
+void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity) {
+    size_t num_bytes = (size_t)cfg->num_kv_heads * (size_t)capacity * (size_t)cfg->head_dim * (size_t)cfg->kv_elem_size;
+    cache->num_layers = cfg->num_layers;
+    cache->num_kv_heads = cfg->num_kv_heads;
+    cache->head_dim = cfg->head_dim;
+    cache->elem_size = (size_t)cfg->kv_elem_size;
+    cache->length = 0;
+    cache->capacity = capacity;
+    cache->keys = MALLOC((size_t)cfg->num_layers * sizeof(void *));
+    cache->values = MALLOC((size_t)cfg->num_layers * sizeof(void *));
+    for (int i = 0; i < cfg->num_layers; i++) {
+        cache->keys[i] = MALLOC(num_bytes);
+        cache->values[i] = MALLOC(num_bytes);
+    }
+}
+
+void kv_cache_free(KVCache *cache) {
+    for (int i = 0; i < cache->num_layers; i++) {
+        free(cache->keys[i]);
+        free(cache->values[i]);
+    }
+    free(cache->keys);
+    free(cache->values);
+}
+
+/* Grows one [1, H, P, D] block in place to [1, H, P + n, D], appending the first n of the
+ * W entries of present [1, H, W, D]. Heads move from last to first so that no source is
+ * overwritten before it has moved (head h goes from row h*P to row h*(P+n) >= h*P). */
+static void grow_block(char *block, const char *present, int H, int P, int W, int n, size_t row_bytes) {
+    for (int h = H - 1; h >= 0; h--) {
+        char *head = block + (size_t)h * (size_t)(P + n) * row_bytes;
+        memmove(head, block + (size_t)h * (size_t)P * row_bytes, (size_t)P * row_bytes);
+        memcpy(head + (size_t)P * row_bytes, present + (size_t)h * (size_t)W * row_bytes, (size_t)n * row_bytes);
+    }
+}
+
+/* Commits the KV of the first n (real-token) positions of presents [2L] x [1, H, W, D]. */
+static void kv_cache_commit(KVCache *cache, void *const *presents, int W, int n) {
+    CHECK(require(cache->length + n <= cache->capacity, "KV cache overflow: %d positions > capacity %d",
+                  cache->length + n, cache->capacity));
+    size_t row_bytes = (size_t)cache->head_dim * cache->elem_size;
+    for (int i = 0; i < cache->num_layers; i++) {
+        grow_block(cache->keys[i], presents[2 * i], cache->num_kv_heads, cache->length, W, n, row_bytes);
+        grow_block(cache->values[i], presents[2 * i + 1], cache->num_kv_heads, cache->length, W, n, row_bytes);
+    }
+    cache->length += n;
+}
+
+/* ---- session and I/O checks ---------------------------------------------------- */
+
+static char *format_name(const char *fmt, int layer) {
+    char *name = MALLOC(64);
+    snprintf(name, 64, fmt, layer);
+    return name;
+}
+
+static void make_names(StepGraph *g) {
+    int L = g->num_layers;
+    g->input_names = MALLOC((size_t)(3 + 2 * L) * sizeof(char *));
+    g->output_names = MALLOC((size_t)(1 + 2 * L) * sizeof(char *));
+    g->input_names[0] = "input_ids";
+    g->input_names[1] = "position_ids";
+    g->input_names[2] = "attention_mask";
+    g->output_names[0] = "logits";
+    for (int i = 0; i < L; i++) {
+        g->input_names[3 + 2 * i] = format_name("past_key_values.%d.key", i);
+        g->input_names[4 + 2 * i] = format_name("past_key_values.%d.value", i);
+        g->output_names[1 + 2 * i] = format_name("present.%d.key", i);
+        g->output_names[2 + 2 * i] = format_name("present.%d.value", i);
+    }
+}
+
+/* Element type and the first 4 dims (-1 = symbolic) of input `index` (or output if is_output). */
+static ONNXTensorElementDataType io_type(const StepGraph *g, int is_output, size_t index, int64_t dims[4], size_t *rank) {
+    OrtTypeInfo *type_info;
+    const OrtTensorTypeAndShapeInfo *tensor_info;
+    ONNXTensorElementDataType type;
+    CHECK(is_output ? g_ort->SessionGetOutputTypeInfo(g->session, index, &type_info)
+                    : g_ort->SessionGetInputTypeInfo(g->session, index, &type_info));
+    CHECK(g_ort->CastTypeInfoToTensorInfo(type_info, &tensor_info));
+    CHECK(require(tensor_info != NULL, "step graph I/O %zu is not a tensor", index));
+    CHECK(g_ort->GetTensorElementType(tensor_info, &type));
+    CHECK(g_ort->GetDimensionsCount(tensor_info, rank));
+    int64_t all[8] = {0};
+    CHECK(require(*rank <= 8, "step graph I/O %zu has rank %zu", index, *rank));
+    CHECK(g_ort->GetDimensions(tensor_info, all, *rank));
+    memcpy(dims, all, 4 * sizeof(int64_t));
+    g_ort->ReleaseTypeInfo(type_info);
+    return type;
+}
+
+/* The graph's I/O names (in order), window and KV dtype must match mars_config.json. */
+static void check_io(const StepGraph *g, const MarsConfig *cfg, const char *path) {
+    size_t num_in, num_out, L = (size_t)cfg->num_layers, rank;
+    OrtAllocator *allocator;
+    CHECK(g_ort->GetAllocatorWithDefaultOptions(&allocator));
+    CHECK(g_ort->SessionGetInputCount(g->session, &num_in));
+    CHECK(g_ort->SessionGetOutputCount(g->session, &num_out));
+    CHECK(require(num_in == 3 + 2 * L && num_out == 1 + 2 * L, "%s has %zu inputs and %zu outputs, but mars_config.json "
+                  "says %zu layers (%zu inputs, %zu outputs); re-export the bundle", path, num_in, num_out, L, 3 + 2 * L, 1 + 2 * L));
+    for (size_t k = 0; k < num_in + num_out; k++) {
+        int is_output = k >= num_in;
+        size_t index = is_output ? k - num_in : k;
+        const char *expected = is_output ? g->output_names[index] : g->input_names[index];
+        char *name;
+        CHECK(is_output ? g_ort->SessionGetOutputName(g->session, index, allocator, &name)
+                        : g_ort->SessionGetInputName(g->session, index, allocator, &name));
+        int same = strcmp(name, expected) == 0;
+        OrtStatus *status = require(same, "%s: %s %zu is named %s, expected %s; re-export the bundle", path,
+                                    is_output ? "output" : "input", index, name, expected);
+        CHECK(g_ort->AllocatorFree(allocator, name));
+        CHECK(status);
+    }
+    int64_t dims[4];
+    ONNXTensorElementDataType type = io_type(g, 0, 0, dims, &rank);
+    CHECK(require(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && rank == 2 && dims[1] == cfg->window,
+                  "%s: input_ids must be int64 [batch, %d] (the config's window), got rank %zu with %lld tokens; "
+                  "re-export the bundle", path, cfg->window, rank, (long long)dims[1]));
+    type = io_type(g, 0, 3, dims, &rank);
+    CHECK(require(type == cfg->kv_type && rank == 4, "%s: past_key_values.0.key has element type %d (rank %zu), but "
+                  "mars_config.json's dtype needs %d (1 float32, 10 float16); re-export the bundle", path, (int)type,
+                  rank, (int)cfg->kv_type));
+    CHECK(require((dims[1] <= 0 || dims[1] == cfg->num_kv_heads) && (dims[3] <= 0 || dims[3] == cfg->head_dim),
+                  "%s: past KV shape [.., %lld, .., %lld] does not match num_kv_heads %d, head_dim %d", path,
+                  (long long)dims[1], (long long)dims[3], cfg->num_kv_heads, cfg->head_dim));
+    type = io_type(g, 1, 0, dims, &rank);
+    CHECK(require(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && rank == 3 && (dims[2] <= 0 || dims[2] == cfg->vocab_size),
+                  "%s: logits must be float32 [batch, %d, %d] (window, vocab_size), got type %d, rank %zu, vocab %lld; "
+                  "re-export the bundle", path, cfg->window, cfg->vocab_size, (int)type, rank, (long long)dims[2]));
+}
+
+static OrtValue *make_tensor(const StepGraph *g, void *data, size_t num_bytes, const int64_t *shape, size_t rank,
+                             ONNXTensorElementDataType type) {
+    OrtValue *value;
+    CHECK(g_ort->CreateTensorWithDataAsOrtValue(g->cpu, data, num_bytes, shape, rank, type, &value));
+    return value;
+}
+
+void step_graph_init(StepGraph *g, const MarsConfig *cfg, const char *bundle_dir, int num_threads, int max_cache) {
+    memset(g, 0, sizeof *g);
+    g->num_layers = cfg->num_layers;
+    g->window = cfg->window;
+    char path[4096];
+    CHECK(require(snprintf(path, sizeof path, "%s/%s", bundle_dir, cfg->onnx_file) < (int)sizeof path,
+                  "bundle path too long: %s", bundle_dir));
+    FILE *f = fopen(path, "rb");
+    CHECK(require(f != NULL, "%s not found; re-export the bundle with mars-export", path));
+    fclose(f);
+    OrtSessionOptions *options;
+    CHECK(g_ort->CreateEnv(ORT_LOGGING_LEVEL_ERROR, "mars_c", &g->env));
+    CHECK(g_ort->CreateSessionOptions(&options));
+    CHECK(g_ort->SetIntraOpNumThreads(options, num_threads));
+    CHECK(g_ort->CreateSession(g->env, path, options, &g->session));
+    g_ort->ReleaseSessionOptions(options);
+    make_names(g);
+    check_io(g, cfg, path);
+    CHECK(g_ort->CreateCpuMemoryInfo(OrtArenaAllocator, OrtMemTypeDefault, &g->cpu));
+
+    int W = cfg->window, L = cfg->num_layers;
+    size_t present_bytes = (size_t)cfg->num_kv_heads * (size_t)W * (size_t)cfg->head_dim * (size_t)cfg->kv_elem_size;
+    g->input_ids = MALLOC((size_t)W * sizeof(int64_t));
+    g->position_ids = MALLOC((size_t)W * sizeof(int64_t));
+    g->attention_mask = MALLOC((size_t)W * (size_t)(max_cache + W));
+    g->logits = MALLOC((size_t)W * (size_t)cfg->vocab_size * sizeof(float));
+    g->presents = MALLOC((size_t)(2 * L) * sizeof(void *));
+    g->outputs = MALLOC((size_t)(1 + 2 * L) * sizeof(OrtValue *));
+    int64_t ids_shape[2] = {1, W}, logits_shape[3] = {1, W, cfg->vocab_size};
+    int64_t present_shape[4] = {1, cfg->num_kv_heads, W, cfg->head_dim};
+    g->inputs = MALLOC((size_t)(3 + 2 * L) * sizeof(OrtValue *));
+    g->inputs[0] = make_tensor(g, g->input_ids, (size_t)W * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    g->inputs[1] = make_tensor(g, g->position_ids, (size_t)W * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    g->outputs[0] = make_tensor(g, g->logits, (size_t)W * (size_t)cfg->vocab_size * sizeof(float), logits_shape, 3,
+                                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    for (int k = 0; k < 2 * L; k++) {
+        g->presents[k] = MALLOC(present_bytes);
+        g->outputs[1 + k] = make_tensor(g, g->presents[k], present_bytes, present_shape, 4, cfg->kv_type);
+    }
+}
+
+void step_graph_free(StepGraph *g) {
+    for (int k = 0; k < 1 + 2 * g->num_layers; k++) g_ort->ReleaseValue(g->outputs[k]);
+    for (int k = 0; k < 2 * g->num_layers; k++) free(g->presents[k]);
+    for (int k = 3; k < 3 + 2 * g->num_layers; k++) free((char *)g->input_names[k]);
+    for (int k = 1; k < 1 + 2 * g->num_layers; k++) free((char *)g->output_names[k]);
+    g_ort->ReleaseValue(g->inputs[0]);
+    g_ort->ReleaseValue(g->inputs[1]);
+    free(g->inputs);
+    free(g->outputs);
+    free(g->presents);
+    free(g->input_names);
+    free(g->output_names);
+    free(g->input_ids);
+    free(g->position_ids);
+    free(g->attention_mask);
+    free(g->logits);
+    g_ort->ReleaseMemoryInfo(g->cpu);
+    g_ort->ReleaseSession(g->session);
+    g_ort->ReleaseEnv(g->env);
+}
+
+/* ---- one forward ----------------------------------------------------------------- */
+
+void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id) {
+    int W = g->window, P = cache->length, L = g->num_layers, H = cache->num_kv_heads;
+    CHECK(require(num_tokens >= 1 && num_tokens <= W, "run_window: %d tokens, expected 1..%d", num_tokens, W));
+    for (int i = 0; i < W; i++) {
+        g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, W] */
+        g->position_ids[i] = P + i;                              /* [1, W] */
+    }
+    for (int i = 0; i < W; i++)  /* [1, 1, W, P + W]: query i sees the P cached keys and new keys 0..i */
+        for (int k = 0; k < P + W; k++) g->attention_mask[(size_t)i * (size_t)(P + W) + (size_t)k] = k <= P + i;
+
+    size_t past_bytes = (size_t)H * (size_t)P * (size_t)cache->head_dim * cache->elem_size;
+    int64_t mask_shape[4] = {1, 1, W, P + W}, past_shape[4] = {1, H, P, cache->head_dim};
+    OrtValue **inputs = g->inputs;
+    inputs[2] = make_tensor(g, g->attention_mask, (size_t)W * (size_t)(P + W), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
+    ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    for (int i = 0; i < L; i++) {
+        inputs[3 + 2 * i] = make_tensor(g, cache->keys[i], past_bytes, past_shape, 4, kv_type);
+        inputs[4 + 2 * i] = make_tensor(g, cache->values[i], past_bytes, past_shape, 4, kv_type);
+    }
+    CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, (size_t)(3 + 2 * L),
+                     g->output_names, (size_t)(1 + 2 * L), g->outputs));
+    for (int k = 2; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
+    kv_cache_commit(cache, g->presents, W, num_tokens);
+}

@@ -1,0 +1,246 @@
+"""The C sample (samples/c) against the Python runtime: the same ids on real prompts.
+
+The binary is built once per session with CMake in a temporary directory; the ONNX Runtime
+C headers are fetched by samples/c/fetch_headers.sh (Debian 13's libonnxruntime-dev). If
+they cannot be downloaded (exit 3: no network, no apt-get) the tests skip and say why; any
+other build failure fails. The reference is ``runtime.decoding.Decoder`` on
+``runtime.onnx_backend.OnnxBackend`` with the same prompt ids, tau, block size and thread
+count; ids, decode forwards, prefill forwards and finish reason must all be equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from runtime.bundle import load_config
+from runtime.decoding import Decoder, DecodeParams
+from runtime.onnx_backend import OnnxBackend
+from runtime.tokenizer import Tokenizer
+from support import real_prompts
+
+SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "c"
+TINY_CASES = [("llama", 4), ("qwen2", 8), ("qwen3", 4)]
+TINY_TAUS = (1.0, 0.9, 0.5)
+TINY_MAX_NEW, TINY_PROMPT_CHARS = 40, 160  # byte-level tiny models: 512 positions in all
+DEFAULT_TAUS = (1.0, 0.9)
+DEFAULT_MAX_NEW = 48
+ERROR_PREFIX = "mars_c: error at "
+
+
+def _load_wrapper():
+    spec = importlib.util.spec_from_file_location("mars_c_wrapper", SAMPLE / "mars_c.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+wrapper = _load_wrapper()
+
+
+@pytest.fixture(scope="session")
+def mars_c(tmp_path_factory) -> Path:
+    """Path of the built ``mars_c`` binary (skips only when the headers cannot be downloaded)."""
+    for tool in ("cmake", "cc", "bash"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed: cannot build samples/c")
+    build = tmp_path_factory.mktemp("c-sample-build")
+    fetch = subprocess.run(["bash", str(SAMPLE / "fetch_headers.sh"), str(build / "onnxruntime-headers")],
+                           capture_output=True, text=True, timeout=600)
+    if fetch.returncode == 3:
+        pytest.skip("cannot download the ONNX Runtime C headers (libonnxruntime-dev from Debian trixie), "
+                    f"so samples/c cannot be built: {fetch.stderr.strip().splitlines()[-1]}")
+    assert fetch.returncode == 0, f"fetch_headers.sh failed:\n{fetch.stderr}"
+    for command in (["cmake", "-S", str(SAMPLE), "-B", str(build), f"-DPython3_EXECUTABLE={sys.executable}"],
+                    ["cmake", "--build", str(build)]):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return build / "mars_c"
+
+
+def chat_ids(bundle: Path, text: str) -> list[int]:
+    return Tokenizer(bundle).encode_chat([{"role": "user", "content": text}])
+
+
+def check_same_as_python(binary: Path, bundle: Path, prompts: list[tuple[str, str]], taus, max_new: int,
+                         num_threads: int, block_size: int | None = None) -> list[dict]:
+    """Run C and Python on every prompt and tau; assert equal ids and counts; return the C counts."""
+    config = load_config(bundle)
+    decoder = Decoder(OnnxBackend(bundle, config, num_threads=num_threads), config)
+    all_counts = []
+    for kind, text in prompts:
+        ids = chat_ids(bundle, text)
+        for tau in taus:
+            expected = decoder.generate(ids, DecodeParams(tau=tau, max_new_tokens=max_new, block_size=block_size))
+            got, counts = wrapper.run_binary(binary, bundle, ids, tau, max_new, block_size, num_threads, timeout=600)
+            where = f"{kind} prompt {text[:50]!r} at tau={tau}, block_size={block_size}"
+            assert got == expected.token_ids, f"C and Python ids differ on the {where}"
+            assert (counts["num_forwards"], counts["num_prefill_forwards"], counts["finish_reason"]) == (
+                expected.num_forwards, expected.num_prefill_forwards, expected.finish_reason), where
+            all_counts.append({"tau": tau, "python_tps": expected.summary()["decode_tokens_per_second"], **counts})
+    return all_counts
+
+
+def tiny_prompts() -> list[tuple[str, str]]:
+    """Two GSM8K questions and two HumanEval prompts, cut to fit the tiny models' 512 positions."""
+    return [(kind, text[:TINY_PROMPT_CHARS]) for kind, text in real_prompts(2)]
+
+
+@pytest.mark.parametrize("arch, window", TINY_CASES)
+def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
+    _, bundle = tiny_bundle(arch, window)
+    counts = check_same_as_python(mars_c, bundle, tiny_prompts(), TINY_TAUS, TINY_MAX_NEW, num_threads=1)
+    assert any(c["tpf"] > 1.0 for c in counts), "no multi-token step was exercised"
+    check_same_as_python(mars_c, bundle, tiny_prompts()[:1], (0.5,), TINY_MAX_NEW, num_threads=1, block_size=2)
+
+
+def make_fp16_kv_bundle(src: Path, dst: Path) -> Path:
+    """Copy of a float32 bundle whose KV inputs/outputs are float16 (Cast nodes at the graph
+    edges; logits stay float32) and whose config says dtype float16, as an fp16 export does."""
+    shutil.copytree(src, dst)
+    model = onnx.load(str(dst / "model.onnx"))
+    graph, head, tail = model.graph, [], []
+    for value in graph.input:
+        if value.name.startswith("past_key_values."):
+            inner = value.name + ".float32"
+            for node in graph.node:
+                node.input[:] = [inner if name == value.name else name for name in node.input]
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+            head.append(helper.make_node("Cast", [value.name], [inner], to=TensorProto.FLOAT))
+    for value in graph.output:
+        if value.name.startswith("present."):
+            inner = value.name + ".float32"
+            for node in graph.node:
+                node.input[:] = [inner if name == value.name else name for name in node.input]
+                node.output[:] = [inner if name == value.name else name for name in node.output]
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+            tail.append(helper.make_node("Cast", [inner], [value.name], to=TensorProto.FLOAT16))
+    nodes = head + list(graph.node) + tail
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(dst / "model.onnx"))
+    config = json.loads((dst / "mars_config.json").read_text())
+    (dst / "mars_config.json").write_text(json.dumps({**config, "dtype": "float16"}, indent=2))
+    return dst
+
+
+def test_float16_kv_bundle_same_ids_as_python(mars_c, tiny_bundle, tmp_path):
+    bundle = make_fp16_kv_bundle(tiny_bundle("qwen3", 4)[1], tmp_path / "fp16")
+    assert load_config(bundle).dtype == "float16"
+    counts = check_same_as_python(mars_c, bundle, tiny_prompts(), (1.0, 0.5), TINY_MAX_NEW, num_threads=1)
+    assert any(c["tpf"] > 1.0 for c in counts)
+
+
+def test_default_model_same_ids_as_python(mars_c, default_bundle):
+    counts = check_same_as_python(mars_c, default_bundle, real_prompts(2), DEFAULT_TAUS, DEFAULT_MAX_NEW, num_threads=2)
+    for c in counts:
+        print(f"tau={c['tau']}: C {c['decode_tokens_per_second']:.1f} tok/s, Python {c['python_tps']:.1f} tok/s, "
+              f"TPF {c['tpf']:.2f}")
+
+
+def test_wrapper_text_equals_python(mars_c, tiny_bundle, capsys):
+    _, bundle = tiny_bundle("llama", 4)
+    kind, text = tiny_prompts()[0]
+    assert wrapper.main([str(bundle), "--prompt", text, "--chat", "--tau", "0.5", "--max-new-tokens", "20",
+                         "--threads", "1", "--binary", str(mars_c), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    config = load_config(bundle)
+    expected = Decoder(OnnxBackend(bundle, config, num_threads=1), config).generate(
+        chat_ids(bundle, text), DecodeParams(tau=0.5, max_new_tokens=20))
+    assert out["token_ids"] == expected.token_ids
+    assert out["text"] == Tokenizer(bundle).decode(expected.token_ids)
+
+
+# ---- bad input: a clear message from the one check macro, exit status 1, never a crash ----
+
+def _config_edit(**changes):
+    def edit(bundle: Path):
+        path = bundle / "mars_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return edit
+
+
+def _drop_field(name: str):
+    def edit(bundle: Path):
+        path = bundle / "mars_config.json"
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != name}))
+    return edit
+
+
+def _write(name: str, content: bytes):
+    return lambda bundle: (bundle / name).write_bytes(content)
+
+
+def _truncate_model(bundle: Path):
+    data = (bundle / "model.onnx").read_bytes()
+    (bundle / "model.onnx").write_bytes(data[: len(data) // 3])
+
+
+BAD_BUNDLES = {
+    "no config": (lambda bundle: (bundle / "mars_config.json").unlink(), "is not a MARS bundle"),
+    "not JSON": (_write("mars_config.json", b'{"window": 4,'), "malformed JSON"),
+    "trailing garbage": (_write("mars_config.json", b'{"window": 4} x'), "malformed JSON"),
+    "deep nesting": (_write("mars_config.json", b'{"parity": ' + b"[" * 100000), "nested too deeply"),
+    "format version": (_config_edit(format_version=2), "format version 2 is not supported"),
+    "window as string": (_config_edit(window="4"), "field window must be an integer"),
+    "fractional window": (_config_edit(window=4.5), "field window must be an integer"),
+    "negative layers": (_config_edit(num_layers=-1), "field num_layers must be an integer"),
+    "missing field": (_drop_field("vocab_size"), "lacks the field vocab_size"),
+    "block above window": (_config_edit(block_size=99), "block_size 99 must be in 1..window"),
+    "no eos": (_config_edit(eos_token_ids=[]), "eos_token_ids is empty"),
+    "eos outside vocab": (_config_edit(eos_token_ids=[100000]), "outside the vocabulary"),
+    "bad dtype": (_config_edit(dtype="bfloat16"), 'dtype must be "float32" or "float16"'),
+    "wrong dtype": (_config_edit(dtype="float16"), "element type"),
+    "wrong layer count": (_config_edit(num_layers=3), "inputs and"),
+    "wrong window": (_config_edit(window=8, block_size=8), "input_ids must be int64 [batch, 8]"),
+    "wrong vocab": (_config_edit(vocab_size=300), "logits must be float32 [batch, 4, 300]"),
+    "no model": (lambda bundle: (bundle / "model.onnx").unlink(), "not found; re-export"),
+    "truncated model": (_truncate_model, "rotobuf"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BUNDLES))
+def test_bad_bundle_gives_clear_error(mars_c, tiny_bundle, tmp_path, case):
+    edit, message = BAD_BUNDLES[case]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle("llama", 4)[1], bundle)
+    edit(bundle)
+    with pytest.raises(wrapper.MarsCError) as error:
+        wrapper.run_binary(mars_c, bundle, [1, 2, 3], max_new_tokens=4, num_threads=1, timeout=120)
+    assert str(error.value).startswith(ERROR_PREFIX) and message in str(error.value), str(error.value)
+
+
+BAD_RUNS = {
+    "empty prompt": ([], [], "the prompt is empty"),
+    "id outside vocab": ([1, 99999], [], "outside the vocabulary"),
+    "negative id": ([1, -3], [], "outside the vocabulary"),
+    "tau NaN": ([1, 2], ["--tau", "nan"], "--tau must be a finite number"),
+    "tau negative": ([1, 2], ["--tau", "-1"], "--tau must be a finite number"),
+    "block too large": ([1, 2], ["--block-size", "5"], "exceeds the bundle's block size 4"),
+    "max new zero": ([1, 2], ["--max-new-tokens", "0"], "--max-new-tokens must be an integer"),
+    "beyond context": ([1, 2], ["--max-new-tokens", "600"], "exceeds the model's max context"),
+    "unknown option": ([1, 2], ["--temperature", "1"], "unknown option --temperature"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_bad_arguments_give_clear_error(mars_c, tiny_bundle, case):
+    ids, extra, message = BAD_RUNS[case]
+    bundle = tiny_bundle("llama", 4)[1]
+    proc = subprocess.run([str(mars_c), str(bundle), "--max-new-tokens", "8", *extra],
+                          input=" ".join(map(str, ids)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith(ERROR_PREFIX) and message in proc.stderr, proc.stderr
+
+
+def test_non_integer_ids_give_clear_error(mars_c, tiny_bundle):
+    proc = subprocess.run([str(mars_c), str(tiny_bundle("llama", 4)[1])], input="1 2 x3", capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "'x3' (item 2) is not an integer token id" in proc.stderr, proc.stderr

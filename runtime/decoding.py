@@ -27,13 +27,11 @@ import time
 
 import numpy as np
 
-from runtime.batch import window_mask
 from runtime.bundle import BundleConfig
 from runtime.engine import Engine, EngineConfig
-from runtime.kv_cache import KVCache
 from runtime.params import DecodeParams, GenerationResult
 
-__all__ = ["DecodeParams", "Decoder", "GenerationResult", "causal_window_mask", "run_window"]
+__all__ = ["DecodeParams", "Decoder", "GenerationResult", "causal_window_mask"]
 
 
 def causal_window_mask(past_len: int, window: int) -> np.ndarray:
@@ -41,23 +39,6 @@ def causal_window_mask(past_len: int, window: int) -> np.ndarray:
     keys = np.arange(past_len + window)
     queries = past_len + np.arange(window)
     return (keys[None, :] <= queries[:, None])[None, None]
-
-
-def run_window(backend, cache: KVCache, tokens: list[int], fill_id: int, window: int) -> np.ndarray:
-    """Feed ``tokens`` (1..W uncached real tokens) padded with ``fill_id`` to W through slot 0; commit their KV.
-
-    Returns:
-        logits float32 [W, V] of this window.
-    """
-    assert 1 <= len(tokens) <= window
-    length = int(cache.lengths[0])
-    cache.reserve(length + window)
-    ids = np.array([tokens + [fill_id] * (window - len(tokens))], dtype=np.int64)  # [1, W]
-    positions = np.arange(length, length + window, dtype=np.int64)[None]  # [1, W]
-    mask = window_mask(cache.lengths[:1], cache.capacity, window)
-    logits, presents = backend.step(ids, positions, mask, cache.past(1))
-    cache.commit(presents, [len(tokens)])
-    return logits[0]
 
 
 class Decoder:

@@ -13,6 +13,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from runtime.bundle import TOKENIZER_FILE, BundleError
 
@@ -54,6 +55,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def make_decode_stream(self, skip_special_tokens: bool = True):
+        """Incremental decoder (``tokenizers``' DecodeStream): call it with one id at a time; it
+        returns the new text, or None while the ids so far end inside a multi-byte character."""
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(self._tokenizer, token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the bundle's template.

@@ -1,0 +1,60 @@
+"""Open a bundle for serving from any of the paths a user may give.
+
+PATH may be the bundle directory, its ONNX step graph (``model.onnx``), or the TensorRT
+engine inside it (``engine.plan``). The directory and the ONNX file run on onnxruntime;
+the engine runs on TensorRT's own Python API (:mod:`runtime.trt_backend`, imported only
+when asked for, as it needs TensorRT and a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from runtime.bundle import ENGINE_FILE, BundleConfig, BundleError, load_config
+from runtime.onnx_backend import OnnxBackend
+
+
+def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) -> tuple[object, BundleConfig, Path]:
+    """Open the backend that PATH names.
+
+    Args:
+        path: bundle directory, its ``.onnx`` file, or an ``engine.plan`` inside a bundle.
+        provider: onnxruntime execution provider (``cpu``, ``cuda``, ``tensorrt``); ignored for a plan.
+        num_threads: onnxruntime intra-op threads (0: its choice); ignored for a plan.
+
+    Returns:
+        (backend, bundle config, bundle directory).
+
+    Raises:
+        BundleError: PATH is not a bundle, not one of its model files, or the files are bad.
+        ValueError: bad provider or thread count, or TensorRT is not available for a plan.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"{path} does not exist; give a bundle directory, its .onnx file or its engine.plan")
+    bundle_dir = path if path.is_dir() else path.parent
+    config = load_config(bundle_dir)
+    if path.is_dir() or path.suffix == ".onnx":
+        if path.is_file() and path.name != config.onnx_file:
+            raise BundleError(f"{path} is not this bundle's step graph ({config.onnx_file} in "
+                              f"{bundle_dir / 'mars_config.json'}); give the bundle directory instead")
+        return OnnxBackend(bundle_dir, config, provider, num_threads), config, bundle_dir
+    if path.suffix == ".plan":
+        if path.name not in {config.engine_file, ENGINE_FILE}:
+            raise BundleError(f"{path} is not this bundle's TensorRT engine ({config.engine_file or ENGINE_FILE})")
+        config = replace(config, engine_file=path.name)  # the engine the user named
+        return _trt_backend(path, config), config, bundle_dir
+    raise BundleError(f"{path} is neither a bundle directory, an .onnx file nor an engine.plan")
+
+
+def _trt_backend(path: Path, config: BundleConfig):
+    hint = "install mars-edge[trt] on a machine with an NVIDIA GPU, or serve the bundle directory (onnxruntime)"
+    try:
+        from runtime.trt_backend import TrtBackend
+    except ImportError as e:
+        raise ValueError(f"{path} needs TensorRT, which cannot be imported here ({e}); {hint}") from e
+    try:
+        return TrtBackend(path.parent, config)
+    except RuntimeError as e:  # TensorRT, cuda-python or the GPU is missing
+        raise ValueError(f"{path} needs TensorRT and a GPU: {e}") from e

@@ -1,0 +1,103 @@
+"""Serve a MARS bundle over HTTP: ``python -m runtime.serve PATH [options]``.
+
+OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (streamed or not), with
+per-request ``tau`` and ``mode``; ``/health``; ``/metrics`` (Prometheus); ``/admin/tau`` to
+set the default tau live; and a load policy that lowers the default tau as the queue
+grows (down to ``--tau-min``) and restores it as the queue drains. PATH is a bundle
+directory, its ONNX file, or the ``engine.plan`` inside it. Binds 127.0.0.1 unless told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from runtime.bundle import BundleError
+from runtime.engine import SCHEMES, Engine, EngineConfig
+from runtime.loading import load_backend
+from runtime.onnx_backend import PROVIDERS
+from runtime.serving.app import ServerContext, ServerLimits, make_app
+from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.load_policy import LoadPolicy
+from runtime.serving.metrics import ServerMetrics
+from runtime.tokenizer import Tokenizer
+
+API_KEY_ENV = "MARS_API_KEY"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
+    p.add_argument("path", help="bundle directory, its .onnx file, or its engine.plan")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 and /admin (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-batch-size", type=int, default=8, help="KV slots: most sequences decoding at once")
+    g.add_argument("--scheme", default="continuous", choices=SCHEMES, help="batch scheme (default continuous)")
+    g.add_argument("--max-seq-len", type=int, default=None, help="tokens per slot (default: the model's context)")
+    g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
+    g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
+    g = p.add_argument_group("tau and the load policy")
+    g.add_argument("--tau", type=float, default=1.0, help="base default tau for requests without tau (default 1.0)")
+    g.add_argument("--tau-min", type=float, default=None,
+                   help="lowest default tau the load policy sets under load (default: --tau, i.e. policy off)")
+    g.add_argument("--tau-max", type=float, default=None, help="highest base tau /admin/tau accepts (default: "
+                                                               "max(--tau, 1.0))")
+    g.add_argument("--queue-low", type=int, default=0, help="waiting requests at or below which the default tau "
+                                                            "is the base tau (default 0)")
+    g.add_argument("--queue-high", type=int, default=16, help="waiting requests at or above which the default tau "
+                                                              "is --tau-min (default 16)")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: context allows)")
+    g.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens accepted (default 2048)")
+    g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p.parse_args(argv)
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """Load the bundle and build the app (the engine thread starts with the app's lifespan).
+
+    Raises:
+        BundleError, ValueError: bad path, bundle, or option value (the message says which).
+    """
+    engine_config = EngineConfig(args.max_batch_size, args.scheme, args.max_seq_len)
+    policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
+                        tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
+                        queue_low=args.queue_low, queue_high=args.queue_high)
+    limits = ServerLimits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_limit,
+                          args.default_max_tokens)
+    policy.check_base(args.tau)
+    backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
+    metrics = ServerMetrics(args.max_batch_size)
+    engine = Engine(backend, config, engine_config)
+    ctx = ServerContext(engine_loop=EngineLoop(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
+                        metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
+                        max_seq_len=min(args.max_seq_len or config.max_context, config.max_context),
+                        window=config.window, vocab_size=config.vocab_size, limits=limits, api_key=args.api_key)
+    return make_app(ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        app = build_app(args)
+    except (BundleError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper())
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

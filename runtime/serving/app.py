@@ -1,0 +1,265 @@
+"""The HTTP routes (FastAPI): OpenAI-compatible chat and completions, health, metrics, admin.
+
+Routes:
+    POST /v1/chat/completions, POST /v1/completions   streamed (SSE) or not
+    GET  /v1/models
+    GET  /health                                      200 while the engine thread runs, else 503
+    GET  /metrics                                     Prometheus text format
+    GET  /admin/tau, POST /admin/tau {"tau": x}       read / set the base tau live
+
+Each generation request becomes a :class:`~runtime.serving.generation.Generation`; the
+streamed and the non-streamed response both consume its text deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from runtime.decoding import DecodeParams
+from runtime.serving import protocol
+from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check
+from runtime.serving.generation import Generation
+from runtime.serving.metrics import ServerMetrics
+from runtime.serving.protocol import ChatRequest, CompletionRequest, TauRequest
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Limits at the HTTP boundary.
+
+    Attributes:
+        max_body_bytes: largest request body.
+        max_prompt_tokens: longest prompt in tokens (None: as much as the context allows).
+        max_tokens: largest ``max_tokens`` a request may ask for.
+        default_max_tokens: ``max_tokens`` of a request that sets none (cut to the context left).
+    """
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens: int = 2048
+    default_max_tokens: int = 256
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_tokens", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclass
+class ServerContext:
+    """What the routes need. ``max_seq_len`` is the engine's per-slot capacity in tokens."""
+
+    engine_loop: EngineLoop
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    model_name: str
+    max_seq_len: int
+    window: int
+    vocab_size: int
+    limits: ServerLimits = ServerLimits()
+    api_key: str | None = None
+
+
+def make_app(ctx: ServerContext) -> FastAPI:
+    """Build the app; its lifespan starts and stops the engine thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine_loop.start()
+        yield
+        ctx.engine_loop.stop()
+
+    app = FastAPI(title="mars-edge", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
+    install_error_handlers(app, ctx.limits.max_body_bytes, lambda request, status: _count_error(ctx, request, status))
+    auth = [Depends(make_auth_check(ctx.api_key))]
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(body: ChatRequest, request: Request):
+        try:
+            prompt_ids = ctx.tokenizer.encode_chat([m.as_template_message() for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return await _generate(ctx, body, prompt_ids, "messages", request, chat=True)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        if isinstance(body.prompt, str):
+            try:
+                prompt_ids = ctx.tokenizer.encode(body.prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from e
+        else:
+            prompt_ids = list(body.prompt)
+            bad = [t for t in prompt_ids if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token ids must be in 0..{ctx.vocab_size - 1}, got {bad[:5]}",
+                               param="prompt", code="invalid_value")
+        return await _generate(ctx, body, prompt_ids, "prompt", request, chat=False)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "owned_by": "mars-edge"}]}
+
+    @app.get("/health")
+    async def health():
+        loop = ctx.engine_loop
+        body = {"status": "ok" if loop.is_alive else "engine stopped", "model": ctx.model_name,
+                "queue_depth": loop.queue_depth, "active_slots": loop.num_running,
+                "default_tau": loop.default_tau, "base_tau": loop.base_tau}
+        return JSONResponse(body, status_code=200 if loop.is_alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+    @app.get("/admin/tau", dependencies=auth)
+    async def get_tau():
+        return _tau_state(ctx)
+
+    @app.post("/admin/tau", dependencies=auth)
+    async def set_tau(body: TauRequest):
+        try:
+            ctx.engine_loop.set_base_tau(body.tau)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tau", code="invalid_value") from e
+        return _tau_state(ctx) | {"base_tau": body.tau}
+
+    return app
+
+
+def _count_error(ctx: ServerContext, request: Request, status: int) -> None:
+    if request.url.path.startswith("/v1/") and request.method == "POST":
+        ctx.metrics.record_outcome("rejected" if status < 500 else "error")
+
+
+def _tau_state(ctx: ServerContext) -> dict:
+    loop, policy = ctx.engine_loop, ctx.engine_loop.policy
+    return {"base_tau": loop.base_tau, "default_tau": loop.default_tau, "tau_min": policy.tau_min,
+            "tau_max": policy.tau_max, "queue_low": policy.queue_low, "queue_high": policy.queue_high}
+
+
+async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_field: str, request: Request,
+                    chat: bool):
+    max_new = _check_budget(ctx, prompt_ids, body.requested_max_tokens, prompt_field)
+    try:
+        params = DecodeParams(tau=body.tau, mode=body.mode, max_new_tokens=max_new, temperature=body.temperature,
+                              top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+    except ValueError as e:
+        raise APIError(400, str(e), param=_field_named_in(str(e)), code="invalid_value") from e
+    gen = Generation(ctx.engine_loop, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
+    try:
+        await gen.start()
+    except ValueError as e:
+        raise APIError(400, str(e), param=prompt_field, code="invalid_value") from e
+    except RuntimeError as e:
+        raise APIError(500, str(e), code="engine_error", type_="server_error") from e
+    if body.stream:
+        async def close():  # also runs when the client left before the stream started
+            gen.close()
+        return StreamingResponse(_stream(ctx, gen, body, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(close))
+    text = await _collect(gen, request)
+    if text is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    usage = protocol.usage(len(prompt_ids), gen.num_tokens)
+    make = protocol.chat_response if chat else protocol.completion_response
+    return make("chatcmpl-" + gen.request_id if chat else "cmpl-" + gen.request_id, ctx.model_name, text,
+                gen.finish_reason, usage, gen.mars_info(body.return_token_ids))
+
+
+def _field_named_in(message: str) -> str | None:
+    """The request field a DecodeParams error names first (its messages start with the field)."""
+    found = [(m.start(), name) for name in ("tau", "mode", "temperature", "top_p", "top_k", "seed")
+             if (m := re.search(rf"\b{name}\b", message))]
+    return min(found)[1] if found else None
+
+
+def _check_budget(ctx: ServerContext, prompt_ids: list[int], requested: int | None, prompt_field: str) -> int:
+    """The max_new_tokens to run with; 400 if the prompt or max_tokens does not fit."""
+    limits, num_prompt = ctx.limits, len(prompt_ids)
+    max_prompt = min(limits.max_prompt_tokens or ctx.max_seq_len, ctx.max_seq_len - ctx.window - 1)
+    if num_prompt > max_prompt:
+        raise APIError(400, f"{prompt_field}: the prompt has {num_prompt} tokens; this server accepts at most "
+                            f"{max_prompt}", param=prompt_field, code="context_length_exceeded")
+    if requested is not None and requested > limits.max_tokens:
+        raise APIError(400, f"max_tokens must be in 1..{limits.max_tokens} (the server's --max-tokens-limit), "
+                            f"got {requested}", param="max_tokens", code="invalid_value")
+    room = ctx.max_seq_len - ctx.window - num_prompt
+    if requested is not None and requested > room:
+        raise APIError(400, f"the prompt ({num_prompt} tokens) + max_tokens ({requested}) + window ({ctx.window}) "
+                            f"exceeds the context of {ctx.max_seq_len} tokens; lower max_tokens to {room} or "
+                            "shorten the prompt", param="max_tokens", code="context_length_exceeded")
+    return requested if requested is not None else min(limits.default_max_tokens, room)
+
+
+async def _collect(gen: Generation, request: Request) -> str | None:
+    """All text deltas joined; None (and the request aborted) if the client disconnects first."""
+    parts: list[str] = []
+
+    async def join():
+        async for delta in gen.deltas():
+            parts.append(delta)
+
+    joiner, watcher = asyncio.create_task(join()), asyncio.create_task(_wait_disconnect(request))
+    done, _ = await asyncio.wait({joiner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if joiner not in done:
+        joiner.cancel()
+        gen.close()
+        return None
+    try:
+        joiner.result()
+    except RuntimeError as e:
+        raise APIError(500, str(e), code="engine_error", type_="server_error") from e
+    return "".join(parts)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(ctx: ServerContext, gen: Generation, body, chat: bool):
+    """Server-sent events: one chunk per text delta, a final chunk with the finish reason, [DONE]."""
+    rid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
+    model = ctx.model_name
+
+    def chunk(text: str, finish_reason: str | None = None, mars: dict | None = None) -> str:
+        if chat:
+            delta = {"content": text} if finish_reason is None else {}
+            return _sse(protocol.chat_chunk(rid, model, delta, finish_reason, mars))
+        return _sse(protocol.completion_chunk(rid, model, text, finish_reason, mars))
+
+    try:
+        if chat:
+            yield _sse(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+        async for delta in gen.deltas():
+            yield chunk(delta)
+        yield chunk("", gen.finish_reason, gen.mars_info(body.return_token_ids))
+        if body.include_usage:
+            object_ = "chat.completion.chunk" if chat else "text_completion"
+            yield _sse(protocol.usage_chunk(rid, model, object_, protocol.usage(len(gen.prompt_ids), gen.num_tokens)))
+    except RuntimeError as e:  # headers are sent: the error goes in the stream
+        ctx.metrics.record_outcome("error")
+        yield _sse(protocol.error_body(str(e), "server_error", None, "engine_error"))
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,125 @@
+"""The HTTP boundary's errors: OpenAI-style error JSON, the body size limit and the API key.
+
+Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status and
+a message that names the bad field and what is allowed; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.serving.protocol import error_body
+
+
+class APIError(Exception):
+    """A request the server refuses (or, with status 5xx, failed to serve)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable[[Request, int], None]) -> None:
+    """Map every failure at the boundary to an OpenAI-style error response.
+
+    Args:
+        app: the app.
+        max_body_bytes: the body limit (for the 413 message).
+        on_error: called with the request and the status of each error response (for metrics).
+    """
+
+    def respond(request: Request, response: JSONResponse) -> JSONResponse:
+        on_error(request, response.status_code)
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return respond(request, exc.response())
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return respond(request, validation_response(exc.errors()))
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, exc: BodyTooLarge):
+        return respond(request, APIError(413, f"the request body exceeds {max_body_bytes} bytes (the server's "
+                                              "--max-body-bytes)", code="request_too_large").response())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return respond(request, APIError(exc.status_code, str(exc.detail), code=_slug(str(exc.detail))).response())
+
+
+def validation_response(errors) -> JSONResponse:
+    """400 naming every bad field (pydantic's ``loc``) and what it expected."""
+    messages, params = [], []
+    for error in errors:
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        field = ".".join(loc) or "body"
+        params.append(field)
+        if error.get("type") == "extra_forbidden":
+            messages.append(f"unknown field '{field}': this server does not accept it")
+        elif error.get("type") == "json_invalid":
+            messages.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
+        else:
+            messages.append(f"{field}: {error.get('msg')}, got {repr(error.get('input'))[:80]}")
+    return APIError(400, "; ".join(messages), param=params[0] if params else None, code="invalid_value").response()
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over ``max_bytes`` (by Content-Length, or while reading)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = APIError(413, f"the request body exceeds {self.max_bytes} bytes (the server's "
+                                     "--max-body-bytes)", code="request_too_large").response()
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def make_auth_check(api_key: str | None):
+    """A FastAPI dependency that requires ``Authorization: Bearer <api_key>`` when a key is set."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", type_="authentication_error")
+
+    return check
+
+
+def _slug(text: str) -> str:
+    return "_".join(text.lower().split())[:40]

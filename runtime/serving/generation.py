@@ -1,0 +1,115 @@
+"""One request seen from the event loop: engine outputs in, final text deltas out.
+
+The engine thread delivers items to the request's asyncio queue; :meth:`Generation.deltas`
+turns token ids into text (never splitting a character), cuts at stop strings, and ends
+with the finish reason. The streamed response sends each delta as it comes; the
+non-streamed response joins the same deltas, so the two texts are equal by construction.
+
+Leaving :meth:`Generation.deltas` before the end (client gone, stop string found) aborts
+the request in the engine, which frees its KV slot at the engine's next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from runtime.decoding import DecodeParams
+from runtime.detokenize import TextStream
+from runtime.serving.engine_loop import ADMITTED, EngineLoop, Submission
+from runtime.serving.metrics import ServerMetrics
+from runtime.tokenizer import Tokenizer
+
+
+class Generation:
+    """A request in flight.
+
+    Args:
+        engine_loop: the engine thread.
+        tokenizer: the bundle's tokenizer.
+        metrics: where the outcome is counted.
+        prompt_ids: the prompt's ids.
+        params: decoding parameters.
+        stops: stop strings.
+    """
+
+    def __init__(self, engine_loop: EngineLoop, tokenizer: Tokenizer, metrics: ServerMetrics,
+                 prompt_ids: list[int], params: DecodeParams, stops: list[str]):
+        self.request_id = uuid.uuid4().hex
+        self.prompt_ids = prompt_ids
+        self.text = TextStream(tokenizer, stops)
+        self.finish_reason: str | None = None
+        self.num_forwards = 0
+        self._engine_loop, self._metrics, self._params = engine_loop, metrics, params
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._is_open = False  # submitted to the engine and not finished there
+
+    async def start(self) -> None:
+        """Submit to the engine and wait until it admits the request.
+
+        Raises:
+            ValueError: the engine refused it (the message says why).
+        """
+        loop = asyncio.get_running_loop()
+
+        def deliver(item) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        self._is_open = True
+        self._engine_loop.submit(Submission(self.request_id, self.prompt_ids, self._params, deliver))
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(item, Exception):  # the HTTP layer answers (and counts) the refusal
+            self._is_open = False
+            raise item
+        assert item == ADMITTED
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas until the end; then :attr:`finish_reason` is ``"stop"`` or ``"length"``.
+
+        Raises:
+            RuntimeError: the engine failed.
+        """
+        try:
+            while self.finish_reason is None:
+                out = await self._queue.get()
+                if isinstance(out, Exception):  # the HTTP layer answers (and counts) the failure
+                    self._is_open = False
+                    raise out
+                self.num_forwards = out.result.num_forwards
+                delta = self.text.add(out.new_token_ids)
+                if self.text.is_stopped:
+                    self.finish_reason = "stop"  # a stop string: the engine sequence is aborted below
+                elif out.finished:
+                    self._is_open = False
+                    self.finish_reason = out.finish_reason
+                    delta += self.text.finish()
+                    if self.text.is_stopped:
+                        self.finish_reason = "stop"
+                if delta:
+                    yield delta
+            self._metrics.record_outcome(self.finish_reason)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request in the engine unless it already finished there (idempotent)."""
+        if self._is_open:
+            self._is_open = False
+            self._engine_loop.abort(self.request_id)
+            if self.finish_reason is None:
+                self._metrics.record_outcome("aborted")
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens received so far (for usage counts)."""
+        return len(self.text.detokenizer.token_ids)
+
+    def mars_info(self, return_token_ids: bool) -> dict:
+        """The MARS extras of the response: decode forwards, TPF, and the ids if asked."""
+        info = {"num_forwards": self.num_forwards, "tpf": self.num_tokens / max(self.num_forwards, 1)}
+        return info | ({"token_ids": list(self.text.detokenizer.token_ids)} if return_token_ids else {})

@@ -1,0 +1,182 @@
+"""OpenAI-compatible request models and response bodies (chat and completions, streamed or not).
+
+Requests are pydantic models that refuse unknown fields and out-of-range values; the
+server turns a validation failure into an OpenAI-style 400 naming the field. MARS extras
+(sent by the openai client through ``extra_body``):
+
+- ``tau``: confidence threshold for this request (>= 0; >= 1 is greedy AR). Absent: the
+  request follows the server's live default tau (which the load policy may lower).
+- ``mode``: ``threshold`` (MARS, default), ``ar`` (one token per step) or ``verify``
+  (lossless drafts, greedy only).
+- ``top_k``: sampling filter (0 = off).
+- ``return_token_ids``: add the generated ids to the response's ``mars`` object.
+
+Responses carry a ``mars`` object with the decode forwards and tokens per forward (TPF).
+Deliberate difference from OpenAI: ``temperature`` defaults to 0 (greedy), because MARS
+acceptance and its lossless modes are defined over the argmax.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by chat and completions."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # MARS extras
+    tau: float | None = Field(None, ge=0.0)
+    mode: Literal["threshold", "ar", "verify"] = "threshold"
+    top_k: int = Field(0, ge=0)
+    return_token_ids: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n must be 1 (this server returns one choice per request), got {n}")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError(f"penalties are not supported; only 0 is allowed, got {value}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty "
+                             f"strings, got {stop!r}")
+        return stop
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: Literal[False] = False
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"give one prompt per request (a string or a list of token ids), got {len(prompt)}")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty: give at least one character or token id")
+        return prompt
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TauRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    tau: float
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI-style error JSON."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict, mars: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_, "mars": mars}
+
+
+def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
+               mars: dict | None = None) -> dict:
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    return chunk | ({"mars": mars} if mars is not None else {})
+
+
+def completion_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict,
+                        mars: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_, "mars": mars}
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None,
+                     mars: dict | None = None) -> dict:
+    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    return chunk | ({"mars": mars} if mars is not None else {})
+
+
+def usage_chunk(request_id: str, model: str, object_: str, usage_: dict) -> dict:
+    return {"id": request_id, "object": object_, "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage_}

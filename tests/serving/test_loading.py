@@ -1,0 +1,52 @@
+"""Tier 2: ``load_backend`` and ``python -m runtime.serve`` accept the paths a user may give."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from runtime.bundle import BundleError
+from runtime.loading import load_backend
+from runtime.onnx_backend import OnnxBackend
+from runtime.serve import main
+
+
+def test_bundle_dir_and_its_onnx_file(tiny_bundle):
+    _, bundle = tiny_bundle("llama", 4)
+    for path in (bundle, bundle / "model.onnx"):
+        backend, config, bundle_dir = load_backend(path)
+        assert isinstance(backend, OnnxBackend) and bundle_dir == bundle and config.window == 4
+
+
+def test_engine_plan_without_tensorrt_is_a_clear_error(tiny_bundle, tmp_path, monkeypatch):
+    _, bundle = tiny_bundle("llama", 4)
+    copy = shutil.copytree(bundle, tmp_path / "bundle")
+    (copy / "engine.plan").write_bytes(b"not an engine")
+    with pytest.raises(ValueError, match="TensorRT"):  # not installed here; elsewhere: not an engine
+        load_backend(copy / "engine.plan")
+    monkeypatch.setitem(sys.modules, "runtime.trt_backend", None)  # as in an install without the module
+    with pytest.raises(ValueError, match="needs TensorRT"):
+        load_backend(copy / "engine.plan")
+
+
+@pytest.mark.parametrize("name", ["missing", "mars_config.json", "other.onnx", "engine.plan"])
+def test_other_paths_are_refused(tiny_bundle, name):
+    _, bundle = tiny_bundle("llama", 4)
+    path = bundle / name
+    if name == "other.onnx":
+        path = bundle.parent / "other" / "other.onnx"
+        path.parent.mkdir(exist_ok=True)
+        shutil.copy(bundle / "mars_config.json", path.parent)
+        path.write_bytes(b"")
+    with pytest.raises(BundleError):
+        load_backend(path)
+
+
+def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert main([str(tmp_path), "--tau", "0.5", "--tau-min", "0.9"]) == 2
+    assert "--tau-min" in capsys.readouterr().err

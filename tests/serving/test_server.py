@@ -1,0 +1,276 @@
+"""Tier 2: the HTTP server on a tiny random-weight Llama (B = W = 4), driven by the openai client.
+
+The random model writes random bytes, many of them invalid or partial UTF-8, which makes
+it a hard case for streaming detokenization: every text below is checked against
+``Tokenizer.decode`` of the generated ids, and streamed against non-streamed.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import httpx
+import openai
+import pytest
+from server_support import serve
+
+from runtime.bundle import load_config
+from runtime.decoding import DecodeParams, Decoder
+from runtime.onnx_backend import OnnxBackend
+from runtime.tokenizer import Tokenizer
+
+PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def runtime_parts(tiny_bundle):
+    _, bundle = tiny_bundle("llama", 4)
+    config = load_config(bundle)
+    return Tokenizer(bundle), Decoder(OnnxBackend(bundle, config), config)
+
+
+def chat(server, text, stream=False, **extra):
+    body = {"return_token_ids": True, **extra.pop("extra_body", {})}
+    kwargs = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": MAX_NEW, **extra}
+    if not stream:
+        r = server.client.chat.completions.create(**kwargs, extra_body=body)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.mars, r.usage
+    chunks = list(server.client.chat.completions.create(**kwargs, stream=True, extra_body=body,
+                                                        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and chunks[-1].choices == []
+    return text, finals[0].choices[0].finish_reason, finals[0].mars, chunks[-1].usage
+
+
+def complete(server, prompt, stream=False, **extra):
+    body = {"return_token_ids": True, **extra.pop("extra_body", {})}
+    kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW, "extra_body": body, **extra}
+    if not stream:
+        r = server.client.completions.create(**kwargs)
+        return r.choices[0].text, r.choices[0].finish_reason, r.mars
+    chunks = list(server.client.completions.create(**kwargs, stream=True))
+    finals = [c for c in chunks if c.choices[0].finish_reason]
+    assert len(finals) == 1
+    return "".join(c.choices[0].text for c in chunks), finals[0].choices[0].finish_reason, finals[0].mars
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_chat_at_tau_one_is_the_decoder_output(tiny_server, runtime_parts, text):
+    tokenizer, decoder = runtime_parts
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+    expected = decoder.generate(prompt_ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
+    for stream in (False, True):
+        got, finish_reason, mars, usage = chat(tiny_server, text, stream=stream, extra_body={"tau": 1.0})
+        assert mars["token_ids"] == expected.token_ids
+        assert got == tokenizer.decode(expected.token_ids)
+        assert finish_reason == expected.finish_reason
+        assert mars["tpf"] == 1.0 and mars["num_forwards"] == expected.num_forwards
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), expected.num_tokens)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+@pytest.mark.parametrize("text", PROMPTS)
+def test_completions_streamed_equals_non_streamed(tiny_server, runtime_parts, text, tau):
+    tokenizer, _ = runtime_parts
+    plain = complete(tiny_server, text, extra_body={"tau": tau})
+    streamed = complete(tiny_server, text, stream=True, extra_body={"tau": tau})
+    assert streamed == plain
+    assert plain[0] == tokenizer.decode(plain[2]["token_ids"])
+
+
+def test_token_id_prompt_and_multi_token_steps(tiny_server, runtime_parts):
+    tokenizer, decoder = runtime_parts
+    prompt_ids = tokenizer.encode(PROMPTS[0])
+    expected = decoder.generate(prompt_ids, DecodeParams(tau=0.5, max_new_tokens=MAX_NEW))
+    text, _, mars = complete(tiny_server, prompt_ids, extra_body={"tau": 0.5})
+    assert mars["token_ids"] == expected.token_ids and text == tokenizer.decode(expected.token_ids)
+    assert mars["tpf"] == pytest.approx(expected.tpf) and mars["tpf"] > 1.0
+
+
+def test_concurrent_requests_equal_their_solo_runs(tiny_server, runtime_parts):
+    tokenizer, decoder = runtime_parts
+    texts = PROMPTS * 2
+    with futures.ThreadPoolExecutor(len(texts)) as pool:
+        got = list(pool.map(lambda t: chat(tiny_server, t, stream=True, extra_body={"tau": 1.0}), texts))
+    for text, (_, _, mars, _) in zip(texts, got):
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        assert mars["token_ids"] == decoder.generate(prompt_ids, DecodeParams(max_new_tokens=MAX_NEW)).token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_text(tiny_server, stream):
+    full, reason, mars, _ = chat(tiny_server, PROMPTS[0], max_tokens=60, extra_body={"tau": 1.0})
+    assert reason == "length" and len(full) > 30
+    stop = full[20:23]
+    text, reason, stop_mars, usage = chat(tiny_server, PROMPTS[0], stream=stream, max_tokens=60, stop=[stop, "@@@@"],
+                                          extra_body={"tau": 1.0})
+    assert (text, reason) == (full[:full.find(stop)], "stop")
+    assert stop_mars["token_ids"] == mars["token_ids"][:len(stop_mars["token_ids"])]
+    assert usage.completion_tokens == len(stop_mars["token_ids"]) < 60
+    assert tiny_server.wait_idle()["active_slots"] == 0
+
+
+BAD_REQUESTS = [
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"max_tokens": 0}, "max_tokens"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"mode": "fast"}, "mode"),
+    ("chat", {"tau": -0.5}, "tau"),
+    ("chat", {"temperature": 7}, "temperature"),
+    ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"stop": ""}, "stop"),
+    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("chat", {"best_guess": True}, "best_guess"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ("chat", {"max_tokens": 600}, "max_tokens"),                     # beyond the 512-token context
+    ("completions", {"prompt": "x" * 600}, "prompt"),                 # prompt over the context
+    ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),             # token id outside the vocabulary
+]
+
+
+@pytest.mark.parametrize("route, fields, param", BAD_REQUESTS, ids=[f"{r}-{p}" for r, _, p in BAD_REQUESTS])
+def test_bad_requests_are_clear_400s(tiny_server, route, fields, param):
+    base = {"model": "tiny", "max_tokens": 8,
+            **({"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"})}
+    r = tiny_server.http.post(f"/v1/{'chat/completions' if route == 'chat' else 'completions'}",
+                              json=base | fields)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert param.split(".")[-1] in error["message"] or "prompt" in error["message"] or "context" in error["message"]
+    assert chat(tiny_server, "still there?", max_tokens=4)[1] == "length"  # and the server keeps serving
+
+
+def test_openai_client_sees_bad_request_errors(tiny_server):
+    with pytest.raises(openai.BadRequestError) as info:
+        tiny_server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, extra_body={"mode": "verify"}, temperature=0.7)
+    assert "verify" in info.value.body["message"] and info.value.body["param"] == "mode"
+    with pytest.raises(openai.BadRequestError) as info:
+        tiny_server.client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_malformed_json_and_unknown_route(tiny_server):
+    r = tiny_server.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = tiny_server.http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_stream_disconnect_frees_the_slot_at_once(tiny_server):
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 450, "tau": 1.0, "stream": True}
+    assert complete(tiny_server, PROMPTS[0], max_tokens=450, extra_body={"tau": 1.0})[1] == "length"
+    aborted = tiny_server.metric('mars_requests_total{outcome="aborted"}')
+    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert tiny_server.health()["active_slots"] == 1
+    health = tiny_server.wait_idle(timeout=5)
+    assert health["active_slots"] == 0 and health["queue_depth"] == 0
+    assert tiny_server.metric('mars_requests_total{outcome="aborted"}') == aborted + 1
+
+
+def test_non_streamed_disconnect_frees_the_slot(tiny_server):
+    aborted = tiny_server.metric('mars_requests_total{outcome="aborted"}')
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 450, "tau": 1.0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.2))
+    assert tiny_server.wait_idle(timeout=5)["active_slots"] == 0
+    assert tiny_server.metric('mars_requests_total{outcome="aborted"}') == aborted + 1
+
+
+def test_admin_tau_and_load_policy_move_the_default_live(tiny_server):
+    r = tiny_server.http.post("/admin/tau", json={"tau": 0.2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tau"  # below --tau-min 0.5
+    assert tiny_server.http.post("/admin/tau", json={"tau": 0.8}).json()["base_tau"] == 0.8
+    assert tiny_server.wait_idle()["default_tau"] == 0.8
+    assert tiny_server.metric("mars_default_tau") == 0.8
+    tiny_server.http.post("/admin/tau", json={"tau": 1.0})
+
+    seen = []
+    with futures.ThreadPoolExecutor(9) as pool:  # 9 requests on 2 slots: the queue grows to 7
+        jobs = [pool.submit(complete, tiny_server, text, max_tokens=120) for text in PROMPTS * 3]
+        while not all(job.done() for job in jobs):
+            seen.append(tiny_server.health()["default_tau"])
+        results = [job.result() for job in jobs]
+    assert min(seen) < 1.0, seen
+    assert tiny_server.wait_idle()["default_tau"] == 1.0
+    assert max(mars["tpf"] for _, _, mars in results) > 1.0  # requests without tau followed the lowered default
+
+
+def test_health_models_and_metrics(tiny_server):
+    health = tiny_server.health()
+    assert health["status"] == "ok" and health["base_tau"] == 1.0
+    assert [m.id for m in tiny_server.client.models.list()] == [health["model"]]
+    done = tiny_server.metric('mars_requests_total{outcome="length"}')
+    rejected = tiny_server.metric('mars_requests_total{outcome="rejected"}')
+    chat(tiny_server, "count me", max_tokens=5)
+    assert tiny_server.http.post("/v1/completions", json={"prompt": "hi", "n": 3}).status_code == 400
+    assert tiny_server.metric('mars_requests_total{outcome="length"}') == done + 1
+    assert tiny_server.metric('mars_requests_total{outcome="rejected"}') == rejected + 1
+    text = tiny_server.http.get("/metrics").text
+    for name in ("mars_tokens_per_forward", "mars_tokens_per_second", "mars_queue_depth", "mars_active_slots",
+                 "mars_default_tau", "mars_generated_tokens_total", "mars_decode_forwards_total"):
+        assert f"\n{name} " in text, name
+    assert tiny_server.metric("mars_tokens_per_forward") >= 1.0
+
+
+def test_api_key_and_body_limit(tiny_bundle):
+    _, bundle = tiny_bundle("llama", 4)
+    with serve(str(bundle), "--api-key", "sesame", "--max-body-bytes", "2000") as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert server.http.get("/health").status_code == 200  # health needs no key
+        r = server.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert r.choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(openai.APIStatusError) as info:
+            server.client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=2)
+        assert info.value.status_code == 413
+        assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+
+
+class FailingBackend:
+    """Fault injection: the real backend, raising on its ``fail_at``-th step."""
+
+    def __init__(self, backend, fail_at: int):
+        self.backend, self.fail_at, self.num_calls = backend, fail_at, 0
+
+    def step(self, *args):
+        self.num_calls += 1
+        if self.num_calls == self.fail_at:
+            raise RuntimeError("injected backend failure")
+        return self.backend.step(*args)
+
+
+def test_engine_failure_is_a_500_and_the_server_keeps_serving(tiny_bundle):
+    _, bundle = tiny_bundle("llama", 4)
+
+    def inject(app):
+        engine = app.state.ctx.engine_loop.engine
+        engine.backend = FailingBackend(engine.backend, fail_at=3)
+
+    with serve(str(bundle), prepare=inject) as server:
+        with pytest.raises(openai.InternalServerError) as info:
+            server.client.completions.create(model="tiny", prompt="hi", max_tokens=20)
+        assert "injected backend failure" in info.value.body["message"]
+        assert server.wait_idle()["active_slots"] == 0 and server.health()["status"] == "ok"
+        assert server.metric('mars_requests_total{outcome="error"}') == 1
+        assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=5).choices[0].text is not None
+
+
+def test_block_scheme_serves_the_same_ids(tiny_bundle, runtime_parts):
+    """The paper's block-synchronous scheme behind the same API: at tau = 1, the decoder's ids."""
+    tokenizer, decoder = runtime_parts
+    _, bundle = tiny_bundle("llama", 4)
+    with serve(str(bundle), "--scheme", "block", "--max-batch-size", "2") as server, \
+            futures.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda t: chat(server, t, stream=True, extra_body={"tau": 1.0}), PROMPTS))
+    for text, (streamed, _, mars, _) in zip(PROMPTS, got):
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        assert mars["token_ids"] == decoder.generate(prompt_ids, DecodeParams(max_new_tokens=MAX_NEW)).token_ids
+        assert streamed == tokenizer.decode(mars["token_ids"])

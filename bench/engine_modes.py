@@ -2,6 +2,7 @@
 
     python bench/engine_modes.py BUNDLE [--batch-sizes 1 4 16] [--taus 0.95 0.9 0.8]
                                         [--num-prompts 16] [--max-new-tokens 64] [--threads 2]
+                                        [--name engine_modes]
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
 prompts (GSM8K test questions and HumanEval prompts from ../shared/data, alternating) go
@@ -83,17 +84,18 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="engine_modes", help="stem of the output files (default engine_modes)")
     args = p.parse_args()
     rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "bundle": str(args.bundle), "command": "python bench/engine_modes.py " + " ".join(sys.argv[1:])}
-    (args.out / "engine_modes.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(args.out / "engine_modes.csv", "w", newline="") as f:
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(args.out / f"{args.name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, args.out / "engine_modes.png")
+    plot(rows, args.out / f"{args.name}.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -12,15 +12,25 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import onnxruntime as ort
+
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import check_parity, measure_parity, parity_prompts
-from runtime.bundle import CONFIG_FILE, ONNX_FILE, BundleConfig, BundleError
-from runtime.onnx_backend import OnnxBackend
+from mars_export.quantize import WEIGHT_BITS, quantize_and_check
+from mars_export.step_module import prepare_fp16_model
+from runtime.bundle import (
+    CONFIG_FILE,
+    ENGINE_FILE,
+    ONNX_FILE,
+    BundleConfig,
+    BundleError,
+)
+from runtime.onnx_backend import PROVIDERS, OnnxBackend
 
 
-def prepare_config(loaded: LoadedModel, block_size: int, window: int) -> BundleConfig:
-    """The bundle config for ``loaded`` (parity not yet measured).
+def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str = "float32") -> BundleConfig:
+    """The bundle config for ``loaded`` exported in ``dtype`` (parity not yet measured).
 
     Raises:
         BundleError: block_size not in 1..window, the window exceeds the model's context,
@@ -38,31 +48,53 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int) -> BundleC
         bos_token_id=tok.bos_token_id, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         vocab_size=loaded.model.get_output_embeddings().weight.shape[0], max_context=cfg.max_position_embeddings,
-        dtype="float32", source_model=loaded.source)
+        dtype=dtype, source_model=loaded.source)
 
 
 def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, window: int,
-                 parity_tolerance: float, overwrite: bool = False) -> BundleConfig:
+                 parity_tolerance: float, overwrite: bool = False, dtype: str = "float32",
+                 trt_options=None, weight_dtype: str | None = None, min_top1: float | None = None) -> BundleConfig:
     """Export ``loaded`` to ``out_dir``: step graph, tokenizer files, config with parity results.
+
+    Args:
+        dtype: ``"float32"``, or ``"float16"`` for fp16 weights, activations and KV with
+            float32 logits (:func:`~mars_export.step_module.prepare_fp16_model`); parity is
+            always measured against the float32 PyTorch model.
+        trt_options: a :class:`runtime.trt_build.TrtBuildOptions` to also build
+            ``engine.plan`` with TensorRT (needs a GPU); None builds no engine.
+        weight_dtype: ``"int8"`` or ``"int4"`` for weight-only quantized MatMuls over a
+            float32 graph (:mod:`mars_export.quantize`; CPU parity only), gated on top-1
+            agreement >= ``min_top1`` instead of ``parity_tolerance``; None keeps ``dtype``.
 
     Raises:
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-        ParityError: the graph disagrees with PyTorch beyond ``parity_tolerance``.
+        ParityError: a backend disagrees with PyTorch beyond ``parity_tolerance``.
         BundleError: invalid block size / window.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
-    config = prepare_config(loaded, block_size, window)
+    config = prepare_config(loaded, block_size, window, dtype)
+    config = BundleConfig(**{**config.__dict__, "weight_dtype": weight_dtype})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        export_step_graph(loaded.model, tmp / ONNX_FILE, window, config.max_context)
+        graph_model = prepare_fp16_model(loaded.model) if dtype == "float16" else loaded.model
+        export_step_graph(graph_model, tmp / ONNX_FILE, window, config.max_context)
+        del graph_model
         loaded.tokenizer.save_pretrained(tmp)
-        backend = OnnxBackend(tmp, config)
-        parity = measure_parity(loaded.model, backend, config, parity_prompts(loaded.tokenizer))
-        parity["tolerance"] = parity_tolerance
-        check_parity(parity, parity_tolerance)
+        prompts = parity_prompts(loaded.tokenizer)
+        if config.weight_dtype in WEIGHT_BITS:
+            parity = quantize_and_check(loaded.model, tmp, config, prompts, min_top1)
+        else:
+            parity = {**measure_parity(loaded.model, OnnxBackend(tmp, config), config, prompts),
+                      "backend": "onnxruntime-cpu", "tolerance": parity_tolerance}
+            check_parity(parity, parity_tolerance)
+        if trt_options is not None:
+            from runtime.trt_build import build_engine
+            build_engine(tmp / ONNX_FILE, tmp / ENGINE_FILE, config, trt_options)
+            config = BundleConfig(**{**config.__dict__, "engine_file": ENGINE_FILE})
+        parity = _measure_gpu(loaded, tmp, config, prompts, parity)
         config = BundleConfig(**{**config.__dict__, "parity": parity})
         (tmp / CONFIG_FILE).write_text(config.to_json())
         _replace_dir(tmp, out_dir)
@@ -70,6 +102,25 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return config
+
+
+def _measure_gpu(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, prompts: list[list[int]],
+                 parity: dict) -> dict:
+    """Add parity on onnxruntime CUDA and on the TensorRT engine, where they exist, under
+    ``"backends"`` of the CPU ``parity``; raise if any is past the same tolerance.
+    Quantized (int8/int4) bundles are measured on CPU only."""
+    others = {}
+    if config.weight_dtype in WEIGHT_BITS:
+        return parity
+    if PROVIDERS["cuda"] in ort.get_available_providers():
+        others["onnxruntime-cuda"] = measure_parity(loaded.model, OnnxBackend(bundle_dir, config, "cuda"),
+                                                    config, prompts)
+    if config.engine_file is not None:
+        from runtime.trt_backend import TrtBackend
+        others["tensorrt"] = measure_parity(loaded.model, TrtBackend(bundle_dir, config), config, prompts)
+    for name, result in others.items():
+        check_parity({**result, "backend": name}, parity["tolerance"])
+    return {**parity, "backends": others} if others else parity
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

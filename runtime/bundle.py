@@ -24,6 +24,7 @@ from pathlib import Path
 FORMAT_VERSION = 1
 CONFIG_FILE = "mars_config.json"
 ONNX_FILE = "model.onnx"
+ENGINE_FILE = "engine.plan"
 TOKENIZER_FILE = "tokenizer.json"
 
 INPUT_IDS = "input_ids"
@@ -31,6 +32,8 @@ POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
 DTYPES = ("float32", "float16")
+# Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.
+WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
 
 
 class BundleError(ValueError):
@@ -45,6 +48,15 @@ def past_names(layer: int) -> tuple[str, str]:
 def present_names(layer: int) -> tuple[str, str]:
     """Names of the key and value outputs of ``layer`` (the W new entries only)."""
     return f"present.{layer}.key", f"present.{layer}.value"
+
+
+def step_feeds(input_ids, position_ids, attention_mask, past) -> dict:
+    """Name -> array for one step: the three window inputs, then each layer's past (key, value)."""
+    feeds = {INPUT_IDS: input_ids, POSITION_IDS: position_ids, ATTENTION_MASK: attention_mask}
+    for i, (key, value) in enumerate(past):
+        key_name, value_name = past_names(i)
+        feeds[key_name], feeds[value_name] = key, value
+    return feeds
 
 
 def input_names(num_layers: int) -> list[str]:
@@ -75,6 +87,11 @@ class BundleConfig:
         dtype: weight/activation/KV dtype, "float32" or "float16"; logits are float32.
         source_model: where the weights came from.
         onnx_file: step graph file name inside the bundle.
+        engine_file: TensorRT engine built from it (``engine.plan``), or None; optional
+            in the JSON (bundles without an engine omit it), so format version 1 holds.
+        weight_dtype: how the graph stores its weights, one of WEIGHT_DTYPES; None (the
+            default) means ``dtype``. ``int8``/``int4`` (weight-only, float32 activations)
+            need ``dtype`` float32. Written to the JSON only when it differs from ``dtype``.
         parity: results of the export-time parity check against PyTorch.
         format_version: bundle format; a runtime refuses other versions.
     """
@@ -94,6 +111,8 @@ class BundleConfig:
     dtype: str
     source_model: str
     onnx_file: str = ONNX_FILE
+    engine_file: str | None = None
+    weight_dtype: str | None = None
     parity: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -105,6 +124,12 @@ class BundleConfig:
             raise BundleError(f"block_size must be in 1..window ({self.window}), got {self.block_size}")
         if self.dtype not in DTYPES:
             raise BundleError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "weight_dtype", self.weight_dtype or self.dtype)
+        quantized = self.weight_dtype not in DTYPES
+        if self.weight_dtype not in WEIGHT_DTYPES or (quantized and self.dtype != "float32") \
+                or (not quantized and self.weight_dtype != self.dtype):
+            raise BundleError(f"weight_dtype {self.weight_dtype!r} does not fit dtype {self.dtype!r}: use the dtype "
+                              "itself, or int8/int4 with dtype float32")
         if not self.eos_token_ids:
             raise BundleError("eos_token_ids is empty: generation could never stop at an end token")
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_context"):
@@ -120,7 +145,12 @@ class BundleConfig:
 
     def to_json(self) -> str:
         """Serialize with stable key order, for writing ``mars_config.json``."""
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        raw = asdict(self)
+        if raw["engine_file"] is None:  # bundles without an engine read as before
+            del raw["engine_file"]
+        if raw["weight_dtype"] == self.dtype:  # unquantized bundles read as before
+            del raw["weight_dtype"]
+        return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
 
 def load_config(bundle_dir: str | Path) -> BundleConfig:

@@ -64,12 +64,7 @@ class OnnxBackend:
         Returns:
             logits float32 [B, W, V], and per layer the new (key, value) [B, H, W, D].
         """
-        feeds = {bundle.INPUT_IDS: input_ids, bundle.POSITION_IDS: position_ids,
-                 bundle.ATTENTION_MASK: attention_mask}
-        for i, (k, v) in enumerate(past):
-            key_name, value_name = bundle.past_names(i)
-            feeds[key_name], feeds[value_name] = k, v
-        logits, *kv = self.session.run(None, feeds)
+        logits, *kv = self.session.run(None, bundle.step_feeds(input_ids, position_ids, attention_mask, past))
         return logits, list(zip(kv[0::2], kv[1::2]))
 
 

@@ -133,7 +133,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
     @app.post("/admin/tau", dependencies=auth)
     async def set_tau(body: TauRequest):
         try:
-            ctx.engine_loop.set_base_tau(body.tau)
+            await asyncio.to_thread(ctx.engine_loop.set_base_tau, body.tau)
         except ValueError as e:
             raise APIError(400, str(e), param="tau", code="invalid_value") from e
         return _tau_state(ctx) | {"base_tau": body.tau}

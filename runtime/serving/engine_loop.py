@@ -26,6 +26,7 @@ from runtime.serving.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 ADMITTED = "admitted"  # first item delivered once the engine accepted a request
 _IDLE_WAIT_S = 0.2
+_APPLY_TIMEOUT_S = 60.0  # longer than any one engine step
 
 
 @dataclass
@@ -93,13 +94,23 @@ class EngineLoop:
         self._commands.put(lambda: self._abort(request_id))
 
     def set_base_tau(self, tau: float) -> float:
-        """Set the base tau live (the load policy lowers the default from it).
+        """Set the base tau live (the load policy lowers the default from it); returns once
+        the engine thread applied it (it takes commands between steps), so a reader of
+        :attr:`default_tau` right after sees the new value.
 
         Raises:
             ValueError: outside the policy's [tau_min, tau_max].
         """
         tau = self.policy.check_base(tau)
-        self._commands.put(lambda: setattr(self, "base_tau", tau))
+        applied = threading.Event()
+
+        def apply():
+            self.base_tau = tau
+            self._apply_policy()
+            applied.set()
+
+        self._commands.put(apply)
+        applied.wait(timeout=_APPLY_TIMEOUT_S)
         return tau
 
     # -- the engine thread ----------------------------------------------------------

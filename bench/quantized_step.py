@@ -1,0 +1,138 @@
+"""Weight-only int8 / int4 against float32 on one fp32 bundle: size, agreement, decode-step time.
+
+    python bench/quantized_step.py BUNDLE [--prompts-each 3] [--tokens 64] [--past 128] [--repeats 30]
+
+From the float32 bundle's graph this builds the int8 and int4 graphs exactly as
+``mars-export --int8 / --int4`` does (:func:`mars_export.quantize.quantize_step_graph`)
+into a scratch directory, then measures, in one process:
+
+- file size of each graph;
+- top-1 agreement and max |Δlogit| of each against the float32 graph at every position
+  of the prompts (fed W at a time, as the export parity does);
+- greedy (tau = 1) agreement with the float32 bundle on real prompts (GSM8K + HumanEval):
+  fraction of prompts with identical ids, mean common-prefix length;
+- time of one W-token decode step with ``--past`` cached positions, batch 1, the three
+  graphs interleaved round-robin (median over ``--repeats``).
+
+Writes ``bench/results/quantized_step.json``; ``--timing-only`` skips the agreement and
+writes ``bench/results/quantized_step_timing_w{W}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from support import real_prompts
+
+from mars_export.parity import _graph_logits
+from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
+from runtime.bundle import BundleConfig, load_config
+from runtime.decoding import causal_window_mask
+from runtime.onnx_backend import OnnxBackend
+from runtime.tokenizer import Tokenizer
+
+PRECISIONS = ("int8", "int4")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle", type=Path, help="a float32 bundle (mars-export MODEL -o DIR)")
+    p.add_argument("--prompts-each", type=int, default=3, help="GSM8K and HumanEval prompts each (default 3)")
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    p.add_argument("--past", type=int, default=128, help="cached positions of the timed step (default 128)")
+    p.add_argument("--repeats", type=int, default=30, help="timed steps per graph (default 30)")
+    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
+    p.add_argument("--timing-only", action="store_true", help="only the interleaved step time")
+    args = p.parse_args()
+    config = load_config(args.bundle)
+    assert config.weight_dtype == "float32", "give a float32 bundle"
+    tokenizer = Tokenizer(args.bundle)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
+               for _, text in real_prompts(args.prompts_each)]
+    scratch = Path(tempfile.mkdtemp(prefix="quantized-step-"))
+    try:
+        shutil.copy(args.bundle / config.onnx_file, scratch / "float32.onnx")
+        configs = {"float32": BundleConfig(**{**config.__dict__, "onnx_file": "float32.onnx"})}
+        summaries = {}
+        for precision in PRECISIONS:
+            summaries[precision] = quantize_step_graph(scratch / "float32.onnx", scratch / f"{precision}.onnx",
+                                                       precision)
+            configs[precision] = BundleConfig(**{**config.__dict__, "onnx_file": f"{precision}.onnx",
+                                                 "weight_dtype": precision})
+        backends = {name: OnnxBackend(scratch, cfg, num_threads=args.threads) for name, cfg in configs.items()}
+        results = {name: {"file_mb": round((scratch / cfg.onnx_file).stat().st_size / 1e6, 1)}
+                   for name, cfg in configs.items()}
+        reference_logits = [] if args.timing_only else [_graph_logits(backends["float32"], config, ids)
+                                                        for ids in prompts]
+        for precision in PRECISIONS if not args.timing_only else ():
+            results[precision].update(summaries[precision])
+            results[precision].update(_logit_agreement(backends[precision], config, prompts, reference_logits))
+            results[precision]["greedy_vs_float32"] = measure_greedy_agreement(
+                backends["float32"], backends[precision], config, prompts, args.tokens)
+            print(precision, json.dumps(results[precision]), flush=True)
+        step_ms = _interleaved_step_ms(backends, config, args.past, args.repeats)
+        for name in configs:
+            results[name]["step_ms"] = step_ms[name]
+            results[name]["step_vs_float32"] = round(step_ms[name] / step_ms["float32"], 3)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out = {"bundle": str(args.bundle), "source_model": config.source_model, "window": config.window,
+           "past": args.past, "threads": args.threads, "num_prompts": len(prompts), "tokens": args.tokens,
+           "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}", "results": results}
+    name = f"quantized_step_timing_w{config.window}.json" if args.timing_only else "quantized_step.json"
+    path = ROOT / "bench" / "results" / name
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+def _logit_agreement(backend, config: BundleConfig, prompts, reference_logits) -> dict:
+    agree, total, max_diff = 0, 0, 0.0
+    for ids, reference in zip(prompts, reference_logits):
+        logits = _graph_logits(backend, config, ids)  # [T_padded, V]
+        agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+        total += len(logits)
+        max_diff = max(max_diff, float(np.abs(logits - reference).max()))
+    return {"top1_vs_float32_graph": round(agree / total, 4), "max_abs_logit_diff_vs_float32_graph": round(max_diff, 3),
+            "num_positions": total}
+
+
+def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, repeats: int) -> dict:
+    """Median ms of one batch-1 W-token step with ``past_len`` cached positions, graphs run round-robin."""
+    rng = np.random.default_rng(0)
+    window = config.window
+    past = [(rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32),  # [1, H, P, D]
+             rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32))
+            for _ in range(config.num_layers)]
+    ids = rng.integers(0, config.vocab_size, (1, window))  # [1, W]
+    positions = np.arange(past_len, past_len + window)[None]  # [1, W]
+    mask = causal_window_mask(past_len, window)  # [1, 1, W, P + W]
+    times = {name: [] for name in backends}
+    for i in range(repeats + 3):
+        for name, backend in backends.items():
+            start = time.perf_counter()
+            backend.step(ids, positions, mask, past)
+            if i >= 3:  # warm-up
+                times[name].append(time.perf_counter() - start)
+    return {name: round(float(np.median(t)) * 1e3, 2) for name, t in times.items()}
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

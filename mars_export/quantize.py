@@ -1,0 +1,212 @@
+"""Weight-only int8 / int4 quantization of the exported step graph (``mars-export --int8 | --int4``).
+
+Every MatMul whose weight is a constant becomes an onnxruntime ``com.microsoft::MatMulNBits``
+node (``onnxruntime.quantization.matmul_nbits_quantizer``): the weight is stored in blocks
+of ``BLOCK_SIZE`` values along the reduction axis K, each block with one float32 scale and,
+asymmetric, one zero point. Only the weights are stored quantized: attention, norms, the
+KV cache and the logits stay float32 and the graph's I/O is unchanged, so the runtime runs
+it as it runs fp32. Inside MatMulNBits the CPU kernel quantizes its input per block to int8
+for the dot products (``ACCURACY_LEVEL``), the only fast path of this onnxruntime.
+
+Tied embeddings: the dynamo exporter writes the output head of a tied model as
+``MatMul(h, Transpose(W))`` with ``W`` the embedding table that the input ``Gather`` also
+reads. The quantizer skips it (its weight is not a constant), yet at W <= 8 tokens per step
+the fp32 head is the largest weight read per step (V x hidden). With ``include_lm_head``
+the head gets its own transposed copy, quantized like the other MatMuls; the ``Gather``
+keeps the float32 table (it reads only W rows per step).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from mars_export.evaluation.scoring import common_prefix
+from mars_export.parity import ParityError, measure_parity
+from runtime.bundle import LOGITS, BundleConfig
+from runtime.decoding import DecodeParams, Decoder
+from runtime.onnx_backend import OnnxBackend
+
+WEIGHT_BITS = {"int8": 8, "int4": 4}
+BLOCK_SIZE = 32
+# Asymmetric blocks (a zero point per block) fit skewed blocks better than symmetric ones;
+# measured on the default model (README "Quantized exports").
+IS_SYMMETRIC = False
+# MatMulNBits compute on CPU: 4 = int8 dot products, the activations quantized per block
+# of K at run time (weights stay as stored). With fp32 compute (level unset) one
+# 8 x 576 x 1536 MatMul took 3.0 ms (int4) and 34 ms (int8: no fast kernel) against 1.2 ms
+# in fp32; with level 4, 1.3 ms and 1.4 ms (2-core AMD EPYC, onnxruntime 1.32).
+ACCURACY_LEVEL = 4
+QUANT_OP = "MatMulNBits"
+REFERENCE_FILE = "reference-float32.onnx"  # the float32 graph, kept in the temporary bundle while measuring
+# Gate of a quantized export: top-1 agreement with the float32 PyTorch model on the parity
+# prompts (quantized logits cannot meet the float32 |Δlogit| tolerance). A floor that
+# catches a broken graph, not a quality mark: the default model measured 0.96 (int8) and
+# 0.64 (int4) against its float32 graph on 6 real prompts; tiny random models 0.98-1.0 and
+# 0.92-0.97. See README "Quantized exports".
+MIN_TOP1_AGREEMENT = {"int8": 0.9, "int4": 0.5}
+AGREEMENT_TOKENS = 64
+
+
+def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head: bool = True,
+                        block_size: int = BLOCK_SIZE, is_symmetric: bool = IS_SYMMETRIC,
+                        accuracy_level: int | None = ACCURACY_LEVEL) -> dict:
+    """Write ``src`` (a float32 step graph) to ``dst`` with weight-only quantized MatMuls.
+
+    Args:
+        weight_dtype: ``"int8"`` or ``"int4"`` (MatMulNBits with bits 8 or 4).
+        include_lm_head: also quantize the output head, the MatMul that writes ``logits``
+            (a tied head is untied first, see the module docstring).
+        accuracy_level: MatMulNBits compute type (see :data:`ACCURACY_LEVEL`); None = fp32.
+
+    Returns:
+        ``{"weight_dtype", "block_size", "is_symmetric", "accuracy_level", "lm_head_quantized", "num_quantized"}``.
+
+    Raises:
+        ValueError: unknown ``weight_dtype``, or the graph has no constant-weight MatMul.
+    """
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if weight_dtype not in WEIGHT_BITS:
+        raise ValueError(f"weight dtype must be one of {sorted(WEIGHT_BITS)}, got {weight_dtype!r}")
+    model = onnx.load(str(src))
+    head = _output_head(model.graph)
+    if include_lm_head and head is not None:
+        _untie(model.graph, head)
+    quantizer = MatMulNBitsQuantizer(model, bits=WEIGHT_BITS[weight_dtype], block_size=block_size,
+                                     is_symmetric=is_symmetric, accuracy_level=accuracy_level,
+                                     nodes_to_exclude=[head.name] if head is not None and not include_lm_head else [])
+    with _quiet("onnxruntime.quantization"):
+        quantizer.process()
+    model = quantizer.model.model
+    num_quantized = sum(node.op_type == QUANT_OP for node in model.graph.node)
+    if num_quantized == 0:
+        raise ValueError(f"{src} has no MatMul with a constant weight: nothing to quantize")
+    onnx.save(model, str(dst), save_as_external_data=model.ByteSize() > 2 * 1024**3 - 1)
+    return {"weight_dtype": weight_dtype, "block_size": block_size, "is_symmetric": is_symmetric,
+            "accuracy_level": accuracy_level, "lm_head_quantized": include_lm_head and head is not None,
+            "num_quantized": num_quantized}
+
+
+def quantize_and_check(model, bundle_dir: Path, config: BundleConfig, prompts: list[list[int]],
+                       min_top1: float | None = None) -> dict:
+    """Quantize the bundle's float32 graph to ``config.weight_dtype`` and measure it; the export's parity step.
+
+    Measures the quantized graph against the float32 PyTorch ``model`` (max |Δlogit|, top-1
+    agreement) and its greedy output against the float32 graph's (:func:`measure_greedy_agreement`),
+    then removes the float32 graph.
+
+    Args:
+        min_top1: lowest top-1 agreement allowed; None = :data:`MIN_TOP1_AGREEMENT` of the dtype.
+
+    Returns:
+        the parity record for ``mars_config.json``.
+
+    Raises:
+        ParityError: top-1 agreement below ``min_top1``.
+    """
+    floor = MIN_TOP1_AGREEMENT[config.weight_dtype] if min_top1 is None else min_top1
+    reference_config, weights = quantize_bundle_graph(bundle_dir, config)
+    backend = OnnxBackend(bundle_dir, config)
+    parity = {**measure_parity(model, backend, config, prompts), "backend": "onnxruntime-cpu",
+              "min_top1_agreement": floor, "weights": weights}
+    check_top1_floor(parity, floor, config.weight_dtype)
+    parity["greedy_vs_float32"] = measure_greedy_agreement(OnnxBackend(bundle_dir, reference_config), backend,
+                                                           config, prompts)
+    (bundle_dir / REFERENCE_FILE).unlink()
+    return parity
+
+
+def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig) -> tuple[BundleConfig, dict]:
+    """Quantize the float32 graph ``config.onnx_file`` of ``bundle_dir`` in place to ``config.weight_dtype``.
+
+    The float32 graph is kept as :data:`REFERENCE_FILE` for the agreement measurement; the
+    caller removes it.
+
+    Returns:
+        the config of the float32 reference graph, and :func:`quantize_step_graph`'s summary.
+    """
+    graph = bundle_dir / config.onnx_file
+    reference = graph.rename(bundle_dir / REFERENCE_FILE)
+    summary = quantize_step_graph(reference, graph, config.weight_dtype)
+    return BundleConfig(**{**config.__dict__, "onnx_file": REFERENCE_FILE, "weight_dtype": None}), summary
+
+
+def measure_greedy_agreement(reference, backend, config: BundleConfig, prompts: list[list[int]],
+                             num_tokens: int = AGREEMENT_TOKENS) -> dict:
+    """Greedy (tau = 1) output of ``backend`` against ``reference`` on ``prompts``, up to ``num_tokens`` each.
+
+    Returns:
+        ``{"num_prompts", "num_tokens", "identical_fraction"`` (prompts whose ids are all equal),
+        ``"mean_common_prefix"`` (tokens before the first difference), ``"mean_reference_tokens"}``.
+    """
+    params = DecodeParams(tau=1.0, max_new_tokens=num_tokens)
+    pairs = [(Decoder(reference, config).generate(ids, params).token_ids,
+              Decoder(backend, config).generate(ids, params).token_ids) for ids in prompts]
+    prefixes = [common_prefix(a, b) for a, b in pairs]
+    return {"num_prompts": len(pairs), "num_tokens": num_tokens,
+            "identical_fraction": sum(a == b for a, b in pairs) / len(pairs),
+            "mean_common_prefix": float(np.mean(prefixes)),
+            "mean_reference_tokens": float(np.mean([len(a) for a, _ in pairs]))}
+
+
+def check_top1_floor(result: dict, floor: float, weight_dtype: str) -> None:
+    """Raise :class:`ParityError` if the top-1 agreement with PyTorch is below ``floor``."""
+    if not result["top1_agreement"] >= floor:
+        raise ParityError(f"parity check failed for the {weight_dtype} graph: top-1 agreement with the float32 "
+                          f"PyTorch model {result['top1_agreement']:.4f} < floor {floor:g} over "
+                          f"{result['num_positions']} positions (max |Δlogit| {result['max_abs_logit_diff']:.3g}); "
+                          "quantization broke the model")
+
+
+def count_quantized_nodes(path: Path) -> int:
+    """Number of MatMulNBits nodes in the graph at ``path`` (weights not loaded)."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return sum(node.op_type == QUANT_OP for node in graph.node)
+
+
+def _output_head(graph: onnx.GraphProto) -> onnx.NodeProto | None:
+    """The MatMul that writes the ``logits`` output, or None if another op writes it."""
+    node = next(n for n in graph.node if LOGITS in n.output)
+    return node if node.op_type == "MatMul" else None
+
+
+def _untie(graph: onnx.GraphProto, head: onnx.NodeProto) -> None:
+    """If ``head`` reads ``Transpose(W)`` of an initializer ``W`` (tied embeddings), give it its own constant.
+
+    The new initializer ``W.T`` [K, N] is what the quantizer can see; the Transpose is
+    removed once nothing else reads it, and ``W`` stays for the embedding Gather.
+    """
+    initializers = {t.name: t for t in graph.initializer}
+    producer = next((n for n in graph.node if head.input[1] in n.output), None)
+    if producer is None or producer.op_type != "Transpose" or producer.input[0] not in initializers:
+        return
+    weight = numpy_helper.to_array(initializers[producer.input[0]])  # [N, K]
+    assert weight.ndim == 2 and _perm(producer) in ([1, 0], []), "the tied head is a plain 2-D transpose"
+    untied = numpy_helper.from_array(np.ascontiguousarray(weight.T), f"{producer.input[0]}.untied_t")  # [K, N]
+    graph.initializer.append(untied)
+    head.input[1] = untied.name
+    if not any(producer.output[0] in n.input for n in graph.node):
+        graph.node.remove(producer)
+
+
+def _perm(node: onnx.NodeProto) -> list[int]:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), [])
+
+
+class _quiet:
+    """Silence a logger below ERROR for the duration of a ``with`` block."""
+
+    def __init__(self, name: str):
+        self.logger = logging.getLogger(name)
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)

@@ -1,0 +1,210 @@
+"""Memory a model needs on an edge device: weights + KV cache, against Jetson Orin budgets.
+
+``python -m runtime.memory PATH [PATH ...] [options]`` where PATH is a bundle directory
+(weights = the size of its ONNX file(s) and, if built, ``engine.plan``) or a Hugging Face
+``config.json`` (or a directory holding one; weights = parameter count × bytes per
+parameter, no weights file needed).
+
+Dimension letters: L layers, Hkv KV heads, D head dim, d hidden size, I MLP width,
+V vocabulary, T context (tokens), B batch.
+
+    KV bytes = 2 (key and value) · L · Hkv · D · T · B · bytes per element
+
+What is NOT counted: activations and the logits buffer (B · W · V · 4 bytes), the
+runtime's workspace, the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so
+measure what your image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # int8/int4: scales not counted
+KV_BYTES = {"fp32": 4, "fp16": 2, "float32": 4, "float16": 2}
+BUDGETS_GIB = {"Orin Nano 8GB": 8, "Orin NX 16GB": 16, "AGX Orin 32GB": 32, "AGX Orin 64GB": 64}
+GIB = 1024**3
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What sizing needs to know about one model.
+
+    Attributes:
+        name: label for the report.
+        weights_bytes: bytes of weights as they will sit in memory.
+        num_params: parameter count, or None for a bundle (known only as file bytes).
+        num_layers, num_kv_heads, head_dim: KV cache shape per token.
+        kv_bytes_per_element: 4 (fp32) or 2 (fp16).
+        max_context: the model's context limit (tokens).
+        note: how ``weights_bytes`` was obtained.
+    """
+
+    name: str
+    weights_bytes: int
+    num_params: int | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bytes_per_element: int
+    max_context: int
+    note: str
+
+    def kv_bytes(self, context: int, batch: int) -> int:
+        """KV cache bytes for ``batch`` sequences of ``context`` tokens."""
+        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
+                              self.kv_bytes_per_element)
+
+
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: int, batch: int,
+                   bytes_per_element: int) -> int:
+    """2 · L · Hkv · D · T · B · bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * context * batch * bytes_per_element
+
+
+def count_parameters(config: dict) -> int:
+    """Parameters of a Llama / Mistral / Qwen2 / Qwen3 causal LM from its ``config.json`` fields.
+
+    Per layer: q, k, v, o projections (biases: q/k/v always for Qwen2, all four when
+    ``attention_bias``), gate/up/down MLP (biases when ``mlp_bias``), two RMSNorms of d,
+    and for Qwen3 a q-norm and k-norm of D. Plus the embedding V · d, the final norm d and
+    an lm_head V · d unless ``tie_word_embeddings``.
+
+    Raises:
+        ValueError: another ``model_type``, or a required field is missing.
+    """
+    arch = config.get("model_type")
+    if arch not in ARCHS:
+        raise ValueError(f"model_type {arch!r} is not supported for sizing; supported: {ARCHS}")
+    try:
+        d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+        heads, width = config["num_attention_heads"], config["intermediate_size"]
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}, needed to count parameters") from e
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or d // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = d * q + 2 * d * kv + q * d
+    if arch == "qwen2":
+        attention += q + 2 * kv
+    elif config.get("attention_bias", False):
+        attention += q + 2 * kv + d
+    mlp = 3 * d * width + (2 * width + d if config.get("mlp_bias", False) else 0)
+    norms = 2 * d + (2 * head_dim if arch == "qwen3" else 0)
+    head = 0 if config.get("tie_word_embeddings", False) else vocab * d
+    return vocab * d + layers * (attention + mlp + norms) + d + head
+
+
+def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str) -> ModelMemory:
+    """Sizing of a Hugging Face ``config.json`` with weights in ``weights_dtype``."""
+    raw = _read_json(path)
+    num_params = count_parameters(raw)
+    heads = raw["num_attention_heads"]
+    return ModelMemory(
+        name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
+        num_params=num_params, num_layers=raw["num_hidden_layers"],
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, kv_bytes_per_element=KV_BYTES[kv_dtype],
+        max_context=raw.get("max_position_embeddings", 0), note=f"parameters × {weights_dtype}")
+
+
+def from_bundle(bundle_dir: Path, kv_dtype: str | None) -> ModelMemory:
+    """Sizing of an exported bundle: its weights are the bytes of its ONNX file(s)."""
+    from runtime.bundle import load_config
+    config = load_config(bundle_dir)
+    onnx = bundle_dir / config.onnx_file
+    files = [onnx, onnx.with_name(onnx.name + ".data")]  # the exporter's external-data file, when over 2 GB
+    weights = sum(f.stat().st_size for f in files if f.is_file())
+    note = f"{config.onnx_file} on disk ({config.dtype})"
+    if config.engine_file and (bundle_dir / config.engine_file).is_file():
+        note += f"; {config.engine_file} {(bundle_dir / config.engine_file).stat().st_size / GIB:.3f} GiB " \
+                "(the TensorRT backend loads this instead)"
+    return ModelMemory(
+        name=f"bundle {bundle_dir} ({config.source_model})", weights_bytes=weights, num_params=None,
+        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        kv_bytes_per_element=KV_BYTES[kv_dtype or config.dtype], max_context=config.max_context, note=note)
+
+
+def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
+    """The sizing table of one model as text."""
+    per_token = model.kv_bytes(1, 1)
+    lines = [f"== {model.name}"]
+    if model.num_params is not None:
+        sizes = " | ".join(f"{k} {model.num_params * b / GIB:.2f}" for k, b in BYTES_PER_PARAM.items())
+        lines.append(f"parameters {model.num_params:,}; weights GiB: {sizes}")
+    lines.append(f"weights {model.weights_bytes / GIB:.3f} GiB ({model.note})")
+    lines.append(f"KV cache {per_token:,} bytes per token = 2 x {model.num_layers} layers x {model.num_kv_heads} "
+                 f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B; max context {model.max_context}")
+    lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
+                 + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))
+    for batch in batches:
+        for context in [c for c in contexts if c <= model.max_context]:
+            kv = model.kv_bytes(context, batch)
+            total = (model.weights_bytes + kv) / GIB
+            fits = "  ".join(f"{'fits' if total + reserve_gib <= gib else '-':>{len(name)}}"
+                             for name, gib in BUDGETS_GIB.items())
+            lines.append(f"{batch:>5} {context:>7} {kv / GIB:>8.3f} {total:>9.3f}  {fits}")
+    lines.append("largest context that fits (tokens per sequence), by batch:")
+    for name, gib in BUDGETS_GIB.items():
+        room = gib * GIB - reserve_gib * GIB - model.weights_bytes
+        best = [min(model.max_context, int(room // (per_token * b))) if room > 0 else 0 for b in batches]
+        lines.append(f"  {name:<14} " + "  ".join(f"B={b}: {t}" for b, t in zip(batches, best)))
+    return "\n".join(lines)
+
+
+def load(path: Path, weights_dtype: str, kv_dtype: str | None) -> ModelMemory:
+    """A bundle directory, a ``config.json``, or a directory holding one.
+
+    Raises:
+        ValueError: the path is none of these, or its config cannot be sized.
+    """
+    from runtime.bundle import CONFIG_FILE
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        return from_bundle(path, kv_dtype)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        raise ValueError(f"{path} is neither a MARS bundle nor a Hugging Face config.json")
+    return from_hf_config(config, weights_dtype, kv_dtype or "fp16")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.memory", description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="+", help="bundle directories or Hugging Face config.json files")
+    p.add_argument("--weights-dtype", default="fp16", choices=sorted(BYTES_PER_PARAM),
+                   help="weights dtype for config.json sizing (default fp16; bundles use their files)")
+    p.add_argument("--kv-dtype", default=None, choices=["fp16", "fp32"],
+                   help="KV cache dtype (default: the bundle's dtype; fp16 for config.json)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="batch sizes (default 1 4 8)")
+    p.add_argument("--context", type=int, nargs="+", default=[512, 2048, 8192, 32768],
+                   help="context lengths in tokens (default 512 2048 8192 32768; capped at the model's)")
+    p.add_argument("--reserve-gib", type=float, default=0.0,
+                   help="memory kept for OS, CUDA context and activations, subtracted from each budget")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if min(args.batch) < 1 or min(args.context) < 1 or args.reserve_gib < 0:
+            raise ValueError("--batch and --context must be >= 1 and --reserve-gib >= 0")
+        models = [load(Path(p), args.weights_dtype, args.kv_dtype) for p in args.paths]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n\n".join(report(m, args.batch, args.context, args.reserve_gib) for m in models))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

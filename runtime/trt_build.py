@@ -1,0 +1,174 @@
+"""Build ``engine.plan`` from a bundle's ONNX step graph with TensorRT's Python API (no torch).
+
+``python -m runtime.trt_build BUNDLE [options]`` builds the engine on the machine that
+will run it (an engine is tied to its GPU and TensorRT version, so a Jetson builds its
+own) and records it in ``mars_config.json``. ``--print-trtexec`` prints the equivalent
+``trtexec`` line instead and needs no TensorRT.
+
+Dimension letters: B batch, W window (fixed), P past length, H KV heads, D head dim.
+One optimization profile covers B in 1..max_batch and P in 0..max_context - W (P = 0 is
+the first step of a one-token prompt). Its min, opt and max shapes each keep the
+dimensions the graph ties together equal: B in every input, and the attention mask's
+last axis = P + W where P is the KV inputs' third axis.
+
+Networks are strongly typed (TensorRT 11 allows nothing else; TensorRT 10 gets the flag):
+the engine computes in the precision the ONNX graph states, so an fp16 engine comes from
+an ``mars-export --fp16`` bundle, not from a builder flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime import bundle
+from runtime.bundle import BundleConfig, BundleError, load_config
+
+INSTALL_HINT = ("install the TensorRT extra on a machine with an NVIDIA GPU: pip install 'mars-edge[trt]' "
+                "(on Jetson: JetPack's python3-libnvinfer and pip install cuda-python)")
+
+
+@dataclass(frozen=True)
+class TrtBuildOptions:
+    """The optimization profile and builder limits.
+
+    Attributes:
+        max_batch / opt_batch: largest batch, and the batch TensorRT tunes for.
+        max_context / opt_context: largest P + W, and the P + W tuned for; None =
+            min(model context, 4096) and min(max_context, 1024).
+        workspace_mib: builder workspace limit in MiB; None = TensorRT's default (all
+            device memory), which a Jetson sharing RAM with the OS may want to lower.
+    """
+
+    max_batch: int = 8
+    opt_batch: int = 1
+    max_context: int | None = None
+    opt_context: int | None = None
+    workspace_mib: int | None = None
+
+    def __post_init__(self):
+        if not 1 <= self.opt_batch <= self.max_batch:
+            raise ValueError(f"need 1 <= opt batch <= max batch, got opt {self.opt_batch}, max {self.max_batch}")
+        if self.workspace_mib is not None and self.workspace_mib < 1:
+            raise ValueError(f"workspace_mib must be >= 1, got {self.workspace_mib}")
+
+
+def profile_shapes(config: BundleConfig, options: TrtBuildOptions) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """(min, opt, max) shape of every step-graph input.
+
+    Raises:
+        ValueError: a context outside W + 1 .. the model's max context, or opt > max.
+    """
+    window = config.window
+    max_context = options.max_context or min(config.max_context, 4096)
+    opt_context = options.opt_context or min(max_context, 1024)
+    if not window < opt_context <= max_context <= config.max_context:
+        raise ValueError(f"need window ({window}) < opt context ({opt_context}) <= max context ({max_context}) "
+                         f"<= the model's context ({config.max_context})")
+    batches = (1, options.opt_batch, options.max_batch)
+    pasts = (0, opt_context - window, max_context - window)
+    heads, dim = config.num_kv_heads, config.head_dim
+    shapes = {
+        bundle.INPUT_IDS: tuple((b, window) for b in batches),  # [B, W]
+        bundle.POSITION_IDS: tuple((b, window) for b in batches),  # [B, W]
+        bundle.ATTENTION_MASK: tuple((b, 1, window, p + window) for b, p in zip(batches, pasts)),  # [B, 1, W, P + W]
+    }
+    for layer in range(config.num_layers):
+        for name in bundle.past_names(layer):
+            shapes[name] = tuple((b, heads, p, dim) for b, p in zip(batches, pasts))  # [B, H, P, D]
+    return shapes
+
+
+def trtexec_command(config: BundleConfig, options: TrtBuildOptions, onnx_path: str = bundle.ONNX_FILE,
+                    engine_path: str = bundle.ENGINE_FILE) -> str:
+    """The ``trtexec`` line that builds the same engine as :func:`build_engine`."""
+    shapes = profile_shapes(config, options)
+
+    def flag(which: int) -> str:
+        return ",".join(f"{name}:{'x'.join(map(str, dims[which]))}" for name, dims in shapes.items())
+
+    parts = [f"trtexec --onnx={onnx_path} --saveEngine={engine_path} --stronglyTyped",
+             f"--minShapes={flag(0)}", f"--optShapes={flag(1)}", f"--maxShapes={flag(2)}"]
+    if options.workspace_mib:
+        parts.append(f"--memPoolSize=workspace:{options.workspace_mib}")  # MiB
+    return " \\\n    ".join(parts)
+
+
+def require_tensorrt():
+    """Import and return the ``tensorrt`` module, or raise with the fix named.
+
+    Raises:
+        RuntimeError: TensorRT is not installed (or cannot load its libraries).
+    """
+    try:
+        import tensorrt
+    except (ImportError, OSError) as e:
+        raise RuntimeError(f"TensorRT is not available ({e}); {INSTALL_HINT}") from e
+    return tensorrt
+
+
+def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleConfig,
+                 options: TrtBuildOptions) -> None:
+    """Parse ``onnx_path``, build a strongly typed engine with one profile, write ``engine_path``.
+
+    Raises:
+        RuntimeError: TensorRT missing, the parser rejected the graph (its errors are
+            listed), or the build failed (no GPU, out of memory, unsupported layer).
+    """
+    trt = require_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # ignored (always on) in TensorRT 11
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # reads external data beside the file too
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+    builder_config = builder.create_builder_config()
+    if options.workspace_mib:
+        builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
+    profile = builder.create_optimization_profile()
+    for name, (smallest, typical, largest) in profile_shapes(config, options).items():
+        profile.set_shape(name, smallest, typical, largest)
+    builder_config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, builder_config)
+    if plan is None:
+        raise RuntimeError(f"TensorRT could not build an engine from {onnx_path} (see the TensorRT log above)")
+    Path(engine_path).write_bytes(bytes(plan))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.trt_build", description=__doc__.splitlines()[0])
+    p.add_argument("bundle", help="bundle directory written by mars-export")
+    p.add_argument("--max-batch", type=int, default=8, help="largest batch (default 8)")
+    p.add_argument("--opt-batch", type=int, default=1, help="batch to tune for (default 1)")
+    p.add_argument("--max-context", type=int, default=None, help="largest past + window (default min(context, 4096))")
+    p.add_argument("--opt-context", type=int, default=None, help="past + window to tune for (default 1024)")
+    p.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit in MiB")
+    p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec line and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.bundle)
+        options = TrtBuildOptions(args.max_batch, args.opt_batch, args.max_context, args.opt_context,
+                                  args.workspace_mib)
+        if args.print_trtexec:
+            print(trtexec_command(config, options))
+            return 0
+        build_engine(Path(args.bundle) / config.onnx_file, Path(args.bundle) / bundle.ENGINE_FILE, config, options)
+    except (BundleError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    updated = BundleConfig(**{**config.__dict__, "engine_file": bundle.ENGINE_FILE})
+    (Path(args.bundle) / bundle.CONFIG_FILE).write_text(updated.to_json())
+    print(f"wrote {Path(args.bundle) / bundle.ENGINE_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

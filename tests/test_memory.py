@@ -1,0 +1,93 @@
+"""Memory sizing (runtime.memory): parameter counts against torch, KV bytes by hand, the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from runtime import memory
+
+CONFIGS = Path(__file__).resolve().parents[1] / "samples" / "jetson" / "configs"
+TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig(**TINY, tie_word_embeddings=False),
+    LlamaConfig(**TINY, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    LlamaConfig(**TINY, head_dim=24),  # head_dim not hidden / heads
+    Qwen2Config(**TINY, tie_word_embeddings=False),
+    Qwen2Config(**TINY, tie_word_embeddings=True),
+    Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False),
+], ids=["llama", "llama-tied-biases", "llama-head-dim", "qwen2", "qwen2-tied", "qwen3"])
+def test_parameter_count_equals_torch(config):
+    model = AutoModelForCausalLM.from_config(config)
+    assert memory.count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, expected", [("qwen2.5-0.5b-instruct", 494_032_768),
+                                            ("qwen2.5-7b-instruct", 7_615_616_512)])
+def test_shipped_qwen_configs(name, expected):
+    """The shipped configs give Qwen's published sizes, and so does transformers' model built from them."""
+    path = CONFIGS / name / "config.json"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent))
+    assert sum(p.numel() for p in model.parameters()) == expected
+    sized = memory.from_hf_config(path, "fp16", "fp16")
+    assert sized.num_params == expected and sized.weights_bytes == 2 * expected
+
+
+def test_kv_bytes_by_hand():
+    # 2 (K and V) x 3 layers x 2 KV heads x 16 dims x 100 tokens x batch 5 x 2 bytes
+    assert memory.kv_cache_bytes(3, 2, 16, 100, 5, 2) == 2 * 3 * 2 * 16 * 100 * 5 * 2 == 192_000
+
+
+def test_config_sizing_by_dtype(tmp_path):
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    Qwen2Config(**TINY, tie_word_embeddings=False).to_json_file(path)
+    num_params = memory.count_parameters(Qwen2Config(**TINY, tie_word_embeddings=False).to_dict())
+    for dtype, bytes_per in [("fp32", 4), ("fp16", 2), ("int8", 1), ("int4", 0.5)]:
+        sized = memory.from_hf_config(path, dtype, "fp16")
+        assert sized.weights_bytes == int(num_params * bytes_per)
+    sized = memory.from_hf_config(path, "fp16", "fp32")
+    assert (sized.num_layers, sized.num_kv_heads, sized.head_dim) == (3, 2, 16)
+    assert sized.kv_bytes(200, 4) == 2 * 3 * 2 * 16 * 200 * 4 * 4
+
+
+def test_largest_context_that_fits():
+    """8 GiB budget, 1 GiB weights, 1 MiB per token: 7168 tokens at batch 1, 3584 at batch 2."""
+    model = memory.ModelMemory("m", memory.GIB, None, 1, 1, 1024 * 1024 // 4, 2, 100_000, "hand-made")
+    assert model.kv_bytes(1, 1) == 1024 * 1024
+    text = memory.report(model, [1, 2], [1024], 0.0)
+    assert "Orin Nano 8GB  B=1: 7168  B=2: 3584" in text
+    assert "Orin Nano 8GB  B=1: 6144  B=2: 3072" in memory.report(model, [1, 2], [1024], 1.0)
+
+
+def test_cli_on_bundle_and_configs(tiny_bundle, capsys):
+    _, bundle = tiny_bundle("llama", 4)
+    code = memory.main([str(bundle), str(CONFIGS / "qwen2.5-0.5b-instruct"), str(CONFIGS / "qwen2.5-7b-instruct"),
+                        "--batch", "1", "8", "--context", "512", "32768"])
+    out = capsys.readouterr().out
+    assert code == 0
+    onnx_bytes = (bundle / "model.onnx").stat().st_size
+    assert f"weights {onnx_bytes / memory.GIB:.3f} GiB (model.onnx on disk (float32))" in out
+    assert f"KV cache {2 * 2 * 2 * 16 * 4:,} bytes per token" in out  # tiny llama: 2 layers, 2 KV heads, 16 dims, fp32
+    assert "parameters 494,032,768" in out and "parameters 7,615,616,512" in out
+    assert "KV cache 57,344 bytes per token = 2 x 28 layers x 4 KV heads x 128 dims x 2 B" in out
+    # 7B at fp16: 14.19 GiB of weights, never within the Orin Nano's 8 GiB
+    assert "Orin Nano 8GB  B=1: 0  B=8: 0" in out
+
+
+def test_cli_rejects_other_paths(tmp_path, capsys):
+    assert memory.main([str(tmp_path)]) == 2
+    assert "is neither a MARS bundle nor a Hugging Face config.json" in capsys.readouterr().err

@@ -1,0 +1,166 @@
+"""Weight-only quantized exports (mars-export --int8 / --int4) of tiny Llama and Qwen3 models.
+
+The quantized graph replaces model.onnx with the same I/O, holds MatMulNBits nodes of the
+right bit width, runs unchanged in the runtime, and its config records the weight dtype,
+the parity against the float32 PyTorch model and the greedy agreement with the float32 graph.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from support import export
+
+from mars_export import cli as export_cli
+from mars_export import quantize
+from runtime import generate
+from runtime.bundle import load_config
+from runtime.decoding import DecodeParams, Decoder
+from runtime.onnx_backend import OnnxBackend
+
+CASES = [("llama", "int4"), ("qwen3", "int8")]
+
+
+@pytest.fixture(scope="module")
+def quantized_bundle(tiny_bundle, tmp_path_factory):
+    """Factory: (arch, weight dtype) -> (float32 bundle, quantized bundle), B = W = 4, exported once per module."""
+    made = {}
+
+    def get(arch: str, weight_dtype: str):
+        if (arch, weight_dtype) not in made:
+            ckpt, fp32 = tiny_bundle(arch, 4)
+            out = tmp_path_factory.mktemp(f"{arch}-{weight_dtype}") / "bundle"
+            made[arch, weight_dtype] = fp32, export(str(ckpt), out, 4, 4, "--mask-token", "<mask>", f"--{weight_dtype}")
+        return made[arch, weight_dtype]
+
+    return get
+
+
+def nbits_nodes(bundle) -> list[onnx.NodeProto]:
+    graph = onnx.load(str(bundle / "model.onnx")).graph
+    return [node for node in graph.node if node.op_type == "MatMulNBits"]
+
+
+@pytest.mark.parametrize("arch, weight_dtype", CASES)
+def test_graph_holds_matmulnbits_of_the_right_width(quantized_bundle, arch, weight_dtype):
+    fp32, bundle = quantized_bundle(arch, weight_dtype)
+    nodes = nbits_nodes(bundle)
+    fp32_matmuls = [n for n in onnx.load(str(fp32 / "model.onnx")).graph.node if n.op_type == "MatMul"]
+    # 2 layers x 7 projections + the output head; attention's two MatMuls per layer stay float32
+    assert len(nodes) == 2 * 7 + 1 and len(fp32_matmuls) == 2 * 7 + 1 + 2 * 2
+    initializers = {t.name: t for t in onnx.load(str(bundle / "model.onnx")).graph.initializer}
+    bits, block = quantize.WEIGHT_BITS[weight_dtype], quantize.BLOCK_SIZE
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["bits"] == bits and attrs["block_size"] == block
+        assert attrs["accuracy_level"] == quantize.ACCURACY_LEVEL
+        packed = initializers[node.input[1]]  # uint8 [N, K / block, block * bits / 8]
+        assert packed.data_type == onnx.TensorProto.UINT8
+        assert list(packed.dims) == [attrs["N"], -(-attrs["K"] // block), block * bits // 8]
+    assert any("logits" in n.output for n in nodes), "the output head is quantized"
+    assert not (bundle / quantize.REFERENCE_FILE).exists()
+    assert (bundle / "model.onnx").stat().st_size < (fp32 / "model.onnx").stat().st_size
+
+
+@pytest.mark.parametrize("arch, weight_dtype", CASES)
+def test_config_records_precision_and_parity(quantized_bundle, arch, weight_dtype):
+    _, bundle = quantized_bundle(arch, weight_dtype)
+    config = load_config(bundle)
+    assert config.dtype == "float32" and config.weight_dtype == weight_dtype
+    parity = config.parity
+    assert parity["min_top1_agreement"] == quantize.MIN_TOP1_AGREEMENT[weight_dtype]
+    assert parity["min_top1_agreement"] <= parity["top1_agreement"] <= 1.0
+    assert parity["max_abs_logit_diff"] > 1e-3  # quantized: no longer float32-exact ...
+    assert parity["weights"] == {"weight_dtype": weight_dtype, "block_size": quantize.BLOCK_SIZE,
+                                 "is_symmetric": quantize.IS_SYMMETRIC,
+                                 "accuracy_level": quantize.ACCURACY_LEVEL, "lm_head_quantized": True,
+                                 "num_quantized": 15}
+    greedy = parity["greedy_vs_float32"]
+    assert greedy["num_prompts"] == 5 and greedy["num_tokens"] == quantize.AGREEMENT_TOKENS
+    assert 0 <= greedy["identical_fraction"] <= 1 and greedy["mean_common_prefix"] <= greedy["mean_reference_tokens"]
+    if weight_dtype == "int8":  # ... but int8 keeps nearly every prediction
+        assert parity["top1_agreement"] >= 0.98
+
+
+@pytest.mark.parametrize("arch, weight_dtype", CASES)
+def test_runtime_runs_the_quantized_bundle(quantized_bundle, arch, weight_dtype, capsys):
+    fp32, bundle = quantized_bundle(arch, weight_dtype)
+    code = generate.main([str(bundle), "--prompt", "hello", "--max-new-tokens", "8", "--json", "--tau", "0.5"])
+    out = capsys.readouterr()
+    assert code == 0 and out.err.strip() == ""
+    result = json.loads(out.out)
+    assert 1 <= result["num_tokens"] <= 8 and result["num_forwards"] <= result["num_tokens"]
+    # greedy agreement as recorded at export time, recomputed by the runtime
+    config, ref_config = load_config(bundle), load_config(fp32)
+    prompt = [5, 70, 80, 90, 100, 7]
+    params = DecodeParams(tau=1.0, max_new_tokens=quantize.AGREEMENT_TOKENS)
+    ids = Decoder(OnnxBackend(bundle, config), config).generate(prompt, params).token_ids
+    ref = Decoder(OnnxBackend(fp32, ref_config), ref_config).generate(prompt, params).token_ids
+    assert len(ids) >= 1 and quantize.common_prefix(ids, ref) <= len(ref)
+
+
+def test_output_head_can_stay_float32(tiny_bundle, tmp_path):
+    _, fp32 = tiny_bundle("llama", 4)
+    summary = quantize.quantize_step_graph(fp32 / "model.onnx", tmp_path / "m.onnx", "int4", include_lm_head=False)
+    assert summary["lm_head_quantized"] is False and summary["num_quantized"] == 14
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    assert next(n for n in graph.node if "logits" in n.output).op_type == "MatMul"
+
+
+def test_tied_output_head_is_untied_before_quantizing():
+    """The dynamo graph of a tied model: logits = MatMul(h, Transpose(E)) and Gather(E, ids)."""
+    helper = onnx.helper
+    table = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 1000  # [V, K]
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["h"]),
+         helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "Et"], ["logits"], name="head")],
+        "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 4, 64])],
+        [onnx.numpy_helper.from_array(table, "E")])
+    quantize._untie(graph, graph.node[2])
+    assert [n.op_type for n in graph.node] == ["Gather", "MatMul"]
+    head = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}[graph.node[1].input[1]]
+    np.testing.assert_array_equal(head, table.T)  # [K, V], its own constant; E stays for the Gather
+    assert graph.node[0].input[0] == "E"
+
+
+def error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--int4", "--int8"], "choose one precision, got --int8 and --int4"),
+    (["--fp16", "--int4"], "choose one precision, got --fp16 and --int4"),
+    (["--int8", "--trt"], "--int8 is a CPU (onnxruntime) export"),
+    (["--int4", "--parity-tol", "0.1"], "use --min-top1 instead of --parity-tol"),
+    (["--min-top1", "0.9"], "--min-top1 applies to --int8/--int4 exports only"),
+    (["--int4", "--min-top1", "1.5"], "--min-top1 must be a fraction in [0, 1]"),
+])
+def test_bad_precision_flags(tiny_bundle, tmp_path, capsys, args, message):
+    ckpt, _ = tiny_bundle("llama", 4)
+    code = export_cli.main([str(ckpt), "-o", str(tmp_path / "b"), "--mask-token", "<mask>", *args])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_agreement_below_floor_fails_and_leaves_nothing(tiny_bundle, tmp_path, capsys):
+    ckpt, _ = tiny_bundle("llama", 4)
+    out = tmp_path / "out" / "bundle"
+    code = export_cli.main([str(ckpt), "-o", str(out), "--mask-token", "<mask>", "--int4", "--min-top1", "1"])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and "parity check failed for the int4 graph: top-1 agreement" in err[0]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_default_model_int4(tmp_path):
+    """The default model in int4: about a quarter of the fp32 file, agreement within the recorded floor."""
+    bundle = export("default", tmp_path / "bundle", 4, 4, "--int4")
+    config = load_config(bundle)
+    assert config.weight_dtype == "int4" and config.parity["top1_agreement"] >= quantize.MIN_TOP1_AGREEMENT["int4"]
+    assert (bundle / "model.onnx").stat().st_size < 250e6

@@ -45,7 +45,8 @@ def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, met
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Probabilities [T, V] after temperature, top-k and top-p (renormalized)."""
-    probs = softmax(logits / np.float32(temperature))
+    with np.errstate(over="ignore"):  # the suppressed mask logit (float32 min) / T < 1 overflows to -inf: p = 0
+        probs = softmax(logits / np.float32(temperature))
     if 0 < top_k < probs.shape[-1]:
         kth = np.partition(probs, -top_k, axis=-1)[:, -top_k, None]  # [T, 1]
         probs = np.where(probs >= kth, probs, 0.0)

@@ -27,14 +27,14 @@ MAX_STOP_STRINGS = 4
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and completions."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -87,13 +87,13 @@ class _GenerationRequest(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -134,7 +134,7 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TauRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     tau: float
 
 

@@ -129,6 +129,9 @@ BAD_REQUESTS = [
     ("chat", {"max_tokens": 600}, "max_tokens"),                     # beyond the 512-token context
     ("completions", {"prompt": "x" * 600}, "prompt"),                 # prompt over the context
     ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),             # token id outside the vocabulary
+    ("chat", {"max_tokens": "8"}, "max_tokens"),                      # wrong JSON types are not coerced
+    ("chat", {"tau": True}, "tau"),
+    ("chat", {"stream": "yes"}, "stream"),
 ]
 
 
@@ -185,6 +188,7 @@ def test_non_streamed_disconnect_frees_the_slot(tiny_server):
 
 
 def test_admin_tau_and_load_policy_move_the_default_live(tiny_server):
+    assert tiny_server.http.post("/admin/tau", json={"tau": True}).status_code == 400  # not coerced to 1.0
     r = tiny_server.http.post("/admin/tau", json={"tau": 0.2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tau"  # below --tau-min 0.5
     assert tiny_server.http.post("/admin/tau", json={"tau": 0.8}).json()["base_tau"] == 0.8

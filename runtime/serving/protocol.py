@@ -149,34 +149,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _envelope(request_id: str, object_: str, model: str, choices: list, **extra) -> dict:
+    """The fields every response and chunk shares, then its choices and any extra fields."""
+    return {"id": request_id, "object": object_, "created": int(time.time()), "model": model, "choices": choices,
+            **extra}
+
+
+def _mars_field(mars: dict | None) -> dict:
+    return {"mars": mars} if mars is not None else {}
+
+
 def chat_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict, mars: dict) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_, "mars": mars}
+    message = {"role": "assistant", "content": text}
+    return _envelope(request_id, "chat.completion", model,
+                     [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+                     usage=usage_, mars=mars)
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None,
                mars: dict | None = None) -> dict:
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    return chunk | ({"mars": mars} if mars is not None else {})
+    return _envelope(request_id, "chat.completion.chunk", model,
+                     [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                     **_mars_field(mars))
 
 
 def completion_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict,
                         mars: dict) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_, "mars": mars}
+    return _envelope(request_id, "text_completion", model,
+                     [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                     usage=usage_, mars=mars)
 
 
 def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None,
                      mars: dict | None = None) -> dict:
-    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    return chunk | ({"mars": mars} if mars is not None else {})
+    return _envelope(request_id, "text_completion", model,
+                     [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                     **_mars_field(mars))
 
 
 def usage_chunk(request_id: str, model: str, object_: str, usage_: dict) -> dict:
-    return {"id": request_id, "object": object_, "created": int(time.time()), "model": model,
-            "choices": [], "usage": usage_}
+    return _envelope(request_id, object_, model, [], usage=usage_)

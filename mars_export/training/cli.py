@@ -55,6 +55,9 @@ def make_train_parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora-targets", default="all-linear", help="'all-linear' or names like q_proj,v_proj")
     lora.add_argument("--lora-freeze-mask-embedding", action="store_true",
                       help="do not train the mask token's embedding row")
+    lora.add_argument("--lora-init", metavar="DIR", default=None,
+                      help="continue training this LoRA adapter (e.g. mars_export/data/smollm2-135m-mars) "
+                           "instead of a fresh one; its rank and targets apply")
     return p
 
 
@@ -74,9 +77,12 @@ def make_distill_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Build the validated :class:`TrainConfig` (raises ValueError on a bad value)."""
     lora = None
+    if args.lora_init is not None and not args.lora:
+        raise ValueError("--lora-init continues a LoRA adapter: add --lora")
     if args.lora:
         lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                            targets=args.lora_targets, train_mask_embedding=not args.lora_freeze_mask_embedding)
+                            targets=args.lora_targets, train_mask_embedding=not args.lora_freeze_mask_embedding,
+                            init=args.lora_init)
     return TrainConfig(
         model=args.model, data=args.data, output=args.output, block_size=args.block_size, alpha=args.alpha,
         max_length=args.max_length, mask_token=args.mask_token, lora=lora, epochs=args.epochs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -14,7 +15,9 @@ class LoraSettings:
 
     ``targets`` is ``"all-linear"`` (every linear layer but the LM head) or comma-separated
     module names such as ``"q_proj,v_proj"``. ``train_mask_embedding`` also trains the
-    embedding row of the mask token, which the base model never learned.
+    embedding row of the mask token, which the base model never learned. ``init`` is a
+    LoRA adapter directory (peft format) to continue training from instead of a fresh
+    adapter; its own rank, alpha and targets then apply.
     """
 
     rank: int = 16
@@ -22,12 +25,16 @@ class LoraSettings:
     dropout: float = 0.05
     targets: str = "all-linear"
     train_mask_embedding: bool = True
+    init: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        if self.init is not None and not (Path(self.init) / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-init {self.init}: no adapter_config.json there; give a LoRA adapter "
+                             "directory such as mars_export/data/smollm2-135m-mars or a run's adapter/")
         if not self.target_modules:
             raise ValueError("--lora-targets is empty; give 'all-linear' or module names like 'q_proj,v_proj'")
 

@@ -71,7 +71,12 @@ class MarsTrainer(Trainer):
 
 
 def prepare_lora_model(model: PreTrainedModel, settings: LoraSettings, mask_token_id: int) -> PeftModel:
-    """Wrap ``model`` with a LoRA adapter (and, if asked, a trainable mask-token embedding row)."""
+    """Wrap ``model`` with a LoRA adapter (and, if asked, a trainable mask-token embedding row).
+
+    With ``settings.init`` the adapter saved there is loaded, trainable, instead of a fresh one.
+    """
+    if settings.init is not None:
+        return PeftModel.from_pretrained(model, settings.init, is_trainable=True)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=settings.target_modules, task_type="CAUSAL_LM",
                         trainable_token_indices=[mask_token_id] if settings.train_mask_embedding else None)

@@ -113,3 +113,18 @@ def test_distill_writes_chat_jsonl_and_drops_unfinished(tmp_path):
     assert main(["distill", str(random_model), "--prompts", str(prompts), "--output", str(out),
                  "--max-new-tokens", "2"]) == 0
     assert out.read_text() == ""  # two random tokens never end with end-of-turn here
+
+
+def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_path):
+    first = tmp_path / "first"
+    assert train(tiny_checkpoint, tiny_jsonl, first, "--max-steps", "2", "--save-steps", "0", "--lora",
+                 "--lora-rank", "4") == 0
+    frozen = tmp_path / "frozen"  # a learning rate of 1e-12: the result is the adapter it started from
+    assert train(tiny_checkpoint, tiny_jsonl, frozen, "--max-steps", "1", "--save-steps", "0", "--lora",
+                 "--lora-init", str(first / "adapter"), "--lr", "1e-12") == 0
+    for name, tensor in weights(first).items():
+        torch.testing.assert_close(weights(frozen)[name], tensor, msg=f"--lora-init did not load {name}")
+    with pytest.raises(SystemExit):  # --lora-init without --lora
+        train(tiny_checkpoint, tiny_jsonl, tmp_path / "a", "--max-steps", "1", "--lora-init", str(first / "adapter"))
+    with pytest.raises(SystemExit):  # not an adapter directory
+        train(tiny_checkpoint, tiny_jsonl, tmp_path / "b", "--max-steps", "1", "--lora", "--lora-init", str(tmp_path))

@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("model", help="'default', a .gguf file, or a Hugging Face checkpoint directory")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
     p.add_argument("--block", type=int, default=4, help="block size B: most tokens accepted per step (default 4)")
-    p.add_argument("--window", type=int, default=None, help="fixed window W of the step graph (default: B)")
+    p.add_argument("--window", type=int, default=None, help="decode window W of the step graph (default: B); prefill also runs longer windows")
     p.add_argument("--mask-token", default=None,
                    help="mask token; default: the one recorded with the model (required for other models)")
     p.add_argument("--parity-tol", type=float, default=None,

@@ -1,6 +1,8 @@
 """Export the step graph to ONNX with torch's dynamo exporter (opset 18).
 
-The window W is fixed; batch and past length are dynamic (past may be 0, the first step).
+Batch, past length (0 at the first step) and window length are dynamic axes. The runtime
+decodes with the bundle's window W and prefills with longer windows; TensorRT engines fix
+W in their optimization profile.
 I/O names come from :mod:`runtime.bundle`, the one place they are defined.
 """
 
@@ -24,7 +26,7 @@ _EXAMPLE_BATCH, _EXAMPLE_PAST = 2, 5
 
 
 def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_context: int) -> None:
-    """Write the step graph of ``model`` with window ``window`` to ``path``.
+    """Write the step graph of ``model`` to ``path`` (``window``: the bundle's W, the example length).
 
     Weights go to external data next to ``path`` only when the graph is over 2 GB.
 
@@ -35,10 +37,12 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     num_layers, num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     batch, past = Dim("batch", min=1, max=1024), Dim("past", min=0, max=max_context)
-    example = _example_inputs(cfg.vocab_size, num_layers, num_kv_heads, head_dim, window, model.dtype)
+    length = Dim("window", min=1, max=max_context)
+    # The example needs W >= 2: torch.export specializes a dimension whose example size is 1.
+    example = _example_inputs(cfg.vocab_size, num_layers, num_kv_heads, head_dim, max(window, 2), model.dtype)
     kv_shapes = [({0: batch, 2: past}, {0: batch, 2: past}) for _ in range(num_layers)]
-    dynamic_shapes = {"input_ids": {0: batch}, "position_ids": {0: batch},
-                      "attention_mask": {0: batch, 3: past + window}, "past": kv_shapes}
+    dynamic_shapes = {"input_ids": {0: batch, 1: length}, "position_ids": {0: batch, 1: length},
+                      "attention_mask": {0: batch, 2: length, 3: Dim.AUTO}, "past": kv_shapes}
     # The exporter narrates each pass on stdout and warns about unrelated optional packages
     # (torchvision) and deprecations; the bundle's parity check is what reports on the result.
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _quiet("torch.onnx"):

@@ -1,12 +1,15 @@
 """Step-graph inputs for a batch of rows over the slot cache (the only place that builds model arrays).
 
-Dimension letters: n rows, W window, S cache capacity, V vocabulary.
+Dimension letters: n rows, W window, S cache capacity, V vocabulary, T prefill chunk.
 
 Row i of a step is cache slot i. It feeds W token ids at positions ``lengths[i] ..
 lengths[i] + W - 1``; its queries see the ``lengths[i]`` committed keys of its slot and,
 causally, the W new keys. An idle row (a free slot inside the batch) feeds padding at
 positions 0..W-1 and sees only its own window, so its softmax stays finite; its outputs
 are ignored and nothing of it is committed.
+
+A prefill forward (graphs with a dynamic window axis) runs one slot alone over T prompt
+tokens instead of W, with the same mask rule.
 """
 
 from __future__ import annotations
@@ -43,3 +46,26 @@ def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int
     positions = lengths[:, None] + np.arange(window, dtype=np.int64)[None]              # [n, W]
     mask = window_mask(lengths, cache.capacity, window)
     return backend.step(ids, positions, mask, cache.past(len(rows)))
+
+
+def run_prefill(backend, cache: KVCache, slot: int, chunk: list[int]):
+    """One forward of T prompt tokens of slot ``slot`` alone, after its committed KV (prefill).
+
+    Needs a step graph whose window axis is dynamic (``backend.is_window_dynamic``); the
+    T queries see the slot's committed keys and, causally, each other.
+
+    Args:
+        backend: as :func:`run_batch`.
+        cache: the slot cache; its capacity must hold the slot's length + T.
+        slot: the cache slot.
+        chunk: T >= 1 prompt token ids.
+
+    Returns:
+        per layer the new (key, value) [1, H, T, D]; the logits are not needed.
+    """
+    lengths = cache.lengths[slot:slot + 1]  # [1]
+    ids = np.array([chunk], np.int64)  # [1, T]
+    positions = lengths[:, None] + np.arange(len(chunk), dtype=np.int64)[None]  # [1, T]
+    mask = window_mask(lengths, cache.capacity, len(chunk))  # [1, 1, T, S + T]
+    _, presents = backend.step(ids, positions, mask, cache.past_of(slot))
+    return presents

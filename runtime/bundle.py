@@ -3,7 +3,8 @@
 This module is the one place where the I/O names of the step graph live; the exporter
 (`mars_export`) and every runtime backend import them from here.
 
-Step graph I/O (B batch, W window, P past length, H KV heads, D head dim, V vocab):
+Step graph I/O (B batch, W window, P past length, H KV heads, D head dim, V vocab; B, P
+and, in exports since 2026-11-30, W are dynamic axes):
     inputs   input_ids                  int64 [B, W]
              position_ids               int64 [B, W]
              attention_mask             bool  [B, 1, W, P + W]   True = query may see key;
@@ -77,7 +78,8 @@ class BundleConfig:
 
     Attributes:
         block_size: B, the most tokens one decode step may accept (MARS §3).
-        window: W, the fixed sequence length of the step graph (W >= B).
+        window: W, tokens fed per decode step (W >= B); graphs exported since 2026-11-30
+            also take other lengths (prefill, AR steps).
         mask_token / mask_token_id: the MARS mask token (DESIGN.md §1).
         eos_token_ids: ids that end generation (a model may list several).
         pad_token_id: id fed at window positions whose output is ignored.

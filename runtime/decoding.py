@@ -45,8 +45,8 @@ class Decoder:
     """Prefill + MARS acceptance loop for one sequence over a backend with :meth:`step` (onnxruntime or TensorRT).
 
     Args:
-        backend: object with ``step(input_ids, position_ids, attention_mask, past)``
-            as in :class:`runtime.onnx_backend.OnnxBackend`.
+        backend: object with ``step(input_ids, position_ids, attention_mask, past)`` and
+            ``is_window_dynamic`` as in :class:`runtime.onnx_backend.OnnxBackend`.
         config: the bundle config.
     """
 
@@ -57,7 +57,8 @@ class Decoder:
     def generate(self, prompt_ids: list[int], params: DecodeParams) -> GenerationResult:
         """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``.
 
-        Prefill puts every prompt token but the last into the cache, W at a time; the last
+        Prefill puts every prompt token but the last into the cache (in forwards of up to 256
+        tokens when the graph's window axis is dynamic, else W at a time); the last
         prompt token is the first decode step's real token, so TPF is exactly 1.0 at tau >= 1.
         ``result.seconds`` covers the whole call.
 

@@ -4,6 +4,8 @@ Dimension letters: n batch rows (= cache slots 0..n-1), W window, V vocabulary.
 
 Every step is one forward of the step graph over the running rows:
   - a prefilling row feeds its next W prompt tokens (never the last one) and commits them;
+    when the graph's window axis is dynamic, a newly admitted row is instead prefilled
+    first, alone, in forwards of up to ``prefill_chunk`` tokens, and joins the step decoding;
   - a decoding row feeds its uncached real tokens, its drafts (verify mode), then mask
     tokens; the output at the last real token is the AR prediction, each later output
     predicts one more token ahead; the acceptance rule picks how many to keep.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.acceptance import count_accepted, count_verified
-from runtime.batch import run_batch
+from runtime.batch import run_batch, run_prefill
 from runtime.bundle import BundleConfig
 from runtime.kv_cache import KVCache
 from runtime.params import DecodeParams, GenerationResult, check_tau
@@ -47,6 +49,9 @@ class EngineConfig:
         max_batch_size: KV slots, i.e. the most sequences decoding at once (>= 1).
         scheme: ``continuous`` or ``block`` (see the module docstring).
         max_seq_len: positions per slot (prompt + generated + W); None = the bundle's max context.
+        prefill_chunk: prompt tokens per prefill forward when the backend's graph has a
+            dynamic window axis (``backend.is_window_dynamic``); 0 prefills through the
+            W-token step instead. Bounds the prefill's logits to ``prefill_chunk x V`` floats.
 
     Raises:
         ValueError: a value out of range.
@@ -55,12 +60,15 @@ class EngineConfig:
     max_batch_size: int = 8
     scheme: str = "continuous"
     max_seq_len: int | None = None
+    prefill_chunk: int = 256
 
     def __post_init__(self):
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown batch scheme {self.scheme!r}; choose one of {SCHEMES}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = prefill through the step window), got {self.prefill_chunk}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
@@ -90,8 +98,8 @@ class Engine:
     Not thread-safe: drive it from one thread.
 
     Args:
-        backend: object with ``step(input_ids, position_ids, attention_mask, past)`` as
-            :class:`runtime.onnx_backend.OnnxBackend`.
+        backend: object with ``step(input_ids, position_ids, attention_mask, past)`` and
+            ``is_window_dynamic`` as :class:`runtime.onnx_backend.OnnxBackend`.
         config: the bundle config.
         engine_config: batch size, scheme and per-slot length.
     """
@@ -102,6 +110,8 @@ class Engine:
         self.cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                              np.dtype(config.dtype), engine_config.max_batch_size)
         self.scheduler = Scheduler(engine_config.max_batch_size)
+        self.is_window_dynamic = backend.is_window_dynamic  # T-token prefill, shorter AR steps
+        self.prefill_chunk = engine_config.prefill_chunk if self.is_window_dynamic else 0
         self._default_tau = 1.0
         self.num_steps = 0  # batch forwards run so far
 
@@ -168,13 +178,15 @@ class Engine:
         running = self.scheduler.schedule(can_admit)
         if not running:
             return []
-        now = time.perf_counter()
         for seq in running:
-            seq.start_time = seq.start_time or now
-        window = self.config.window
+            if not seq.start_time:
+                seq.start_time = time.perf_counter()
+                if self.prefill_chunk:
+                    self._prefill(seq)
+        window = self._step_window(running)
         rows: list[list[int] | None] = [None] * self.scheduler.num_rows
         for seq in running:
-            rows[seq.slot] = self._prepare_row(seq)
+            rows[seq.slot] = self._prepare_row(seq, window)
         self.cache.reserve(max(int(self.cache.lengths[s.slot]) + window for s in running))
         logits, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)  # [n, W, V]
         logits[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
@@ -201,9 +213,37 @@ class Engine:
             results.update((o.request_id, o.result) for o in self.step() if o.finished)
         return [results[i] for i in ids]
 
-    def _prepare_row(self, seq: Sequence) -> list[int]:
-        """The W ids row ``seq`` feeds: a prefill chunk, or uncached + drafts + masks."""
-        window = self.config.window
+    def _prefill(self, seq: Sequence) -> None:
+        """Commit all prompt tokens but the last in forwards of up to ``prefill_chunk`` tokens."""
+        while seq.is_prefilling:
+            chunk = seq.prefill_chunk(self.prefill_chunk)
+            self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
+            self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk))
+            seq.num_prefilled += len(chunk)
+            seq.result.num_prefill_forwards += 1
+        seq.result.prefill_seconds = time.perf_counter() - seq.start_time
+
+    def _step_window(self, running: list[Sequence]) -> int:
+        """Tokens per row in this step: W, or (continuous scheme, dynamic window) the widest
+        :meth:`_row_width` of the batch, capped at W."""
+        can_shrink = self.engine_config.scheme == "continuous" and self.is_window_dynamic
+        if not can_shrink or any(s.is_prefilling for s in running):
+            return self.config.window
+        return min(max(self._row_width(s) for s in running), self.config.window)
+
+    def _row_width(self, seq: Sequence) -> int:
+        """Inputs a row can use: its uncached real tokens, then (threshold at tau < 1 and verify
+        mode) one draft or mask per further token it may accept; AR rows need no mask."""
+        uses_masks = seq.params.mode == "verify" or self._tau(seq) < 1.0
+        return len(seq.uncached) + (seq.block_size - 1 if uses_masks else 0)
+
+    def _tau(self, seq: Sequence) -> float:
+        """The threshold this row uses now: 1 in ar mode, else its own or the live default."""
+        params = seq.params
+        return 1.0 if params.mode == "ar" else self.default_tau if params.tau is None else params.tau
+
+    def _prepare_row(self, seq: Sequence, window: int) -> list[int]:
+        """The ``window`` ids row ``seq`` feeds: a prefill chunk, or uncached + drafts + masks."""
         if seq.is_prefilling:
             chunk = seq.prefill_chunk(window)
             return chunk + [self.config.pad_token_id] * (window - len(chunk))
@@ -211,7 +251,8 @@ class Engine:
         return real + [self.config.mask_token_id] * (window - len(real))
 
     def _advance(self, seq: Sequence, logits: np.ndarray, counts: np.ndarray) -> StepOutput | None:
-        """Accept from this row's logits [W, V]; set its commit count; return its output (None in prefill)."""
+        """Accept from this row's logits [w, V] (w: this step's window); set its commit count;
+        return its output (None in prefill)."""
         if seq.is_prefilling:
             chunk = seq.prefill_chunk(self.config.window)
             counts[seq.slot] = len(chunk)
@@ -220,8 +261,8 @@ class Engine:
             if not seq.is_prefilling:
                 seq.result.prefill_seconds = time.perf_counter() - seq.start_time
             return None
-        num_real = min(len(seq.uncached), self.config.window)
-        predictions = logits[num_real - 1:]  # [W - r + 1, V]: the AR prediction, then one per later input
+        num_real = min(len(seq.uncached), len(logits))
+        predictions = logits[num_real - 1:]  # [w - r + 1, V]: the AR prediction, then one per later input
         if seq.params.mode == "verify":
             tokens = self._accept_verify(seq, predictions, num_real, counts)
         else:
@@ -233,8 +274,7 @@ class Engine:
 
     def _accept_threshold(self, seq: Sequence, predictions: np.ndarray, num_real: int, counts: np.ndarray) -> list[int]:
         """MARS §3: keep predictions left to right while confident (threshold and ar modes)."""
-        params, window = seq.params, self.config.window
-        tau = 1.0 if params.mode == "ar" else self.default_tau if params.tau is None else params.tau
+        params, window, tau = seq.params, self.config.window, self._tau(seq)
         budget = min(seq.block_size, seq.num_remaining)
         if self.engine_config.scheme == "block":
             budget = min(budget, window + 1 - len(seq.uncached))  # a block yields at most W tokens
@@ -251,8 +291,8 @@ class Engine:
 
     def _accept_verify(self, seq: Sequence, predictions: np.ndarray, num_real: int, counts: np.ndarray) -> list[int]:
         """DESIGN.md §3 verify mode: keep drafts equal to the argmax before them; exactly greedy AR."""
-        predicted = predictions.argmax(axis=-1)  # [W - r + 1]
-        drafts = seq.drafts[:self.config.window - num_real]
+        predicted = predictions.argmax(axis=-1)  # [w - r + 1]
+        drafts = seq.drafts[:len(predicted) - 1]  # the drafts this step fed
         count = count_verified(drafts, predicted, min(seq.block_size, seq.num_remaining), seq.stop_ids)
         tokens = [int(t) for t in predicted[:count]]
         counts[seq.slot] = num_real + count - 1  # the real tokens and the kept drafts

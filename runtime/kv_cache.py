@@ -10,9 +10,10 @@ view, so the past is handed to the backend without a copy, and the attention mas
 positions ``>= lengths[i]`` of each row (stale KV of earlier requests included).
 
 Memory traffic of the cache manager per step:
-  - :meth:`past`: none (views).
+  - :meth:`past`, :meth:`past_of`: none (views).
   - :meth:`commit`: writes ``2 * L * H * D * count_i`` elements for each row ``i`` (only
-    positions whose input was a real token; KV of mask and padding positions is dropped).
+    positions whose input was a real token; KV of mask and padding positions is dropped);
+    :meth:`commit_slot` writes ``2 * L * H * D * T`` for a T-token prefill chunk.
   - :meth:`reserve`: the capacity S doubles (or halves) only when the longest row needs it,
     copying the committed prefix once; over a generation of T positions this totals less
     than ``2 * T`` positions per row, i.e. O(1) per generated token.
@@ -72,6 +73,10 @@ class KVCache:
         """Views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy)."""
         return [(k[:num_rows], v[:num_rows]) for k, v in zip(self.keys, self.values)]
 
+    def past_of(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` alone (no copy; prefill)."""
+        return [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(self.keys, self.values)]
+
     def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], counts) -> None:
         """Append, for each row i, the first ``counts[i]`` of its new KV ``[n, H, W, D]`` to slot i.
 
@@ -83,11 +88,28 @@ class KVCache:
         if (ends > self.capacity).any():
             raise ValueError(f"KV cache overflow: {int(ends.max())} positions > capacity {self.capacity}")
         for row in np.flatnonzero(counts):
-            start, count = int(self.lengths[row]), int(counts[row])
-            for (k_new, v_new), k, v in zip(presents, self.keys, self.values):
-                k[row, :, start:start + count] = k_new[row, :, :count]
-                v[row, :, start:start + count] = v_new[row, :, :count]
+            self._write(row, presents, row, int(counts[row]))
         self.lengths[:len(counts)] = ends
+
+    def commit_slot(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Append all T entries of one row's new KV ``[1, H, T, D]`` to slot ``slot`` (prefill).
+
+        Raises:
+            ValueError: the slot would overflow the current capacity (call :meth:`reserve` first).
+        """
+        count = presents[0][0].shape[2]
+        end = int(self.lengths[slot]) + count
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
+        self._write(slot, presents, 0, count)
+        self.lengths[slot] = end
+
+    def _write(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:
+        """Copy the first ``count`` new entries of ``presents`` row ``row`` after slot ``slot``'s length."""
+        start = int(self.lengths[slot])
+        for (k_new, v_new), k, v in zip(presents, self.keys, self.values):
+            k[slot, :, start:start + count] = k_new[row, :, :count]
+            v[slot, :, start:start + count] = v_new[row, :, :count]
 
     def free(self, slot: int) -> None:
         """Forget slot ``slot``'s KV (its buffers are reused as they are; the mask hides them)."""

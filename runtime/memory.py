@@ -10,7 +10,8 @@ V vocabulary, T context (tokens), B batch.
 
     KV bytes = 2 (key and value) · L · Hkv · D · T · B · bytes per element
 
-What is NOT counted: activations and the logits buffer (B · W · V · 4 bytes), the
+What is NOT counted: activations and the logits buffer (B · W · V · 4 bytes per decode
+step, prefill_chunk · V · 4 per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
 runtime's workspace, the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so
 measure what your image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
 """

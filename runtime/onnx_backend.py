@@ -50,13 +50,16 @@ class OnnxBackend:
         self.num_layers = config.num_layers
         self.kv_dtype = np.dtype(config.dtype)
         _check_io(self.session, config, path)
+        # A symbolic window axis (exports since 2026-11-30) also runs T-token prefill forwards.
+        self.is_window_dynamic = isinstance(self.session.get_inputs()[0].shape[1], str)
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         """Run one forward over a window.
 
         Args:
-            input_ids: int64 [B, W].
+            input_ids: int64 [B, W]; W is the bundle's window, or any length >= 1 when
+                ``is_window_dynamic`` (prefill).
             position_ids: int64 [B, W].
             attention_mask: bool [B, 1, W, P + W].
             past: per layer (key, value), each [B, H, P, D] in the bundle dtype.
@@ -93,6 +96,6 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
                           f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "
                           "re-export the bundle")
     window = session.get_inputs()[0].shape[1]
-    if window != config.window:
+    if not isinstance(window, str) and window != config.window:
         raise BundleError(f"{path} has a window of {window} tokens but {bundle.CONFIG_FILE} says {config.window}; "
                           "re-export the bundle")

@@ -105,6 +105,7 @@ class TrtBackend:
         self.num_layers = config.num_layers
         self.kv_dtype = np.dtype(config.dtype)
         self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, capacity in bytes)
+        self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
         self._check_io(config, path, trt)
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,

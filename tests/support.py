@@ -1,4 +1,4 @@
-"""Helpers shared by the test modules: exporting through the CLI, and real prompts."""
+"""Helpers shared by the test modules: exporting through the CLI, old-style bundles, and real prompts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ def export(model: str, out: Path, block: int, window: int, *extra: str) -> Path:
     from mars_export.cli import main
     assert main([model, "-o", str(out), "--block", str(block), "--window", str(window), *extra]) == 0
     return out
+
+
+def fix_window(bundle: Path, window: int) -> Path:
+    """Make ``bundle``'s graph declare a fixed window axis, as exports before 2026-11-30 did."""
+    import onnx
+    path = bundle / "model.onnx"
+    model = onnx.load(path)
+    for graph_input in model.graph.input[:3]:  # input_ids, position_ids [B, W]; attention_mask [B, 1, W, K]
+        dims = graph_input.type.tensor_type.shape.dim
+        dims[2 if graph_input.name == "attention_mask" else 1].dim_value = window
+    onnx.save(model, path)
+    return bundle
 
 
 def real_prompts(num_each: int) -> list[tuple[str, str]]:

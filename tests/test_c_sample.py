@@ -25,7 +25,7 @@ from runtime.bundle import load_config
 from runtime.decoding import Decoder, DecodeParams
 from runtime.onnx_backend import OnnxBackend
 from runtime.tokenizer import Tokenizer
-from support import real_prompts
+from support import fix_window, real_prompts
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "c"
 TINY_CASES = [("llama", 4), ("qwen2", 8), ("qwen3", 4)]
@@ -83,8 +83,9 @@ def check_same_as_python(binary: Path, bundle: Path, prompts: list[tuple[str, st
             got, counts = wrapper.run_binary(binary, bundle, ids, tau, max_new, block_size, num_threads, timeout=600)
             where = f"{kind} prompt {text[:50]!r} at tau={tau}, block_size={block_size}"
             assert got == expected.token_ids, f"C and Python ids differ on the {where}"
+            c_prefill = -(-(len(ids) - 1) // config.window)  # this program prefills W tokens per forward
             assert (counts["num_forwards"], counts["num_prefill_forwards"], counts["finish_reason"]) == (
-                expected.num_forwards, expected.num_prefill_forwards, expected.finish_reason), where
+                expected.num_forwards, c_prefill, expected.finish_reason), where
             all_counts.append({"tau": tau, "python_tps": expected.summary()["decode_tokens_per_second"], **counts})
     return all_counts
 
@@ -200,7 +201,8 @@ BAD_BUNDLES = {
     "bad dtype": (_config_edit(dtype="bfloat16"), 'dtype must be "float32" or "float16"'),
     "wrong dtype": (_config_edit(dtype="float16"), "element type"),
     "wrong layer count": (_config_edit(num_layers=3), "inputs and"),
-    "wrong window": (_config_edit(window=8, block_size=8), "input_ids must be int64 [batch, 8]"),
+    "wrong window": (lambda bundle: _config_edit(window=8, block_size=8)(fix_window(bundle, 4)),
+                     "input_ids must be int64 [batch, 8]"),
     "wrong vocab": (_config_edit(vocab_size=300), "logits must be float32 [batch, 4, 300]"),
     "no model": (lambda bundle: (bundle / "model.onnx").unlink(), "not found; re-export"),
     "truncated model": (_truncate_model, "rotobuf"),

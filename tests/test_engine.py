@@ -46,6 +46,55 @@ def test_tau_one_batch_rows_equal_solo_runs(tiny, scheme, batch_size):
     assert all(r.tpf == 1.0 if scheme == "continuous" or batch_size == 1 else r.tpf <= 1.0 for r in results)
 
 
+@pytest.mark.parametrize("chunk", [0, 5, 64])
+def test_prefill_forwards_give_the_tokens_of_window_prefill(tiny, chunk):
+    """T-token prefill forwards (any chunk) and W-token prefill (chunk 0) decode the same ids."""
+    backend, config, prompts = tiny
+    assert backend.is_window_dynamic, "new exports have a dynamic window axis"
+    params = DecodeParams(tau=1.0, max_new_tokens=MAX_NEW)
+    results = Engine(backend, config, EngineConfig(max_batch_size=3, prefill_chunk=chunk)).generate(prompts, params)
+    assert [r.token_ids for r in results] == solo(tiny, params)
+    per_forward = chunk or config.window
+    assert [r.num_prefill_forwards for r in results] == [-(-(len(p) - 1) // per_forward) for p in prompts]
+
+
+def test_ar_steps_feed_only_real_tokens_unless_a_row_can_use_masks(tiny):
+    """Continuous scheme on a dynamic-window graph: AR / tau >= 1 batches run W = 1 steps, with
+    the ids of full-window steps (block scheme); a threshold row widens the step to its block size."""
+    backend, config, prompts = tiny
+    windows = []
+
+    class Spy:  # the real backend, recording the window of each decode step
+        def step(self, ids, positions, mask, past):
+            windows.append(ids.shape[1])
+            return backend.step(ids, positions, mask, past)
+
+    def run(scheme, params, extra=()):
+        engine = Engine(backend, config, EngineConfig(max_batch_size=3, scheme=scheme))
+        engine.backend = Spy()
+        ids = [engine.add_request(p, params) for p in prompts[:3]] + [engine.add_request(p, q) for p, q in extra]
+        results = {}
+        while engine.has_unfinished():
+            results.update((o.request_id, o.result.token_ids) for o in engine.step() if o.finished)
+        return [results[i] for i in ids]
+
+    ar = DecodeParams(mode="ar", max_new_tokens=MAX_NEW)
+    full = run("block", ar)
+    assert run("continuous", DecodeParams(tau=1.0, max_new_tokens=MAX_NEW)) == full
+    windows.clear()
+    assert run("continuous", ar) == full
+    chunk = EngineConfig().prefill_chunk
+    prefill = [min(chunk, len(p) - 1 - i) for p in prompts[:3] for i in range(0, len(p) - 1, chunk)]
+    assert sorted(w for w in windows if w > 1) == sorted(prefill) and 1 in windows  # prefill, then W = 1 steps
+    windows.clear()
+    run("continuous", ar, extra=[(prompts[3], DecodeParams(tau=0.5, block_size=2, max_new_tokens=MAX_NEW))])
+    decode = [w for w in windows if w <= config.window]
+    assert 2 in decode and max(decode) <= 3 < config.window  # accepted tokens (<= 2) + 1 mask
+    windows.clear()
+    run("continuous", ar, extra=[(prompts[3], DecodeParams(tau=0.5, max_new_tokens=MAX_NEW))])
+    assert config.window in windows
+
+
 @pytest.mark.parametrize("scheme", ["continuous", "block"])
 def test_verify_mode_equals_greedy_ar_in_a_batch(tiny, scheme):
     backend, config, prompts = tiny

@@ -12,7 +12,7 @@ from mars_export.parity import ParityError
 from mars_export import cli as export_cli
 from runtime import generate
 
-from support import export
+from support import export, fix_window
 
 
 @pytest.fixture
@@ -56,7 +56,8 @@ def test_valid_bundle_generates(bundle, capsys):
     (lambda b: (b / "model.onnx").write_bytes(b""), "corrupt or truncated"),
     (lambda b: (b / "model.onnx").unlink(), "model.onnx not found"),
     (lambda b: set_config(b, mask_token_id=999999), "mask_token_id 999999 is outside the vocabulary"),
-    (lambda b: set_config(b, window=16, block_size=4), "has a window of 4 tokens but mars_config.json says 16"),
+    (lambda b: set_config(fix_window(b, 4), window=16, block_size=4),
+     "has a window of 4 tokens but mars_config.json says 16"),
     (lambda b: set_config(b, format_version="1"), "format version '1' is not supported"),
     (lambda b: set_config(b, num_layers=None), "missing fields ['num_layers']"),
     (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json not found"),

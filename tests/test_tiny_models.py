@@ -7,14 +7,18 @@ decoder (same rule, two implementations).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from support import fix_window
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder, greedy_generate
 from runtime.bundle import load_config
 from runtime.decoding import Decoder, DecodeParams
+from runtime.engine import EngineConfig
 from runtime.onnx_backend import OnnxBackend
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -77,13 +81,31 @@ def test_reference_greedy_equals_transformers_generate(tiny_bundle):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_long_prompt_beyond_export_example(tiny_bundle, arch):
-    """Prefill of ~300 tokens (the export example had 5 past + W) then decoding past it."""
+    """Prefill of ~300 tokens (the export example had 5 past + W; two prefill forwards) then decoding past it."""
     model, tokenizer, config, decoder = load(tiny_bundle, arch, 8)
     ids = chat_prompt_ids(tokenizer, "Count the sheep: " + " ".join(str(i) for i in range(90)))
     assert len(ids) > 250
     result = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=64))
     assert result.token_ids == hf_greedy(model, ids, 64, config.mask_token_id)
-    assert result.num_prefill_forwards == -(-(len(ids) - 1) // config.window)
+    assert result.num_prefill_forwards == -(-(len(ids) - 1) // EngineConfig().prefill_chunk) == 2
+
+
+def test_fixed_window_bundle_prefills_w_tokens_per_forward(tiny_bundle, tmp_path):
+    """A bundle exported before the window axis was dynamic still runs (W-token prefill and steps)
+    and decodes the ids of the dynamic graph, whose steps are only as wide as needed."""
+    model, tokenizer, config, decoder = load(tiny_bundle, "llama", 4)
+    old = fix_window(shutil.copytree(tiny_bundle("llama", 4)[1], tmp_path / "old"), config.window)
+    backend = OnnxBackend(old, config)
+    assert decoder.backend.is_window_dynamic and not backend.is_window_dynamic
+    ids = chat_prompt_ids(tokenizer, PROMPTS[0])
+    for params in (DecodeParams(tau=1.0, max_new_tokens=MAX_NEW), DecodeParams(tau=0.5, max_new_tokens=MAX_NEW),
+                   DecodeParams(tau=0.5, block_size=2, max_new_tokens=MAX_NEW),
+                   DecodeParams(mode="verify", block_size=3, max_new_tokens=MAX_NEW)):
+        result = Decoder(backend, config).generate(ids, params)  # every step W wide
+        narrow = decoder.generate(ids, params)  # steps as wide as the row needs: 1, block_size
+        assert (result.token_ids, result.num_forwards) == (narrow.token_ids, narrow.num_forwards), params
+        assert result.num_prefill_forwards == -(-(len(ids) - 1) // config.window)
+    assert result.token_ids[:1] == hf_greedy(model, ids, 1, config.mask_token_id)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -133,7 +133,8 @@ static void check_io(const StepGraph *g, const MarsConfig *cfg, const char *path
     }
     int64_t dims[4];
     ONNXTensorElementDataType type = io_type(g, 0, 0, dims, &rank);
-    CHECK(require(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && rank == 2 && dims[1] == cfg->window,
+    /* dims[1] is -1 in graphs with a dynamic window axis (any length; this program feeds W). */
+    CHECK(require(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && rank == 2 && (dims[1] == cfg->window || dims[1] < 0),
                   "%s: input_ids must be int64 [batch, %d] (the config's window), got rank %zu with %lld tokens; "
                   "re-export the bundle", path, cfg->window, rank, (long long)dims[1]));
     type = io_type(g, 0, 3, dims, &rank);

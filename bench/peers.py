@@ -1,0 +1,622 @@
+"""Peer benchmark: our runtime against transformers, ONNX Runtime GenAI, llama.cpp and optimum, same weights.
+
+    scripts/bench_peers.sh [--num-prompts 8] [--max-new-tokens 128] [--batch-sizes 1 4] [--threads N]
+
+The shell script sets up one venv per peer (their pins conflict with the project's) and
+runs the subcommands below, each engine in its own process and venv:
+
+    python bench/peers.py checkpoint --out CKPT           # project venv: HF checkpoint of the merged MARS weights
+    python bench/peers.py prompts --work DIR [options]   # project venv: prompt ids + settings -> DIR/prompts.json
+    python bench/peers.py run --engine E --work DIR --model PATH   # writes E's rows to DIR/rows-E.json
+    python bench/peers.py record --engine E --work DIR --status S --log FILE   # a peer that could not install/run
+    python bench/peers.py report --work DIR --out bench/results    # peers.{json,csv,png} + a Markdown table
+
+Every engine is fed the same prompt token ids (the bundle's chat template, GSM8K test
+questions and HumanEval prompts alternating), greedy, fp32 (plus llama.cpp Q8_0), the
+same thread count. Prompts run in static chunks of the batch size (the same workload for
+every engine; ours gets no continuous-batching refill). Per chunk: time to first token
+(TTFT: until every sequence of the chunk has its first token; transformers and optimum
+measure it with a streamer, in the same ``generate`` call), then decode tokens/s (tokens
+after each sequence's first / time after TTFT) and end-to-end tokens/s. Each engine runs
+one warm-up generation first. The prompt token count each engine consumed is recorded and
+a mismatch with prompts.json stops the run. Only the standard library is imported at the
+top: the peer venvs lack the project's packages.
+
+Threads: on a machine shared with other jobs, engines using every core (torch, llama.cpp)
+slowed down 4-30x in the smoke runs (threads waiting on a busy core); measure on a quiet
+machine, or give --threads below the free cores. Each engine's rows record the load
+average before and after its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
+OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
+WARMUP_TOKENS = 4
+
+
+@dataclass
+class Chunk:
+    """What one engine did on one static batch of prompts.
+
+    Attributes:
+        outputs: generated ids per prompt, cut after the first end token (included).
+        seconds: wall-clock of the whole chunk; first_token_seconds: until every row had a token.
+        num_forwards: decode forwards summed over rows (None when the engine hides them).
+        prompt_tokens: prompt tokens the engine consumed, per row (padding excluded).
+    """
+
+    outputs: list
+    seconds: float
+    first_token_seconds: float
+    num_forwards: int | None
+    prompt_tokens: list
+
+
+# ---------------------------------------------------------------- prompts and rows
+
+
+def prepare_prompts(args) -> None:
+    """Project venv: write the prompt ids (bundle chat template) and the run settings to prompts.json."""
+    from mars_export.evaluation.tasks import load_gsm8k, load_humaneval
+    from runtime.bundle import load_config
+    from runtime.tokenizer import Tokenizer
+
+    half = (args.num_prompts + 1) // 2
+    items = [x for pair in zip(load_gsm8k(DATA / "gsm8k/test.jsonl", half),
+                               load_humaneval(DATA / "humaneval/HumanEval.jsonl.gz", half)) for x in pair]
+    tokenizer, config = Tokenizer(args.bundle), load_config(args.bundle)
+    prompts = [{"id": it.item_id, "task": it.task, "ids": tokenizer.encode_chat(it.messages())}
+               for it in items[:args.num_prompts]]
+    settings = {"bundle": str(args.bundle), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
+                "threads": args.threads or os.cpu_count(), "taus": args.taus, "eos_ids": list(config.eos_token_ids),
+                "pad_id": config.pad_token_id, "source_model": config.source_model, "prompts": prompts}
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.work / "prompts.json").write_text(json.dumps(settings))
+    print(f"{len(prompts)} prompts, {sum(len(p['ids']) for p in prompts)} prompt tokens -> {args.work / 'prompts.json'}")
+
+
+def write_checkpoint(args) -> None:
+    """Project venv: save ``--model`` (default ``default-mars``: merged MARS weights) as a HF checkpoint.
+
+    transformers 5 writes a config that older readers misread, so two fields are patched
+    for the peers that pin transformers 4.57 (optimum, the GGUF converter): ``rope_theta``
+    is added (4.57 ignores ``rope_parameters`` and would silently use 10000 instead of
+    100000) and ``quantization_config: null`` is dropped (4.57 crashes on it); the
+    tokenizer class ``TokenizersBackend`` (5.x only) becomes ``PreTrainedTokenizerFast``.
+    """
+    from mars_export.model_source import load_model
+
+    loaded = load_model(args.model)
+    tmp = args.out.with_name(args.out.name + ".partial")
+    loaded.model.save_pretrained(tmp)
+    loaded.tokenizer.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tok_path = tmp / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text())
+    if tok.get("tokenizer_class") == "TokenizersBackend":
+        tok_path.write_text(json.dumps({**tok, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    os.replace(tmp, args.out)
+    print(f"{loaded.source} -> {args.out}")
+
+
+def cut_at_eos(ids: list[int], eos_ids, max_new: int) -> list[int]:
+    """``ids`` up to and including the first end token, at most ``max_new`` of them."""
+    ids = [int(t) for t in ids[:max_new]]
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[:i + 1]
+    return ids
+
+
+def make_row(engine: str, variant: str, batch_size: int, chunks: list[Chunk], prompts: list[dict]) -> dict:
+    """Aggregate the chunks of one (engine, variant, batch size) into a row; stop on a prompt mismatch."""
+    prompt_tokens = [n for c in chunks for n in c.prompt_tokens]
+    expected = [len(p["ids"]) for p in prompts]
+    if prompt_tokens != expected:
+        raise SystemExit(f"error: {engine} {variant} batch {batch_size} consumed prompt token counts {prompt_tokens}, "
+                         f"expected {expected} (prompts.json): the engines are not fed the same prompts")
+    outputs = [o for c in chunks for o in c.outputs]
+    num_tokens, seconds = sum(map(len, outputs)), sum(c.seconds for c in chunks)
+    decode_seconds = sum(c.seconds - c.first_token_seconds for c in chunks)
+    forwards = None if any(c.num_forwards is None for c in chunks) else sum(c.num_forwards for c in chunks)
+    return {"engine": engine, "variant": variant, "batch_size": batch_size, "status": OK, "error": "",
+            "num_prompts": len(outputs), "num_tokens": num_tokens, "seconds": seconds,
+            "ttft_seconds_mean": sum(c.first_token_seconds for c in chunks) / len(chunks),
+            "decode_tokens_per_second": (num_tokens - len(outputs)) / decode_seconds if decode_seconds > 0 else None,
+            "tokens_per_second": num_tokens / seconds, "num_forwards": forwards,
+            "tpf": num_tokens / forwards if forwards else None, "prompt_tokens": prompt_tokens, "outputs": outputs}
+
+
+def status_row(engine: str, variant: str, batch_size: int | None, status: str, error: str) -> dict:
+    """A row for a configuration that did not run (not installable, failed, not supported)."""
+    return {"engine": engine, "variant": variant, "batch_size": batch_size, "status": status, "error": error}
+
+
+KEY_ERROR_PATTERNS = (  # most specific first: (pattern, take the last hit instead of the first)
+    (r"CMake Error", False), (r": (fatal )?error: ", False), (r"^\w+(Error|Exception): ", True),
+    (r"^ERROR: (?!Failed (building|to build))", False), (r"^(error|ERROR)\b", False), (r"\bfailed\b", False))
+
+
+def key_error_line(text: str) -> str:
+    """The line of a log or traceback that best says what went wrong (a CMake error keeps its next line)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for pattern, take_last in KEY_ERROR_PATTERNS:
+        hits = [i for i, ln in enumerate(lines) if re.search(pattern, ln) and "-Werror" not in ln]
+        if hits:
+            i = hits[-1] if take_last else hits[0]
+            line = " ".join(lines[i:i + 2]) if pattern == "CMake Error" else lines[i]
+            return line[:300]
+    return lines[-1][:300] if lines else "(empty log)"
+
+
+def installed_packages() -> dict:
+    """Every distribution installed in this interpreter's environment, name -> version."""
+    from importlib import metadata
+    return dict(sorted((d.metadata["Name"], d.version) for d in metadata.distributions()))
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message``, at most 300 characters."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def versions(*names: str) -> dict:
+    """Installed versions of ``names`` in this interpreter (None if absent)."""
+    from importlib import metadata
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+# ---------------------------------------------------------------- engines
+
+
+def bench_variant(engine: str, variant: str, generate, settings: dict, batch_sizes) -> list[dict]:
+    """Run ``generate(chunk_of_prompt_ids, max_new)`` in static chunks per batch size; one row each.
+
+    A batch size in the complement of ``batch_sizes`` gets a ``not supported`` row.
+    """
+    prompts, max_new = settings["prompts"], settings["max_new_tokens"]
+    generate([prompts[0]["ids"]], WARMUP_TOKENS)
+    rows = []
+    for bs in settings["batch_sizes"]:
+        if bs not in batch_sizes:
+            rows.append(status_row(engine, variant, bs, UNSUPPORTED, f"{engine} runs one sequence at a time"))
+            continue
+        chunks = [generate([p["ids"] for p in prompts[i:i + bs]], max_new) for i in range(0, len(prompts), bs)]
+        rows.append(make_row(engine, variant, bs, chunks, prompts))
+        r = rows[-1]
+        print(f"{engine:12s} {variant:22s} batch {bs}: {r['tokens_per_second']:6.1f} tok/s, "
+              f"TTFT {1000 * r['ttft_seconds_mean']:.0f} ms", flush=True)
+    return rows
+
+
+def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
+    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify."""
+    from runtime.bundle import load_config
+    from runtime.engine import Engine, EngineConfig
+    from runtime.onnx_backend import OnnxBackend
+    from runtime.params import DecodeParams
+
+    bundle = model or settings["bundle"]
+    config = load_config(bundle)
+    backend = OnnxBackend(bundle, config, num_threads=settings["threads"])
+    modes = [("ar", DecodeParams(mode="ar"))] + [(f"threshold tau={t}", DecodeParams(tau=t)) for t in settings["taus"]]
+    modes.append(("verify", DecodeParams(mode="verify")))
+
+    def make_generate(params):
+        def generate(chunk, max_new):
+            max_len = max(map(len, chunk)) + max_new + 2 * config.window
+            engine = Engine(backend, config, EngineConfig(max_batch_size=len(chunk), max_seq_len=max_len))
+            return ours_chunk(engine, DecodeParams(**{**asdict(params), "max_new_tokens": max_new}), chunk)
+        return generate
+
+    rows = [r for name, params in modes for r in bench_variant("ours", name, make_generate(params), settings,
+                                                                 settings["batch_sizes"])]
+    if not backend.is_window_dynamic:
+        print(f"note: {bundle} has a static window axis: prompts are prefilled {config.window} tokens per forward; "
+              "a bundle from the current mars-export prefills in one chunk", file=sys.stderr)
+    return rows, {**versions("mars-edge", "onnxruntime", "numpy"), "is_window_dynamic": backend.is_window_dynamic}
+
+
+def ours_chunk(engine, params, chunk: list[list[int]]) -> Chunk:
+    """Drive ``engine.step()`` over one chunk, noting when each request gets its first token."""
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in chunk]
+    first, results = {}, {}
+    while len(results) < len(ids):
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter()
+            if out.finished:
+                results[out.request_id] = out.result
+    seconds = time.perf_counter() - start
+    return Chunk([results[i].token_ids for i in ids], seconds, max(first.values()) - start,
+                 sum(results[i].num_forwards for i in ids), [len(p) for p in chunk])
+
+
+def hf_generate(model, torch, settings: dict):
+    """A ``generate(chunk, max_new)`` over a transformers-API model: left-padded, greedy, KV cache.
+
+    TTFT comes from a streamer: ``put`` is called once with the prompt, then once per step
+    with the new token of every row; the time of the first step's call is the TTFT.
+    """
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstTokenTimer(BaseStreamer):
+        def __init__(self):
+            self.num_puts, self.first = 0, None
+
+        def put(self, value):
+            self.num_puts += 1
+            if self.num_puts == 2:
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    pad, eos = settings["pad_id"], settings["eos_ids"]
+
+    def generate(chunk, max_new):
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # [B, T] left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])  # [B, T]
+        timer, start = FirstTokenTimer(), time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=eos, streamer=timer)
+        seconds = time.perf_counter() - start
+        outputs = [cut_at_eos(row[width:].tolist(), eos, max_new) for row in out]
+        return Chunk(outputs, seconds, timer.first - start, sum(map(len, outputs)), mask.sum(dim=1).tolist())
+    return generate
+
+
+def run_transformers(settings: dict, model: str | None) -> tuple[list, dict]:
+    """transformers ``generate`` (greedy, fp32, KV cache) on the HF checkpoint of the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(settings["threads"])
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    rows = bench_variant("transformers", "generate fp32", hf_generate(hf, torch, settings), settings,
+                         settings["batch_sizes"])
+    return rows, versions("transformers", "torch")
+
+
+def run_optimum(settings: dict, model: str | None) -> tuple[list, dict]:
+    """optimum's ORTModelForCausalLM (fp32 ONNX export of the same checkpoint, KV cache), greedy."""
+    import onnxruntime
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    torch.set_num_threads(settings["threads"])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = settings["threads"], 1
+    ort_model = ORTModelForCausalLM.from_pretrained(model, session_options=options, provider="CPUExecutionProvider",
+                                                    use_cache=True)
+    rows = bench_variant("optimum", "ORTModelForCausalLM fp32", hf_generate(ort_model, torch, settings), settings,
+                         settings["batch_sizes"])
+    return rows, versions("optimum", "optimum-onnx", "onnxruntime", "transformers", "torch")
+
+
+def run_ortgenai(settings: dict, model: str | None) -> tuple[list, dict]:
+    """ONNX Runtime GenAI (model builder fp32, cpu), greedy, batched generator.
+
+    Batches are right-padded, as GenAI's own ``PadInputs`` does (left padding changed the
+    outputs of the shorter prompt in the smoke run). GenAI builds the prompt's attention
+    mask from ``pad_token_id`` (src/models/position_inputs.cpp), and the config's pad id 2
+    is also <|im_end|>, which every chat prompt contains; as a guard the pad id is overlaid
+    with an id that occurs in no prompt (0.18 gave the same ids either way on the smoke prompts).
+    """
+    import numpy as np
+    import onnxruntime_genai as og
+
+    pad = unused_token_id(settings)
+    config = og.Config(model)
+    config.overlay(json.dumps({"model": {"pad_token_id": pad, "decoder": {"session_options": {
+        "intra_op_num_threads": settings["threads"], "inter_op_num_threads": 1}}}}))
+    og_model, eos = og.Model(config), settings["eos_ids"]
+
+    def generate(chunk, max_new):
+        width = max(map(len, chunk))
+        ids = np.array([p + [pad] * (width - len(p)) for p in chunk], dtype=np.int32)  # [B, T] right-padded
+        params = og.GeneratorParams(og_model)
+        params.set_search_options(max_length=width + max_new, batch_size=len(chunk), do_sample=False)
+        start = time.perf_counter()
+        gen = og.Generator(og_model, params)
+        gen.append_tokens(ids)
+        consumed = [int((row != pad).sum()) for row in ids]
+        steps, first = 0, None
+        while not gen.is_done() and steps < max_new:
+            gen.generate_next_token()
+            steps += 1
+            first = first or time.perf_counter()
+        seconds = time.perf_counter() - start
+        outputs = [cut_at_eos(list(gen.get_sequence(i))[width:], eos, max_new) for i in range(len(chunk))]
+        return Chunk(outputs, seconds, first - start, sum(map(len, outputs)), consumed)
+
+    rows = bench_variant("ortgenai", "model builder fp32", generate, settings, settings["batch_sizes"])
+    return rows, {**versions("onnxruntime-genai", "onnxruntime"), "pad_token_id_overlay": pad}
+
+
+def unused_token_id(settings: dict) -> int:
+    """The smallest token id that occurs in no prompt and is no end token."""
+    used = {t for p in settings["prompts"] for t in p["ids"]} | set(settings["eos_ids"])
+    return next(t for t in range(len(used) + 1) if t not in used)
+
+
+def run_llamacpp(settings: dict, model: str | None) -> tuple[list, dict]:
+    """llama.cpp through llama-cpp-python: F32 and Q8_0 GGUF, greedy; F32 with prompt-lookup decoding.
+
+    ``model`` is the GGUF stem: ``{model}.f32.gguf`` and ``{model}.q8_0.gguf``. Batch 1 only.
+    """
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    variants = [("gguf f32", f"{model}.f32.gguf", None), ("gguf q8_0", f"{model}.q8_0.gguf", None),
+                ("gguf f32 + prompt lookup", f"{model}.f32.gguf", LlamaPromptLookupDecoding)]
+    rows = []
+    for name, path, draft in variants:
+        if not Path(path).is_file():
+            rows.append(status_row("llamacpp", name, None, FAILED, f"{path} not found (GGUF conversion failed?)"))
+            continue
+        try:
+            rows += bench_variant("llamacpp", name, llamacpp_generate(path, draft, settings), settings, {1})
+        except (ValueError, RuntimeError, OSError) as e:  # one variant failing leaves the others' rows
+            rows.append(status_row("llamacpp", name, None, FAILED, first_line(e)))
+    return rows, versions("llama-cpp-python", "numpy")
+
+
+def llamacpp_generate(path: str, draft, settings: dict):
+    """A batch-1 ``generate(chunk, max_new)`` over a llama.cpp model; counts ``eval`` calls as forwards."""
+    from llama_cpp import Llama
+
+    longest = max(len(p["ids"]) for p in settings["prompts"])
+    llm = Llama(model_path=path, n_ctx=longest + settings["max_new_tokens"] + 64, n_batch=512,
+                n_threads=settings["threads"], n_threads_batch=settings["threads"], verbose=False,
+                draft_model=draft() if draft else None)
+    evals, plain_eval, eos = [], llm.eval, settings["eos_ids"]
+
+    def counted_eval(tokens):
+        evals.append(len(tokens))
+        plain_eval(tokens)
+    llm.eval = counted_eval
+
+    def generate(chunk, max_new):
+        (prompt,) = chunk
+        llm.reset()  # no prefix reuse between runs: every run prefills the whole prompt
+        evals.clear()
+        out, start, first, num_prompt_evals = [], time.perf_counter(), None, 0
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first, num_prompt_evals = time.perf_counter(), len(evals)
+            out.append(token)
+            if token in eos or len(out) == max_new:
+                break
+        seconds = time.perf_counter() - start
+        consumed = sum(evals[:num_prompt_evals])
+        return Chunk([cut_at_eos(out, eos, max_new)], seconds, first - start, len(evals) - num_prompt_evals + 1,
+                     [consumed])
+    return generate
+
+
+RUNNERS = {"ours": run_ours, "transformers": run_transformers, "ortgenai": run_ortgenai,
+           "llamacpp": run_llamacpp, "optimum": run_optimum}
+
+
+def run_engine(args) -> None:
+    """Run one engine in this process; write DIR/rows-ENGINE.json (rows, versions, timing)."""
+    settings = json.loads((args.work / "prompts.json").read_text())
+    start, load_before = time.perf_counter(), os.getloadavg()
+    try:
+        rows, found = RUNNERS[args.engine](settings, args.model)
+    except (ImportError, OSError, RuntimeError, ValueError) as e:  # an engine that cannot load is a row, not a crash
+        print(f"error: {args.engine}: {first_line(e)}", file=sys.stderr)
+        rows, found = [status_row(args.engine, "", None, FAILED, first_line(e))], {}
+    write_rows(args.work, args.engine, rows, {"versions": found, "python": platform.python_version(),
+                                              "seconds": time.perf_counter() - start, "settings": run_key(settings),
+                                              "load_average_before_after": [load_before, os.getloadavg()],
+                                              "packages": installed_packages()})
+
+
+def run_key(settings: dict) -> dict:
+    """What rows must share to be compared: the settings and the prompts' ids."""
+    keys = ("bundle", "max_new_tokens", "batch_sizes", "threads", "taus")
+    return {**{k: settings[k] for k in keys}, "prompt_ids": [p["id"] for p in settings["prompts"]]}
+
+
+def record_status(args) -> None:
+    """Write a single status row for an engine that could not be installed or run (key line of its log)."""
+    error = key_error_line(Path(args.log).read_text(errors="replace")) if args.log else args.error
+    write_rows(args.work, args.engine, [status_row(args.engine, "", None, args.status, error)], {})
+    print(f"{args.engine}: {args.status}: {error}")
+
+
+def write_rows(work: Path, engine: str, rows: list, info: dict) -> None:
+    (work / f"rows-{engine}.json").write_text(json.dumps({"engine": engine, "info": info, "rows": rows}))
+
+
+# ---------------------------------------------------------------- report
+
+
+def machine_info() -> dict:
+    """CPU model, cores, load and OS of this machine."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return {"cpu": model.group(1) if model else platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "load_average_at_report": os.getloadavg(), "os": platform.platform(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare_to_reference(rows: list[dict]) -> None:
+    """Add per-row agreement with our AR batch-1 ids: identical count and mean common prefix."""
+    ref = next((r["outputs"] for r in rows if r["engine"] == "ours" and r.get("variant") == "ar"
+                and r["batch_size"] == 1 and r["status"] == OK), None)
+    for row in rows:
+        if row["status"] != OK or ref is None:
+            continue
+        prefixes = [common_prefix(o, r) for o, r in zip(row["outputs"], ref)]
+        row["identical_to_ours_ar"] = sum(o == r for o, r in zip(row["outputs"], ref))
+        row["common_prefix_mean"] = sum(prefixes) / len(prefixes)
+
+
+def report(args) -> None:
+    """Merge DIR/rows-*.json into peers.json/csv/png under --out and print a Markdown table."""
+    settings = json.loads((args.work / "prompts.json").read_text())
+    parts = [json.loads((args.work / f"rows-{e}.json").read_text()) for e in ENGINES
+             if (args.work / f"rows-{e}.json").exists()]
+    stale = [p["engine"] for p in parts if p["info"].get("settings", run_key(settings)) != run_key(settings)]
+    if stale:
+        raise SystemExit(f"error: rows of {stale} in {args.work} come from other settings than prompts.json; "
+                         "rerun those engines (ENGINES=... scripts/bench_peers.sh with the same arguments)")
+    rows = [r for p in parts for r in p["rows"]]
+    counts = {tuple(r["prompt_tokens"]) for r in rows if r["status"] == OK}
+    if len(counts) > 1:
+        raise SystemExit(f"error: engines consumed different prompt token counts: {sorted(counts)}")
+    compare_to_reference(rows)
+    meta = {"machine": machine_info(), "engines": {p["engine"]: p["info"] for p in parts},
+            "setup_steps": read_setup_steps(args.work / "setup.tsv"),
+            "prompts": [{"id": p["id"], "num_tokens": len(p["ids"])} for p in settings["prompts"]],
+            **{k: settings[k] for k in ("bundle", "source_model", "max_new_tokens", "batch_sizes", "threads")}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_csv(args.out / "peers.csv", rows)
+    plot(rows, meta, args.out / "peers.png")
+    print(markdown_table(rows, len(settings["prompts"])))
+
+
+def read_setup_steps(path: Path) -> list[dict]:
+    """The shell script's timed setup steps (installs, conversions, runs): name, exit status, seconds."""
+    if not path.exists():
+        return []
+    steps = [line.split("\t") for line in path.read_text().splitlines() if line.strip()]
+    latest = {name: (int(rc), int(sec)) for name, rc, sec in steps}  # a rerun step keeps its last result
+    return [{"step": name, "rc": rc, "seconds": sec} for name, (rc, sec) in latest.items()]
+
+
+CSV_FIELDS = ("engine", "variant", "batch_size", "status", "num_prompts", "num_tokens", "seconds", "ttft_seconds_mean",
+              "decode_tokens_per_second", "tokens_per_second", "num_forwards", "tpf", "identical_to_ours_ar",
+              "common_prefix_mean", "error")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(rows: list[dict], num_prompts: int) -> str:
+    """One line per row: speeds, TPF and agreement with our AR; status and error for rows that did not run."""
+    header = "| engine | variant | batch | TTFT ms | decode tok/s | e2e tok/s | TPF | identical to our AR | common prefix | status |"
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != OK:
+            lines.append(f"| {r['engine']} | {r['variant']} | {r['batch_size'] or '-'} | | | | | | | "
+                         f"{r['status']}: {r['error'].replace('|', '/')} |")
+            continue
+        tpf = f"{r['tpf']:.2f}" if r["tpf"] else "-"
+        same = f"{r.get('identical_to_ours_ar', '-')}/{num_prompts}"
+        prefix = f"{r['common_prefix_mean']:.1f}" if "common_prefix_mean" in r else "-"
+        decode = f"{r['decode_tokens_per_second']:.1f}" if r["decode_tokens_per_second"] else "-"
+        lines.append(f"| {r['engine']} | {r['variant']} | {r['batch_size']} | {1000 * r['ttft_seconds_mean']:.0f} | "
+                     f"{decode} | {r['tokens_per_second']:.1f} | {tpf} | {same} | {prefix} | ok |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    """End-to-end and decode tokens/s per engine and variant, one panel per batch size; rows that did not run marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(f"{r['engine']}: {r['variant']}" for r in rows if r["variant"]))
+    batch_sizes, y = meta["batch_sizes"], range(len(labels))
+    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(6 * len(batch_sizes), 0.5 * len(labels) + 1.5),
+                             squeeze=False, sharey=True)
+    for ax, bs in zip(axes[0], batch_sizes):
+        by_label = {f"{r['engine']}: {r['variant']}": r for r in rows if r["batch_size"] == bs}
+        ok = [by_label.get(lb, {}).get("status") == OK for lb in labels]
+        for key, shift, color, name in (("tokens_per_second", -0.2, "#4878a8", "end to end"),
+                                        ("decode_tokens_per_second", 0.2, "#a8c4e0", "decode (after first token)")):
+            values = [by_label[lb][key] or 0 if is_ok else 0 for lb, is_ok in zip(labels, ok)]
+            ax.barh([i + shift for i in y], values, height=0.4, color=color, label=name)
+        for i, lb in enumerate(labels):
+            if not ok[i]:
+                ax.text(0, i, f" {by_label.get(lb, {}).get('status', 'not run')}", va="center", fontsize=8)
+        ax.set(title=f"batch {bs}", xlabel="tokens/s (all sequences of a batch)")
+        ax.legend(fontsize=8, loc="best")
+    axes[0][0].set_yticks(list(y), labels)
+    axes[0][0].invert_yaxis()  # shared: once
+    m = meta["machine"]
+    fig.suptitle(f"{m['cpu']}, {m['cores']} cores, {meta['threads']} threads, {meta['max_new_tokens']} new tokens, "
+                 f"{len(meta['prompts'])} prompts", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prompts", help="write prompt ids and settings (project venv)")
+    pp.add_argument("--bundle", default="bundles/default-mars-b4")
+    pp.add_argument("--num-prompts", type=int, default=8, help="half GSM8K test, half HumanEval (default 8)")
+    pp.add_argument("--max-new-tokens", type=int, default=128)
+    pp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    pp.add_argument("--threads", type=int, default=0, help="threads of every engine (default: all cores)")
+    pp.add_argument("--taus", type=float, nargs="+", default=[0.95, 0.9, 0.8, 0.7])
+    pr = sub.add_parser("run", help="run one engine, write its rows")
+    pr.add_argument("--engine", required=True, choices=ENGINES)
+    pr.add_argument("--model", default=None, help="engine's model: bundle, checkpoint dir, GenAI dir or GGUF stem")
+    pc = sub.add_parser("checkpoint", help="write the HF checkpoint every peer loads (project venv)")
+    pc.add_argument("--model", default="default-mars", help="model spec of mars_export.model_source.load_model")
+    pc.add_argument("--out", type=Path, required=True)
+    ps = sub.add_parser("record", help="record a status row for an engine that did not run")
+    ps.add_argument("--engine", required=True, choices=ENGINES)
+    ps.add_argument("--status", required=True)
+    ps.add_argument("--log", default=None, help="log whose key error line is recorded")
+    ps.add_argument("--error", default="")
+    po = sub.add_parser("report", help="merge rows into peers.{json,csv,png}, print a Markdown table")
+    po.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    for sp in (pp, pr, ps, po):  # checkpoint needs no work folder
+        sp.add_argument("--work", type=Path, required=True, help="folder of prompts.json and the rows files")
+    args = p.parse_args()
+    if args.command == "prompts" and (args.num_prompts < 1 or min(args.batch_sizes) < 1 or args.max_new_tokens < 1):
+        p.error("--num-prompts, --batch-sizes and --max-new-tokens must be >= 1")
+    {"prompts": prepare_prompts, "checkpoint": write_checkpoint, "run": run_engine, "record": record_status, "report": report}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

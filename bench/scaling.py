@@ -1,0 +1,401 @@
+"""Decode-step time, achieved memory bandwidth and prefill throughput against context, batch and threads.
+
+    python bench/scaling.py [BUNDLE] [--contexts 128 256 512 1024 2048] [--batch-sizes 1 4 16] [--window W]
+                            [--prompt-lengths 128 256 512 1024] [--threads N] [--repeats 10]
+                            [--warmup 2] [--max-seconds 6] [--max-kv-gib 4] [--stream-mib 1024]
+                            [--out bench/results] [--name scaling]
+
+Dimension letters: B batch, W decode window (--window), P past length, T prompt
+tokens, L layers, H KV heads, D head dim, V vocabulary. Times in ms or s as named; bytes in
+decimal GB (1e9) and bandwidth in GB/s.
+
+1. Decode step: for every (B, P) one forward of W tokens (``--window``; default 1, the engine's
+   AR step, on dynamic-window graphs, else the bundle's W) against a random past (per layer
+   (key, value) [B, H, P, D], distinct arrays, bundle dtype) with the runtime's mask (all P
+   past keys plus causal within the window); ``--warmup`` runs, then timed runs until
+   ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. Points whose KV exceeds
+   ``--max-kv-gib`` are skipped and listed. Batch 1 is also run at 1 thread.
+2. Bandwidth: the least a step must move = weights read whole (all initializers except those
+   only gathered, e.g. an untied token-embedding table) + past KV read (B·2·L·H·P·D·itemsize)
+   + new KV written (B·2·L·H·W·D·itemsize); logits (B·W·V·4) are not counted. Divided by the
+   median step time and compared with a STREAM-like test at the same thread count (reference:
+   the better of copy and triad; numpy's triad is two passes per cache-sized chunk).
+3. Prefill: prompt tokens/s at B = 1, empty past; one forward of T tokens if the graph's
+   window axis is dynamic, else W-token forwards through the runtime's slot cache.
+
+Writes {name}.json (machine, bundle config, STREAM, weights, rows), {name}.csv (all rows,
+column ``kind`` = decode | prefill) and {name}.png to --out, and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from runtime import bundle
+from runtime.batch import run_batch, window_mask
+from runtime.decoding import causal_window_mask
+from runtime.kv_cache import KVCache
+from runtime.onnx_backend import OnnxBackend
+
+GB = 1e9
+GIB = 2**30
+TRIAD_CHUNK = 2**17  # float64 elements (1 MiB): the two passes of a triad chunk meet in cache
+
+
+# ---------------------------------------------------------------- machine and graph
+
+def machine_info() -> dict:
+    """CPU model, usable cores, versions and load average (a loaded machine slows every figure)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.exists() else []
+    return {"cpu_model": models[0] if models else platform.processor() or platform.machine(),
+            "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "onnxruntime": ort.__version__, "numpy": np.__version__, "onnx": onnx.__version__,
+            "loadavg_start": os.getloadavg()}
+
+
+def weight_bytes(onnx_path: Path) -> dict:
+    """Initializer bytes of the graph (sizes from dims; external data is not loaded).
+
+    Returns:
+        all: every initializer; gather_only: those whose every use is as Gather data (a step
+        reads only the gathered rows); read: all - gather_only (the headline); embedding:
+        the table gathered by input_ids; embedding_tied: True if it is also read whole
+        (e.g. by a tied output head).
+    """
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+             for t in graph.initializer}
+    uses = defaultdict(set)  # initializer -> {(op_type, input slot)}
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            if name in sizes:
+                uses[name].add((node.op_type, slot))
+    gather_only = [n for n, u in uses.items() if u == {("Gather", 0)}]
+    embedding = next((n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in sizes
+                      and n.input[1] == bundle.INPUT_IDS), None)
+    total, gathered = sum(sizes.values()), sum(sizes[n] for n in gather_only)
+    return {"all": total, "gather_only": gathered, "read": total - gathered, "embedding_name": embedding,
+            "embedding": sizes.get(embedding, 0), "embedding_tied": embedding is not None and embedding not in gather_only}
+
+
+def stream_bandwidth(num_threads: int, mib: int, repeats: int) -> dict:
+    """Best-of-``repeats`` STREAM copy (c = a) and triad (a = b + q·c) in GB/s over float64 arrays
+    of ``mib`` MiB each, one thread per disjoint slice (numpy releases the GIL). Bytes counted as
+    STREAM does (copy 2, triad 3 arrays; write-allocate traffic not counted)."""
+    n = mib * 2**20 // 8
+    a, b, c = np.full(n, 1.0), np.full(n, 2.0), np.full(n, 0.0)  # written, so every page is mapped
+    slices = [slice(s[0], s[-1] + 1) for s in np.array_split(np.arange(n), num_threads)]
+
+    def copy(s):
+        np.copyto(c[s], a[s])
+
+    def triad(s):
+        for i in range(s.start, s.stop, TRIAD_CHUNK):
+            j = min(i + TRIAD_CHUNK, s.stop)
+            np.multiply(c[i:j], 3.0, out=a[i:j])
+            np.add(a[i:j], b[i:j], out=a[i:j])
+
+    best = {}
+    with ThreadPoolExecutor(num_threads) as pool:
+        for name, kernel in (("copy", copy), ("triad", triad)):
+            best[name] = min(_wall(partial(_map_all, pool, kernel, slices)) for _ in range(repeats))
+    return {"threads": num_threads, "array_mib": mib, "copy_gbs": 2 * a.nbytes / best["copy"] / GB,
+            "triad_gbs": 3 * a.nbytes / best["triad"] / GB}
+
+
+def _map_all(pool: ThreadPoolExecutor, kernel, slices: list[slice]) -> None:
+    list(pool.map(kernel, slices))
+
+
+def _wall(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_calls(fn, warmup: int, repeats: int, max_seconds: float, min_runs: int) -> dict:
+    """Run ``fn`` ``warmup`` times, then time it until ``repeats`` runs or ``max_seconds`` (at least
+    ``min_runs``). Returns median/p10/p90/min/max in ms and the number of timed runs."""
+    for _ in range(warmup):
+        fn()
+    times, spent = [], 0.0
+    while len(times) < min_runs or (len(times) < repeats and spent < max_seconds):
+        times.append(_wall(fn))
+        spent += times[-1]
+    ms = np.array(times) * 1000
+    return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+            "p90_ms": float(np.percentile(ms, 90)), "min_ms": float(ms.min()), "max_ms": float(ms.max()),
+            "num_runs": len(times)}
+
+
+# ---------------------------------------------------------------- decode steps
+
+def kv_bytes(config: bundle.BundleConfig, batch: int, positions: int) -> int:
+    """Bytes of keys and values for ``batch`` rows of ``positions`` each: B·2·L·H·P·D·itemsize."""
+    itemsize = np.dtype(config.dtype).itemsize
+    return batch * 2 * config.num_layers * config.num_kv_heads * positions * config.head_dim * itemsize
+
+
+def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: int, rng: np.random.Generator) -> tuple:
+    """(ids int64 [B, W], positions int64 [B, W], mask bool [B, 1, W, P + W], per layer (key, value)
+    [B, H, P, D] random in the bundle dtype, 2·L distinct arrays as in a real cache)."""
+    shape = (batch, config.num_kv_heads, past, config.head_dim)
+    ids = rng.integers(0, config.vocab_size, (batch, window), dtype=np.int64)                # [B, W]
+    positions = np.broadcast_to(past + np.arange(window, dtype=np.int64), (batch, window)).copy()  # [B, W]
+    mask = window_mask(np.full(batch, past, np.int64), past, window)                         # [B, 1, W, P + W]
+    kv = [tuple(rng.standard_normal(shape, np.float32).astype(config.dtype, copy=False) for _ in range(2))
+          for _ in range(config.num_layers)]
+    return ids, positions, mask, kv
+
+
+def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng) -> list[dict]:
+    """One row per (B, P) at window ``args.window``: step time (bandwidth columns added later)."""
+    rows = []
+    for batch in batch_sizes:
+        for past in contexts:
+            row = {"kind": "decode", "threads": threads, "batch_size": batch, "past": past, "window": args.window,
+                   "kv_mib": kv_bytes(config, batch, past) / 2**20}
+            if kv_bytes(config, batch, past) > args.max_kv_gib * GIB:
+                rows.append({**row, "status": f"skipped: KV {row['kv_mib']:.0f} MiB > {args.max_kv_gib} GiB"})
+                print(f"skip B={batch} P={past}: {rows[-1]['status']}", flush=True)
+                continue
+            inputs = decode_inputs(config, args.window, batch, past, rng)
+            timing = time_calls(partial(backend.step, *inputs), args.warmup, args.repeats, args.max_seconds, 3)
+            del inputs
+            rows.append({**row, "status": "ok", **timing})
+            print(f"decode threads={threads} B={batch} P={past}: {timing['median_ms']:.1f} ms "
+                  f"(p10 {timing['p10_ms']:.1f}, p90 {timing['p90_ms']:.1f}, {timing['num_runs']} runs)", flush=True)
+    return rows
+
+
+def add_bandwidth(row: dict, config, weights: dict, stream: dict) -> None:
+    """Bytes per step (headline weights + KV read + KV written) and achieved GB/s, in place.
+
+    The fraction compares the headline with the better of STREAM copy and triad at the row's
+    thread count."""
+    if row["status"] != "ok":
+        return
+    kv = kv_bytes(config, row["batch_size"], row["past"]) + kv_bytes(config, row["batch_size"], row["window"])
+    seconds = row["median_ms"] / 1000
+    reference = max(stream["copy_gbs"], stream["triad_gbs"])
+    row.update({"bytes_per_step": weights["read"] + kv, "kv_bytes": kv,
+                "achieved_gbs": (weights["read"] + kv) / seconds / GB,
+                "achieved_gbs_all_weights": (weights["all"] + kv) / seconds / GB,
+                "achieved_gbs_no_embedding": (weights["all"] - weights["embedding"] + kv) / seconds / GB,
+                "stream_gbs": reference, "fraction": (weights["read"] + kv) / seconds / GB / reference,
+                "positions_per_s": row["batch_size"] * row["window"] / seconds})
+
+
+# ---------------------------------------------------------------- prefill
+
+def is_dynamic_window(backend) -> bool:
+    """True if the graph's window axis (input_ids axis 1) is symbolic rather than a fixed int."""
+    return not isinstance(backend.session.get_inputs()[0].shape[1], int)
+
+
+def prefill_single(backend, config, ids: np.ndarray) -> None:
+    """All T ids [T] in one forward: W = T, mask [1, 1, T, T], past [1, H, 0, D]."""
+    num_tokens = len(ids)
+    empty = np.zeros((1, config.num_kv_heads, 0, config.head_dim), config.dtype)  # [1, H, 0, D]
+    backend.step(ids[None], np.arange(num_tokens, dtype=np.int64)[None], causal_window_mask(0, num_tokens),
+                 [(empty, empty)] * config.num_layers)
+
+
+def prefill_chunked(backend, config, ids: np.ndarray) -> None:
+    """ids [T] W at a time (ceil(T / W) forwards) through a slot cache: capacity doubling, masked
+    past, commit, as the engine prefills."""
+    window = config.window
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids) + window, config.dtype)
+    for start in range(0, len(ids), window):
+        chunk = ids[start:start + window].tolist()
+        count = len(chunk)
+        cache.reserve(int(cache.lengths[0]) + window)
+        _, presents = run_batch(backend, cache, [chunk + [config.pad_token_id] * (window - count)],
+                                config.pad_token_id)
+        cache.commit(presents, [count])
+
+
+def prefill_sweep(backend, config, path: str, args, rng) -> list[dict]:
+    """One row per prompt length T: time of the whole prefill and prompt tokens/s (B = 1)."""
+    run = prefill_single if path == "single" else prefill_chunked
+    warmup = 1 if path == "single" else 0  # chunked forwards have the decode step's shapes, already warm
+    rows = []
+    for num_tokens in args.prompt_lengths:
+        ids = rng.integers(0, config.vocab_size, num_tokens, dtype=np.int64)  # [T]
+        forwards = 1 if path == "single" else -(-num_tokens // config.window)
+        timing = time_calls(partial(run, backend, config, ids), warmup, args.prefill_repeats, args.max_seconds, 1)
+        rows.append({"kind": "prefill", "threads": args.threads, "batch_size": 1, "prompt_tokens": num_tokens,
+                     "path": path, "window": num_tokens if path == "single" else config.window,
+                     "num_forwards": forwards, "status": "ok", **timing,
+                     "tokens_per_s": num_tokens / (timing["median_ms"] / 1000)})
+        print(f"prefill {path} T={num_tokens}: {timing['median_ms'] / 1000:.2f} s, "
+              f"{rows[-1]['tokens_per_s']:.0f} tokens/s ({forwards} forwards)", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- run and report
+
+def run(args) -> dict:
+    """All measurements; returns {"meta": ..., "rows": [...]}."""
+    config = bundle.load_config(args.bundle)
+    onnx_path = args.bundle / config.onnx_file
+    if not onnx_path.is_file():
+        raise bundle.BundleError(f"{onnx_path} not found; re-export the bundle with mars-export")
+    meta = {"machine": machine_info(), "bundle": str(args.bundle), "config": asdict(config),
+            "command": "python bench/scaling.py " + " ".join(sys.argv[1:]), "weights": weight_bytes(onnx_path)}
+    meta["stream"] = [stream_bandwidth(n, args.stream_mib, args.stream_repeats) for n in sorted({1, args.threads})]
+    print("weights (bytes):", json.dumps(meta["weights"]), "\nSTREAM:", json.dumps(meta["stream"]), flush=True)
+    rng = np.random.default_rng(0)
+    backend = OnnxBackend(args.bundle, config, num_threads=args.threads)
+    meta["prefill_path"] = "single" if is_dynamic_window(backend) else "chunked"
+    if args.window is None:  # the engine's plain AR step: 1 token on dynamic-window graphs, else W
+        args.window = 1 if meta["prefill_path"] == "single" else config.window
+    elif args.window != config.window and meta["prefill_path"] == "chunked":
+        raise SystemExit(f"error: --window {args.window}: this graph's window is fixed at {config.window}")
+    meta["decode_window"] = args.window
+    rows = decode_sweep(backend, config, args.threads, args.batch_sizes, args.contexts, args, rng)
+    rows += prefill_sweep(backend, config, meta["prefill_path"], args, rng)
+    if args.also_chunked and meta["prefill_path"] == "single":
+        rows += prefill_sweep(backend, config, "chunked", args, rng)
+    del backend
+    if args.threads != 1:
+        rows += decode_sweep(OnnxBackend(args.bundle, config, num_threads=1), config, 1, [1], args.contexts, args, rng)
+    stream = {s["threads"]: s for s in meta["stream"]}
+    for row in rows:
+        if row["kind"] == "decode":
+            add_bandwidth(row, config, meta["weights"], stream[row["threads"]])
+    meta["machine"]["loadavg_end"] = os.getloadavg()
+    return {"meta": meta, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    """The decode, threads, prefill and STREAM tables as Markdown."""
+    meta, rows = result["meta"], result["rows"]
+    w = meta["weights"]
+    embedding = "tied: also read whole by the head" if w["embedding_tied"] else "only gathered"
+    lines = [(f"Decode window W = {meta['decode_window']}. Weights read per step (headline): {w['read'] / GB:.3f} GB "
+              f"(all initializers {w['all'] / GB:.3f} GB; token embedding {w['embedding'] / GB:.3f} GB, {embedding})"),
+             "", "| threads | B | P | KV MiB | step ms (median) | p10–p90 ms | runs | GB/step | achieved GB/s | fraction of STREAM |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["kind"] == "decode"):
+        if r["status"] != "ok":
+            lines.append(f"| {r['threads']} | {r['batch_size']} | {r['past']} | {r['kv_mib']:.0f} | {r['status']} | | | | | |")
+            continue
+        lines.append(f"| {r['threads']} | {r['batch_size']} | {r['past']} | {r['kv_mib']:.0f} | {r['median_ms']:.1f} | "
+                     f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f} | {r['num_runs']} | {r['bytes_per_step'] / GB:.3f} | "
+                     f"{r['achieved_gbs']:.1f} | {r['fraction']:.2f} |")
+    lines += ["", "| T | path | forwards | prefill s (median) | prompt tokens/s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['prompt_tokens']} | {r['path']} (W={r['window']}) | {r['num_forwards']} | {r['median_ms'] / 1000:.2f} | "
+              f"{r['tokens_per_s']:.0f} |" for r in rows if r["kind"] == "prefill"]
+    lines += ["", "| STREAM threads | copy GB/s | triad GB/s |", "|---|---|---|"]
+    lines += [f"| {s['threads']} | {s['copy_gbs']:.1f} | {s['triad_gbs']:.1f} |" for s in meta["stream"]]
+    return "\n".join(lines + [threads_table(rows)])
+
+
+def threads_table(rows: list[dict]) -> str:
+    """Batch-1 step time at 1 thread against the most threads measured, per P."""
+    step = {(r["threads"], r["past"]): r["median_ms"] for r in rows
+            if r["kind"] == "decode" and r["batch_size"] == 1 and r["status"] == "ok"}
+    most = max((t for t, _ in step), default=1)
+    if most == 1:
+        return ""
+    lines = ["", f"| P | 1 thread ms | {most} threads ms | speedup |", "|---|---|---|---|"]
+    for past in sorted({p for t, p in step if t == 1 and (most, p) in step}):
+        lines.append(f"| {past} | {step[1, past]:.1f} | {step[most, past]:.1f} | {step[1, past] / step[most, past]:.2f}× |")
+    return "\n".join(lines)
+
+
+def write(result: dict, out: Path, name: str) -> None:
+    """{name}.json, {name}.csv (union of row fields) and {name}.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    fields = list(dict.fromkeys(k for r in result["rows"] for k in r))
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    plot(result["rows"], out / f"{name}.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Step time vs P per (batch, threads); achieved bandwidth fraction vs P; prefill tokens/s vs T."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in rows if r["kind"] == "decode" and r["status"] == "ok"]
+    fig, (time_ax, frac_ax, fill_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for key in dict.fromkeys((r["batch_size"], r["threads"]) for r in decode):
+        points = sorted((r["past"], r["median_ms"], r["fraction"]) for r in decode if (r["batch_size"], r["threads"]) == key)
+        label, style = f"B={key[0]}, {key[1]} thread{'s' * (key[1] > 1)}", "--" if key[1] == 1 else "-"
+        time_ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+        frac_ax.plot([p[0] for p in points], [p[2] for p in points], style, marker="o", label=label)
+    time_ax.set(title="decode step (W tokens per row)", xlabel="past P (tokens)", ylabel="median step time (ms)",
+                xscale="log", yscale="log")
+    frac_ax.set(title="achieved / STREAM bandwidth", xlabel="past P (tokens)", ylabel="fraction", xscale="log")
+    for path_name in dict.fromkeys(r["path"] for r in rows if r["kind"] == "prefill"):
+        points = sorted((r["prompt_tokens"], r["tokens_per_s"]) for r in rows if r.get("path") == path_name)
+        fill_ax.plot(*zip(*points), marker="o", label=path_name)
+    fill_ax.set(title="prefill, batch 1", xlabel="prompt tokens T", ylabel="prompt tokens/s", xscale="log")
+    frac_ax.set_ylim(bottom=0)
+    fill_ax.set_ylim(bottom=0)
+    for ax in (time_ax, frac_ax, fill_ax):
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle", type=Path, nargs="?", default=Path("bundles/default-mars-b4"))
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048], help="past lengths P")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--window", type=int, default=None,
+                   help="decode window W (default: 1 on dynamic-window graphs, the AR step; else the bundle's W)")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 256, 512, 1024], help="prefill T")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime and STREAM threads")
+    p.add_argument("--repeats", type=int, default=10, help="timed decode steps per point (at most)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point")
+    p.add_argument("--max-seconds", type=float, default=6.0, help="stop timing a point after this (min 3 steps)")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per T (at most; min 1)")
+    p.add_argument("--also-chunked", action="store_true", help="dynamic-window graphs: also time chunked prefill")
+    p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip points whose past KV exceeds this")
+    p.add_argument("--stream-mib", type=int, default=1024, help="MiB per STREAM array (3 arrays)")
+    p.add_argument("--stream-repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="scaling", help="stem of the output files (default scaling)")
+    args = p.parse_args()
+    for name in ("contexts", "batch_sizes", "prompt_lengths"):
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1:
+        p.error("--threads must be in 1..256 and --repeats, --prefill-repeats at least 1")
+    try:
+        result = run(args)
+    except bundle.BundleError as e:
+        sys.exit(f"error: {e}")
+    write(result, args.out, args.name)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Peer benchmark in one command (GitHub issue 6, item 1): our runtime against transformers,
+# ONNX Runtime GenAI, llama.cpp (llama-cpp-python) and optimum on the same weights, prompts,
+# precision and thread count, batch 1 and 4. Writes bench/results/peers.{json,csv,png} and
+# prints a Markdown table.
+#
+#   scripts/bench_peers.sh [--num-prompts 8] [--max-new-tokens 128] [--batch-sizes 1 4] [--threads N]
+#
+# The arguments go to `bench/peers.py prompts` (see its --help). Environment:
+#   PEER_ENVS  venvs, converted models and logs, outside the repository (default /work/peer-envs)
+#   BUNDLE     our bundle (default bundles/default-mars-b4, exported here if missing)
+#   MODEL      model spec the bundle was exported from (default default-mars)
+#   ENGINES    engines to run (default "ours transformers ortgenai llamacpp optimum"); the rows of
+#              the others stay in $PEER_ENVS/work and join the report if their settings match
+#   OUT        result folder (default bench/results)
+#   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
+#
+# Each peer gets its own venv with exact pins (their pins conflict with the project's).
+# Everything slow happens once and is reused: a venv is reinstalled only when its pins
+# change; the HF checkpoint, GenAI model, optimum export and GGUF files are kept (delete
+# them to redo). llama-cpp-python ships only a source distribution: it compiles llama.cpp
+# (10-30 min on 2 cores). A peer that cannot be installed or run becomes a row with its
+# status and the key line of its log. Setup and run logs: $PEER_ENVS/logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PEER_ENVS=${PEER_ENVS:-/work/peer-envs}
+BUNDLE=${BUNDLE:-bundles/default-mars-b4}
+MODEL=${MODEL:-default-mars}
+ENGINES=${ENGINES:-ours transformers ortgenai llamacpp optimum}
+OUT=${OUT:-bench/results}
+LOGS=$PEER_ENVS/logs
+WORK=$PEER_ENVS/work
+CKPT=$PEER_ENVS/ckpt/$(basename "$MODEL")
+NAME=$(basename "$CKPT")
+PY=.venv/bin/python
+
+LLAMACPP_VERSION=0.3.36
+ORTGENAI_PINS=${ORTGENAI_PINS:-"onnxruntime-genai==0.18.0 onnxruntime==1.32.0 torch==2.13.0 transformers==5.24.0 onnx==1.23.2 onnx-ir==1.1.0 onnxscript==0.7.2 numpy==2.4.6"}
+OPTIMUM_PINS=${OPTIMUM_PINS:-"optimum-onnx==0.1.0 optimum==2.1.0 transformers==4.57.6 onnxruntime==1.32.0 torch==2.13.0 numpy==2.4.6"}
+LLAMACPP_PINS=${LLAMACPP_PINS:-"llama-cpp-python==$LLAMACPP_VERSION numpy==2.4.6"}
+LLAMACPP_CMAKE_ARGS=${LLAMACPP_CMAKE_ARGS:-"-DGGML_NATIVE=ON"}
+LLAMACPP_SRC=$PEER_ENVS/src/llama_cpp_python-$LLAMACPP_VERSION
+GGUF_PINS=${GGUF_PINS:-"torch==2.13.0 transformers==4.57.6 sentencepiece==0.2.3 protobuf==4.25.9 numpy==2.4.6 $LLAMACPP_SRC/vendor/llama.cpp/gguf-py"}
+
+mkdir -p "$LOGS" "$WORK"
+for engine in $ENGINES; do  # rows of engines not run now stay; the report refuses them if the settings differ
+    rm -f "$WORK/rows-$engine.json"
+done
+
+step() {  # step NAME LOG CMD...: run CMD into LOG, note its exit status and seconds in setup.tsv
+    local name=$1 log=$2 start=$SECONDS rc=0
+    shift 2
+    echo "== $name (log: $log)"
+    "$@" >"$log" 2>&1 || rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$WORK/setup.tsv"
+    [ "$rc" -eq 0 ] || echo "   failed (exit $rc): $(grep -iE 'error' "$log" | tail -1 | cut -c1-200)"
+    return "$rc"
+}
+
+setup_venv() {  # setup_venv NAME PINS...: a venv under $PEER_ENVS with exactly these pins (skipped if unchanged)
+    local name=$1 venv=$PEER_ENVS/$1
+    shift
+    if [ -f "$venv/.pins" ] && [ "$(cat "$venv/.pins")" = "$*" ]; then
+        return 0
+    fi
+    [ -x "$venv/bin/python" ] || "$BASE_PYTHON" -m venv "$venv"
+    step "install $name" "$LOGS/$name.install.log" "$venv/bin/pip" install --disable-pip-version-check "$@" || return 1
+    echo "$*" >"$venv/.pins"
+}
+
+record() {  # record ENGINE STATUS LOG: a status row with the key line of LOG
+    "$PY" bench/peers.py record --engine "$1" --work "$WORK" --status "$2" --log "$3"
+}
+
+run_engine() {  # run_engine ENGINE PYTHON ARGS...: one engine in its own process; a crash becomes a row
+    local engine=$1 python=$2
+    shift 2
+    if step "run $engine" "$LOGS/$engine.run.log" "$python" bench/peers.py run --engine "$engine" --work "$WORK" "$@"; then
+        grep -E 'tok/s|^error' "$LOGS/$engine.run.log" || true
+    else
+        record "$engine" failed "$LOGS/$engine.run.log"
+    fi
+}
+
+peer_ortgenai() {
+    local venv=$PEER_ENVS/ortgenai model=$PEER_ENVS/ortgenai-model/$NAME
+    # shellcheck disable=SC2086
+    setup_venv ortgenai $ORTGENAI_PINS || { record ortgenai "not installable here" "$LOGS/ortgenai.install.log"; return; }
+    if [ ! -f "$model/genai_config.json" ]; then
+        step "build ortgenai model" "$LOGS/ortgenai.build.log" "$venv/bin/python" -m onnxruntime_genai.models.builder \
+            -i "$CKPT" -o "$model" -p fp32 -e cpu -c "$PEER_ENVS/cache/ortgenai" \
+            || { record ortgenai failed "$LOGS/ortgenai.build.log"; return; }
+    fi
+    run_engine ortgenai "$venv/bin/python" --model "$model"
+}
+
+peer_optimum() {
+    local venv=$PEER_ENVS/optimum model=$PEER_ENVS/optimum-model/$NAME
+    # shellcheck disable=SC2086
+    setup_venv optimum $OPTIMUM_PINS || { record optimum "not installable here" "$LOGS/optimum.install.log"; return; }
+    if [ ! -f "$model/model.onnx" ]; then
+        step "export optimum model" "$LOGS/optimum.export.log" "$venv/bin/optimum-cli" export onnx -m "$CKPT" \
+            --task text-generation-with-past --dtype fp32 "$model" \
+            || { record optimum failed "$LOGS/optimum.export.log"; return; }
+    fi
+    run_engine optimum "$venv/bin/python" --model "$model"
+}
+
+peer_llamacpp() {
+    local venv=$PEER_ENVS/llamacpp stem=$PEER_ENVS/gguf/$NAME
+    if [ ! -d "$LLAMACPP_SRC" ]; then  # the sdist: convert_hf_to_gguf.py and gguf-py of the same llama.cpp
+        step "download llama-cpp-python sdist" "$LOGS/llamacpp.download.log" "$PY" -m pip download --no-deps \
+            --no-binary :all: "llama-cpp-python==$LLAMACPP_VERSION" -d "$PEER_ENVS/sdist" \
+            || { record llamacpp "not installable here" "$LOGS/llamacpp.download.log"; return; }
+        mkdir -p "$PEER_ENVS/src"
+        tar -xzf "$PEER_ENVS/sdist/llama_cpp_python-$LLAMACPP_VERSION.tar.gz" -C "$PEER_ENVS/src"
+    fi
+    # shellcheck disable=SC2086
+    CMAKE_ARGS=$LLAMACPP_CMAKE_ARGS setup_venv llamacpp $LLAMACPP_PINS \
+        || { record llamacpp "not installable here" "$LOGS/llamacpp.install.log"; return; }
+    # shellcheck disable=SC2086
+    setup_venv gguf-convert $GGUF_PINS || { record llamacpp "not installable here" "$LOGS/gguf-convert.install.log"; return; }
+    mkdir -p "$PEER_ENVS/gguf"
+    for type in f32 q8_0; do
+        [ -f "$stem.$type.gguf" ] || step "convert gguf $type" "$LOGS/gguf-$type.log" "$PEER_ENVS/gguf-convert/bin/python" \
+            "$LLAMACPP_SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$CKPT" --outtype "$type" --outfile "$stem.$type.gguf" \
+            || true  # a missing file becomes a failed row of that variant
+    done
+    run_engine llamacpp "$venv/bin/python" --model "$stem"
+}
+
+# ---- project side: venv, bundle, prompts, the shared checkpoint
+[ -x "$PY" ] || bash scripts/setup.sh
+BASE_PYTHON=$("$PY" -c 'import sys; print(sys._base_executable)')
+if [ ! -f "$BUNDLE/mars_config.json" ]; then
+    step "export bundle" "$LOGS/bundle.export.log" .venv/bin/mars-export "$MODEL" --block 4 -o "$BUNDLE"
+fi
+"$PY" bench/peers.py prompts --work "$WORK" --bundle "$BUNDLE" "$@"
+if [ ! -f "$CKPT/config.json" ]; then
+    mkdir -p "$(dirname "$CKPT")"
+    step "write checkpoint" "$LOGS/checkpoint.log" "$PY" bench/peers.py checkpoint --model "$MODEL" --out "$CKPT"
+fi
+
+# ---- engines, one process each
+for engine in $ENGINES; do
+    case $engine in
+        ours) run_engine ours "$PY" --model "$BUNDLE" ;;
+        transformers) run_engine transformers "$PY" --model "$CKPT" ;;
+        ortgenai) peer_ortgenai ;;
+        optimum) peer_optimum ;;
+        llamacpp) peer_llamacpp ;;
+        *) echo "error: unknown engine '$engine'; choose from: ours transformers ortgenai llamacpp optimum" >&2; exit 2 ;;
+    esac
+done
+
+"$PY" bench/peers.py report --work "$WORK" --out "$OUT"

@@ -1,12 +1,13 @@
 """Tokens/s and TPF of AR, threshold and verify mode at several batch sizes, both batch schemes.
 
-    python bench/engine_modes.py BUNDLE [--batch-sizes 1 4 16] [--taus 0.95 0.9 0.8]
+    python bench/engine_modes.py BUNDLE [--batch-sizes 1 4 16] [--taus 0.95 0.9 0.8] [--block-sizes 2 4]
                                         [--num-prompts 16] [--max-new-tokens 64] [--threads 2]
                                         [--name engine_modes]
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
 prompts (GSM8K test questions and HumanEval prompts from ../shared/data, alternating) go
-through the engine in AR mode (the baseline), threshold mode at each tau, and verify mode.
+through the engine in AR mode (the baseline), threshold mode at each tau, and verify mode,
+each at every per-request block size (default: the bundle's B).
 Wall-clock covers prefill and decode of all requests (continuous batching admits them as
 slots free). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
 """
@@ -47,6 +48,7 @@ def run_config(backend, config, prompts, scheme: str, batch_size: int, params: D
     seconds = time.perf_counter() - start
     tokens = sum(r.num_tokens for r in results)
     row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "tau": params.tau,
+           "block_size": params.block_size or config.block_size,
            "num_requests": len(prompts), "num_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
            "tpf": tokens / sum(r.num_forwards for r in results), "batch_forwards": engine.num_steps,
            "prefill_seconds_mean": sum(r.prefill_seconds for r in results) / len(results)}
@@ -58,8 +60,10 @@ def run(args) -> list[dict]:
     backend, tokenizer = OnnxBackend(args.bundle, config, num_threads=args.threads), Tokenizer(args.bundle)
     prompts = load_prompts(tokenizer, args.num_prompts)
     settings = [DecodeParams(mode="ar", max_new_tokens=args.max_new_tokens)]
-    settings += [DecodeParams(tau=tau, max_new_tokens=args.max_new_tokens) for tau in args.taus]
-    settings += [DecodeParams(mode="verify", max_new_tokens=args.max_new_tokens)]
+    for block_size in args.block_sizes or [config.block_size]:
+        settings += [DecodeParams(tau=tau, block_size=block_size, max_new_tokens=args.max_new_tokens)
+                     for tau in args.taus]
+        settings += [DecodeParams(mode="verify", block_size=block_size, max_new_tokens=args.max_new_tokens)]
     rows = []
     for scheme in args.schemes:
         for batch_size in args.batch_sizes:
@@ -80,6 +84,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--schemes", nargs="+", default=["continuous", "block"], choices=["continuous", "block"])
     p.add_argument("--taus", type=float, nargs="+", default=[0.95, 0.9, 0.8])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                   help="per-request block sizes for threshold and verify mode (default: the bundle's B)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -117,7 +123,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _label(row: dict) -> str:
-    return f"threshold tau={row['tau']}" if row["mode"] == "threshold" else row["mode"]
+    if row["mode"] == "ar":
+        return "ar"
+    mode = f"threshold tau={row['tau']}" if row["mode"] == "threshold" else row["mode"]
+    return f"{mode} B={row['block_size']}"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """TPF of MARS decoding against training progress, from a mars-train LoRA run's checkpoints.
 
     python bench/tpf_vs_training.py RUN_DIR --gsm8k FILE [--num-prompts 5] [--max-new-tokens 64]
-        [--tau 0.9] [--block-size 4] [--out bench/results]
+        [--tau 0.9] [--block-size 4] [--out bench/results] [--init-steps N --append]
 
 For the base model (step 0) and each ``checkpoint-N`` in RUN_DIR: merge the adapter into
 the default model and decode the first N GSM8K test questions with the PyTorch reference
@@ -9,6 +9,8 @@ MARS decoder (same rule and window protocol as the runtime) at tau = 1 and at th
 tau, B = W. TPF alone misleads (an untrained model's mask predictions can be confident
 and wrong), so the agreement of the tau output with the tau = 1 output is reported too.
 Writes ``tpf_vs_training.json`` and ``.png``; x axis = examples seen (steps x batch).
+A run continued with ``mars-train --lora-init`` is added to an earlier curve with
+``--init-steps`` (the steps the initial adapter had) and ``--append``.
 """
 
 from __future__ import annotations
@@ -61,15 +63,32 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--every", type=int, default=50, help="use checkpoints whose step is a multiple of this (and the last)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--init-steps", type=int, default=0,
+                   help="steps the run's --lora-init adapter had already trained; added to each checkpoint's step")
+    p.add_argument("--append", action="store_true",
+                   help="add rows to the existing tpf_vs_training.json (same settings; no new step-0 row)")
     args = p.parse_args()
     prompts = [json.loads(line)["question"] for line in args.gsm8k.open()][:args.num_prompts]
-    rows = []
-    for step, adapter in checkpoints(args.run_dir, args.every):
+    rows = previous_rows(args) if args.append else []
+    for step, adapter in checkpoints(args.run_dir, args.every)[1 if args.append else 0:]:
         state = json.loads((adapter / "trainer_state.json").read_text()) if adapter else {"train_batch_size": 0}
+        step += args.init_steps if adapter else 0
         row = {"step": step, "examples_seen": step * state["train_batch_size"], **measure(adapter, prompts, args)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     write(args, rows)
+
+
+def previous_rows(args) -> list[dict]:
+    """The rows of the existing curve; SystemExit if it is missing or was measured differently."""
+    path = args.out / "tpf_vs_training.json"
+    if not path.is_file():
+        raise SystemExit(f"error: --append: {path} not found; run without --append first")
+    old = json.loads(path.read_text())
+    settings = {k: getattr(args, k) for k in ("tau", "block_size", "num_prompts", "max_new_tokens")}
+    if {k: old["meta"][k] for k in settings} != settings:
+        raise SystemExit(f"error: --append: {path} was measured with {old['meta']}, not {settings}")
+    return old["rows"]
 
 
 def write(args, rows: list[dict]) -> None:
@@ -79,6 +98,7 @@ def write(args, rows: list[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"tau": args.tau, "block_size": args.block_size, "num_prompts": args.num_prompts,
             "max_new_tokens": args.max_new_tokens, "run_dir": str(args.run_dir)}
+    rows = sorted(rows, key=lambda r: r["step"])
     (args.out / "tpf_vs_training.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     fig, ax = plt.subplots(figsize=(5, 3.2))
     seen = [r["examples_seen"] for r in rows]

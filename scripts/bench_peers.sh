@@ -7,7 +7,8 @@
 #   scripts/bench_peers.sh [--num-prompts 8] [--max-new-tokens 128] [--batch-sizes 1 4] [--threads N]
 #
 # The arguments go to `bench/peers.py prompts` (see its --help). Environment:
-#   PEER_ENVS  venvs, converted models and logs, outside the repository (default /work/peer-envs)
+#   PEER_ENVS  venvs, converted models and logs, outside the repository
+#              (default ${XDG_CACHE_HOME:-~/.cache}/mars-edge-peers)
 #   BUNDLE     our bundle (default bundles/default-mars-b4, exported here if missing)
 #   MODEL      model spec the bundle was exported from (default default-mars)
 #   ENGINES    engines to run (default "ours transformers ortgenai llamacpp optimum"); the rows of
@@ -24,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PEER_ENVS=${PEER_ENVS:-/work/peer-envs}
+PEER_ENVS=${PEER_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/mars-edge-peers}
 BUNDLE=${BUNDLE:-bundles/default-mars-b4}
 MODEL=${MODEL:-default-mars}
 ENGINES=${ENGINES:-ours transformers ortgenai llamacpp optimum}

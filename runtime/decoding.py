@@ -12,8 +12,9 @@ the token j places later. So a step offers W - r + 1 predictions and accepts bet
 and min(B, W - r + 1) of them (:func:`runtime.acceptance.count_accepted`). Only the KV of
 the r real tokens is committed.
 
-Prefill puts every prompt token but the last into the cache, W at a time through the
-same step graph; the last prompt token is the first step's pending token. So every
+Prefill puts every prompt token but the last into the cache (up to 256 tokens per
+forward when the graph's window axis is dynamic, else W at a time through the same step
+graph); the last prompt token is the first step's pending token. So every
 generated token comes from a decode step and TPF = tokens / decode forwards is exactly
 1.0 at tau >= 1.
 

@@ -4,8 +4,9 @@ Dimension letters: n batch rows (= cache slots 0..n-1), W window, V vocabulary.
 
 Every step is one forward of the step graph over the running rows:
   - a prefilling row feeds its next W prompt tokens (never the last one) and commits them;
-    when the graph's window axis is dynamic, a newly admitted row is instead prefilled
-    first, alone, in forwards of up to ``prefill_chunk`` tokens, and joins the step decoding;
+    when the graph's window axis is dynamic, a prefilling row instead runs one forward of
+    up to ``prefill_chunk`` prompt tokens alone per step, sits out the batch forward,
+    and joins it once its prompt is cached;
   - a decoding row feeds its uncached real tokens, its drafts (verify mode), then mask
     tokens; the output at the last real token is the AR prediction, each later output
     predicts one more token ahead; the acceptance rule picks how many to keep.
@@ -179,10 +180,13 @@ class Engine:
         if not running:
             return []
         for seq in running:
-            if not seq.start_time:
-                seq.start_time = time.perf_counter()
-                if self.prefill_chunk:
-                    self._prefill(seq)
+            seq.start_time = seq.start_time or time.perf_counter()
+            if self.prefill_chunk and seq.is_prefilling:
+                self._prefill_chunk(seq)
+        if self.prefill_chunk:  # rows still prefilling sit out the batch forward (idle rows)
+            running = [s for s in running if not s.is_prefilling]
+            if not running:
+                return []
         window = self._step_window(running)
         rows: list[list[int] | None] = [None] * self.scheduler.num_rows
         for seq in running:
@@ -213,15 +217,19 @@ class Engine:
             results.update((o.request_id, o.result) for o in self.step() if o.finished)
         return [results[i] for i in ids]
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Commit all prompt tokens but the last in forwards of up to ``prefill_chunk`` tokens."""
-        while seq.is_prefilling:
-            chunk = seq.prefill_chunk(self.prefill_chunk)
-            self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
-            self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk))
-            seq.num_prefilled += len(chunk)
-            seq.result.num_prefill_forwards += 1
-        seq.result.prefill_seconds = time.perf_counter() - seq.start_time
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        """Commit the next up to ``prefill_chunk`` prompt tokens (never the last) in one forward.
+
+        One chunk per step, so a long prompt delays the other rows' tokens by one chunk's
+        forward per step rather than by its whole prefill.
+        """
+        chunk = seq.prefill_chunk(self.prefill_chunk)
+        self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
+        self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk))
+        seq.num_prefilled += len(chunk)
+        seq.result.num_prefill_forwards += 1
+        if not seq.is_prefilling:
+            seq.result.prefill_seconds = time.perf_counter() - seq.start_time
 
     def _step_window(self, running: list[Sequence]) -> int:
         """Tokens per row in this step: W, or (continuous scheme, dynamic window) the widest

@@ -58,6 +58,22 @@ def test_prefill_forwards_give_the_tokens_of_window_prefill(tiny, chunk):
     assert [r.num_prefill_forwards for r in results] == [-(-(len(p) - 1) // per_forward) for p in prompts]
 
 
+def test_a_long_prefill_runs_one_chunk_per_step_between_decode_steps(tiny):
+    """A running request keeps getting a token every step while a long prompt prefills."""
+    backend, config, prompts = tiny
+    engine = Engine(backend, config, EngineConfig(max_batch_size=2, prefill_chunk=16))
+    short = engine.add_request(prompts[-1], DecodeParams(mode="ar", max_new_tokens=MAX_NEW))
+    engine.step()
+    long_prompt = max(prompts, key=len)
+    engine.add_request(long_prompt, DecodeParams(mode="ar", max_new_tokens=MAX_NEW))
+    num_chunks = -(-(len(long_prompt) - 1) // 16)
+    assert num_chunks > 5
+    for _ in range(5):  # each step: one 16-token chunk of the long prompt, one token of the short request
+        assert [o.request_id for o in engine.step()] == [short]
+    results = {o.request_id: o.result for _ in range(200) for o in engine.step() if o.finished}
+    assert len(results) == 2 and max(r.num_prefill_forwards for r in results.values()) == num_chunks
+
+
 def test_ar_steps_feed_only_real_tokens_unless_a_row_can_use_masks(tiny):
     """Continuous scheme on a dynamic-window graph: AR / tau >= 1 batches run W = 1 steps, with
     the ids of full-window steps (block scheme); a threshold row widens the step to its block size."""

@@ -79,6 +79,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     lora = None
     if args.lora_init is not None and not args.lora:
         raise ValueError("--lora-init continues a LoRA adapter: add --lora")
+    default = LoraSettings()
+    shaped = (args.lora_rank, args.lora_alpha, args.lora_targets) != (default.rank, default.alpha, default.targets)
+    if args.lora_init is not None and shaped:
+        raise ValueError("--lora-rank, --lora-alpha and --lora-targets do not apply with --lora-init "
+                         "(the adapter keeps its own); drop them")
     if args.lora:
         lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             targets=args.lora_targets, train_mask_embedding=not args.lora_freeze_mask_embedding,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +33,8 @@ class LoraSettings:
             raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
-        if self.init is not None and not (Path(self.init) / "adapter_config.json").is_file():
-            raise ValueError(f"--lora-init {self.init}: no adapter_config.json there; give a LoRA adapter "
-                             "directory such as mars_export/data/smollm2-135m-mars or a run's adapter/")
+        if self.init is not None:
+            check_adapter_dir(Path(self.init))
         if not self.target_modules:
             raise ValueError("--lora-targets is empty; give 'all-linear' or module names like 'q_proj,v_proj'")
 
@@ -43,6 +43,20 @@ class LoraSettings:
         if self.targets == "all-linear":
             return self.targets
         return [name.strip() for name in self.targets.split(",") if name.strip()]
+
+
+def check_adapter_dir(path: Path) -> None:
+    """Raise ValueError unless ``path`` holds a peft LoRA adapter (readable config and weights)."""
+    hint = "give a LoRA adapter directory such as mars_export/data/smollm2-135m-mars or a run's adapter/"
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        raise ValueError(f"--lora-init {path}: no adapter_config.json there; {hint}")
+    try:
+        json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--lora-init: {config} is not valid JSON ({e}); {hint}") from e
+    if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ValueError(f"--lora-init {path}: no adapter_model.safetensors (or .bin) there; {hint}")
 
 
 @dataclass

@@ -76,7 +76,8 @@ def prepare_lora_model(model: PreTrainedModel, settings: LoraSettings, mask_toke
     With ``settings.init`` the adapter saved there is loaded, trainable, instead of a fresh one.
     """
     if settings.init is not None:
-        return PeftModel.from_pretrained(model, settings.init, is_trainable=True)
+        # an absolute local path: peft would take a missing directory for a Hub repo id
+        return PeftModel.from_pretrained(model, str(Path(settings.init).resolve()), is_trainable=True)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=settings.target_modules, task_type="CAUSAL_LM",
                         trainable_token_indices=[mask_token_id] if settings.train_mask_embedding else None)

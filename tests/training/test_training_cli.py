@@ -115,7 +115,7 @@ def test_distill_writes_chat_jsonl_and_drops_unfinished(tmp_path):
     assert out.read_text() == ""  # two random tokens never end with end-of-turn here
 
 
-def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_path):
+def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_path, capsys):
     first = tmp_path / "first"
     assert train(tiny_checkpoint, tiny_jsonl, first, "--max-steps", "2", "--save-steps", "0", "--lora",
                  "--lora-rank", "4") == 0
@@ -126,5 +126,16 @@ def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_pa
         torch.testing.assert_close(weights(frozen)[name], tensor, msg=f"--lora-init did not load {name}")
     with pytest.raises(SystemExit):  # --lora-init without --lora
         train(tiny_checkpoint, tiny_jsonl, tmp_path / "a", "--max-steps", "1", "--lora-init", str(first / "adapter"))
-    with pytest.raises(SystemExit):  # not an adapter directory
-        train(tiny_checkpoint, tiny_jsonl, tmp_path / "b", "--max-steps", "1", "--lora", "--lora-init", str(tmp_path))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for content, message in [(None, "no adapter_config.json"), ("{not json", "is not valid JSON"),
+                             ((first / "adapter" / "adapter_config.json").read_text(), "no adapter_model")]:
+        if content is not None:
+            (broken / "adapter_config.json").write_text(content)
+        with pytest.raises(SystemExit):
+            train(tiny_checkpoint, tiny_jsonl, tmp_path / "b", "--max-steps", "1", "--lora", "--lora-init", str(broken))
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the adapter's own rank applies
+        train(tiny_checkpoint, tiny_jsonl, tmp_path / "c", "--max-steps", "1", "--lora", "--lora-rank", "8",
+              "--lora-init", str(first / "adapter"))
+    assert "do not apply with --lora-init" in capsys.readouterr().err

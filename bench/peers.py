@@ -468,17 +468,12 @@ def machine_info() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def common_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def compare_to_reference(rows: list[dict]) -> None:
-    """Add per-row agreement with our AR batch-1 ids: identical count and mean common prefix."""
+    """Add per-row agreement with our AR batch-1 ids: identical count and mean common prefix.
+
+    Runs in the project venv (``report``); the peer venvs never import mars_export.
+    """
+    from mars_export.evaluation.scoring import common_prefix
     ref = next((r["outputs"] for r in rows if r["engine"] == "ours" and r.get("variant") == "ar"
                 and r["batch_size"] == 1 and r["status"] == OK), None)
     for row in rows:

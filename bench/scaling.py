@@ -206,11 +206,6 @@ def add_bandwidth(row: dict, config, weights: dict, stream: dict) -> None:
 
 # ---------------------------------------------------------------- prefill
 
-def is_dynamic_window(backend) -> bool:
-    """True if the graph's window axis (input_ids axis 1) is symbolic rather than a fixed int."""
-    return not isinstance(backend.session.get_inputs()[0].shape[1], int)
-
-
 def prefill_single(backend, config, ids: np.ndarray) -> None:
     """All T ids [T] in one forward: W = T, mask [1, 1, T, T], past [1, H, 0, D]."""
     num_tokens = len(ids)
@@ -265,7 +260,7 @@ def run(args) -> dict:
     print("weights (bytes):", json.dumps(meta["weights"]), "\nSTREAM:", json.dumps(meta["stream"]), flush=True)
     rng = np.random.default_rng(0)
     backend = OnnxBackend(args.bundle, config, num_threads=args.threads)
-    meta["prefill_path"] = "single" if is_dynamic_window(backend) else "chunked"
+    meta["prefill_path"] = "single" if backend.is_window_dynamic else "chunked"
     if args.window is None:  # the engine's plain AR step: 1 token on dynamic-window graphs, else W
         args.window = 1 if meta["prefill_path"] == "single" else config.window
     elif args.window != config.window and meta["prefill_path"] == "chunked":

@@ -226,7 +226,12 @@ class Engine:
         chunk = seq.prefill_chunk(self.prefill_chunk)
         self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
         self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk))
-        seq.num_prefilled += len(chunk)
+        self._count_prefilled(seq, len(chunk))
+
+    @staticmethod
+    def _count_prefilled(seq: Sequence, num_tokens: int) -> None:
+        """Record one prefill forward of ``num_tokens`` prompt tokens, and the prefill time once done."""
+        seq.num_prefilled += int(num_tokens)
         seq.result.num_prefill_forwards += 1
         if not seq.is_prefilling:
             seq.result.prefill_seconds = time.perf_counter() - seq.start_time
@@ -262,12 +267,8 @@ class Engine:
         """Accept from this row's logits [w, V] (w: this step's window); set its commit count;
         return its output (None in prefill)."""
         if seq.is_prefilling:
-            chunk = seq.prefill_chunk(self.config.window)
-            counts[seq.slot] = len(chunk)
-            seq.num_prefilled += len(chunk)
-            seq.result.num_prefill_forwards += 1
-            if not seq.is_prefilling:
-                seq.result.prefill_seconds = time.perf_counter() - seq.start_time
+            counts[seq.slot] = len(seq.prefill_chunk(self.config.window))
+            self._count_prefilled(seq, counts[seq.slot])
             return None
         num_real = min(len(seq.uncached), len(logits))
         predictions = logits[num_real - 1:]  # [w - r + 1, V]: the AR prediction, then one per later input

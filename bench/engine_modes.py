@@ -6,8 +6,9 @@
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
 prompts (GSM8K test questions and HumanEval prompts from ../shared/data, alternating) go
-through the engine in AR mode (the baseline), threshold mode at each tau, and verify mode,
-each at every per-request block size (default: the bundle's B).
+through the engine in AR mode (the baseline), threshold mode at each tau, and verify mode
+with each draft source (masks, lookup, both), each at every per-request block size
+(default: the bundle's B).
 Wall-clock covers prefill and decode of all requests (continuous batching admits them as
 slots free). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
 """
@@ -27,7 +28,7 @@ from mars_export.evaluation.tasks import load_gsm8k, load_humaneval
 from runtime.bundle import load_config
 from runtime.engine import Engine, EngineConfig
 from runtime.onnx_backend import OnnxBackend
-from runtime.params import DecodeParams
+from runtime.params import DRAFTS, DecodeParams
 from runtime.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -47,7 +48,7 @@ def run_config(backend, config, prompts, scheme: str, batch_size: int, params: D
     results = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(r.num_tokens for r in results)
-    row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "tau": params.tau,
+    row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "draft": params.draft, "tau": params.tau,
            "block_size": params.block_size or config.block_size,
            "num_requests": len(prompts), "num_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
            "tpf": tokens / sum(r.num_forwards for r in results), "batch_forwards": engine.num_steps,
@@ -63,7 +64,8 @@ def run(args) -> list[dict]:
     for block_size in args.block_sizes or [config.block_size]:
         settings += [DecodeParams(tau=tau, block_size=block_size, max_new_tokens=args.max_new_tokens)
                      for tau in args.taus]
-        settings += [DecodeParams(mode="verify", block_size=block_size, max_new_tokens=args.max_new_tokens)]
+        settings += [DecodeParams(mode="verify", draft=draft, block_size=block_size, max_new_tokens=args.max_new_tokens)
+                     for draft in DRAFTS]
     rows = []
     for scheme in args.schemes:
         for batch_size in args.batch_sizes:
@@ -126,6 +128,8 @@ def _label(row: dict) -> str:
     if row["mode"] == "ar":
         return "ar"
     mode = f"threshold tau={row['tau']}" if row["mode"] == "threshold" else row["mode"]
+    if row["mode"] == "verify" and row["draft"] != "masks":
+        mode += f" + {row['draft']}"
     return f"{mode} B={row['block_size']}"
 
 

@@ -213,17 +213,18 @@ def bench_variant(engine: str, variant: str, generate, settings: dict, batch_siz
 
 
 def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
-    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify."""
+    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify with each draft source."""
     from runtime.bundle import load_config
     from runtime.engine import Engine, EngineConfig
     from runtime.onnx_backend import OnnxBackend
-    from runtime.params import DecodeParams
+    from runtime.params import DRAFTS, DecodeParams
 
     bundle = model or settings["bundle"]
     config = load_config(bundle)
     backend = OnnxBackend(bundle, config, num_threads=settings["threads"])
     modes = [("ar", DecodeParams(mode="ar"))] + [(f"threshold tau={t}", DecodeParams(tau=t)) for t in settings["taus"]]
-    modes.append(("verify", DecodeParams(mode="verify")))
+    modes += [("verify" if draft == "masks" else f"verify + {draft}", DecodeParams(mode="verify", draft=draft))
+              for draft in DRAFTS]
 
     def make_generate(params):
         def generate(chunk, max_new):

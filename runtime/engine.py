@@ -9,7 +9,9 @@ Every step is one forward of the step graph over the running rows:
     and joins it once its prompt is cached;
   - a decoding row feeds its uncached real tokens, its drafts (verify mode), then mask
     tokens; the output at the last real token is the AR prediction, each later output
-    predicts one more token ahead; the acceptance rule picks how many to keep.
+    predicts one more token ahead; the acceptance rule picks how many to keep. Verify-mode
+    drafts come from the request's draft source (lookup and/or the last step's masks,
+    :meth:`runtime.sequence.Sequence.prepare_drafts`); a ``lookup`` row feeds no masks.
 
 Two batch schemes (DESIGN.md §4):
   - ``continuous``: each row commits the KV of its real tokens every step and advances on
@@ -187,6 +189,9 @@ class Engine:
             running = [s for s in running if not s.is_prefilling]
             if not running:
                 return []
+        for seq in running:
+            if seq.params.mode == "verify" and not seq.is_prefilling:
+                seq.prepare_drafts()
         window = self._step_window(running)
         rows: list[list[int] | None] = [None] * self.scheduler.num_rows
         for seq in running:
@@ -246,7 +251,10 @@ class Engine:
 
     def _row_width(self, seq: Sequence) -> int:
         """Inputs a row can use: its uncached real tokens, then (threshold at tau < 1 and verify
-        mode) one draft or mask per further token it may accept; AR rows need no mask."""
+        mode) one draft or mask per further token it may accept; AR rows need no mask, and
+        verify rows drafting by lookup alone feed only their drafts (none: one token, as AR)."""
+        if seq.params.mode == "verify" and seq.params.draft == "lookup":
+            return len(seq.uncached) + len(seq.drafts)
         uses_masks = seq.params.mode == "verify" or self._tau(seq) < 1.0
         return len(seq.uncached) + (seq.block_size - 1 if uses_masks else 0)
 
@@ -276,7 +284,7 @@ class Engine:
             tokens = self._accept_verify(seq, predictions, num_real, counts)
         else:
             tokens = self._accept_threshold(seq, predictions, num_real, counts)
-        seq.result.token_ids.extend(tokens)
+        seq.add_tokens(tokens)
         seq.result.num_forwards += 1
         reason = "stop" if tokens and tokens[-1] in seq.stop_ids else "length" if seq.num_remaining == 0 else None
         return StepOutput(seq.request_id, tokens, reason is not None, reason, seq.result)
@@ -306,7 +314,7 @@ class Engine:
         tokens = [int(t) for t in predicted[:count]]
         counts[seq.slot] = num_real + count - 1  # the real tokens and the kept drafts
         is_all_kept = count - 1 == len(drafts) and tokens[-1] not in seq.stop_ids
-        seq.drafts = [int(t) for t in predicted[len(drafts) + 1:][:seq.block_size - 1]] if is_all_kept else []
+        seq.mask_drafts = [int(t) for t in predicted[len(drafts) + 1:][:seq.block_size - 1]] if is_all_kept else []
         seq.uncached = [tokens[-1]]
         return tokens
 

@@ -14,7 +14,7 @@ import sys
 from runtime.acceptance import METRICS
 from runtime.bundle import BundleError, load_config
 from runtime.decoding import Decoder, DecodeParams
-from runtime.params import MODES
+from runtime.params import DRAFTS, MODES
 from runtime.onnx_backend import PROVIDERS, OnnxBackend
 from runtime.tokenizer import Tokenizer
 
@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
     p.add_argument("--mode", default="threshold", choices=MODES,
                    help="threshold (MARS), ar (one token per step) or verify (lossless drafts); default threshold")
+    p.add_argument("--draft", default="masks", choices=DRAFTS,
+                   help="verify mode's draft source: masks (the last step's mask predictions), lookup (tokens "
+                        "that followed the latest earlier match of the context's last n-gram) or both; default masks")
     p.add_argument("--metric", default="probability", choices=METRICS, help="confidence metric (default probability)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -43,9 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        params = DecodeParams(tau=args.tau, mode=args.mode, metric=args.metric, max_new_tokens=args.max_new_tokens,
-                              block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed)
+        params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, metric=args.metric,
+                              max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         config = load_config(args.bundle)
         tokenizer = Tokenizer(args.bundle)
         decoder = Decoder(OnnxBackend(args.bundle, config, args.provider, args.threads), config)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from runtime.acceptance import METRICS
 
 MODES = ("ar", "threshold", "verify")
+DRAFTS = ("masks", "lookup", "both")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,12 @@ class DecodeParams:
         mode: ``threshold`` (MARS §3: accept mask predictions while confident), ``ar`` (one
             token per step, whatever tau), or ``verify`` (DESIGN.md §3: the previous step's
             mask predictions are checked as drafts; output exactly greedy AR; tau unused).
+        draft: where verify mode's drafts come from (DESIGN.md §3 "Draft sources"): ``masks``
+            (the previous step's mask predictions, default), ``lookup`` (prompt lookup: the
+            tokens that followed the latest earlier match of the context's suffix n-gram, see
+            :mod:`runtime.lookup`; no masks are fed, a step without a match feeds one token)
+            or ``both`` (a lookup proposal when there is one, else the mask predictions;
+            masks fill the rest of the window).
         metric: confidence metric, one of ``probability``, ``margin``, ``entropy``.
         max_new_tokens: most tokens to generate, >= 1.
         block_size: most tokens accepted per step; None = the bundle's B.
@@ -30,11 +37,12 @@ class DecodeParams:
 
     Raises:
         ValueError: a value out of range (the message names the field and what is allowed),
-            or verify mode with temperature > 0.
+            verify mode with temperature > 0, or a draft source other than masks outside verify mode.
     """
 
     tau: float | None = 1.0
     mode: str = "threshold"
+    draft: str = "masks"
     metric: str = "probability"
     max_new_tokens: int = 128
     block_size: int | None = None
@@ -49,6 +57,11 @@ class DecodeParams:
             check_tau(self.tau)
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+        if self.draft not in DRAFTS:
+            raise ValueError(f"unknown draft source {self.draft!r}; choose one of {DRAFTS}")
+        if self.draft != "masks" and self.mode != "verify":
+            raise ValueError(f"draft {self.draft!r} needs mode 'verify' (drafts are verified there); "
+                             f"mode {self.mode!r} takes draft 'masks'")
         if self.metric not in METRICS:
             raise ValueError(f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
         if self.max_new_tokens < 1:

@@ -3,7 +3,9 @@
 A sequence is prefilling while prompt tokens other than the last remain uncached; then
 every step feeds its ``uncached`` real tokens (the last prompt token first, later the tokens
 accepted in the previous step), the verify-mode ``drafts``, and mask tokens up to the
-window W (DESIGN.md §3).
+window W (DESIGN.md §3). Verify-mode drafts are chosen before each step from the request's
+draft source: a prompt-lookup proposal over prompt + generated ids (:mod:`runtime.lookup`)
+and/or the previous step's mask predictions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.lookup import NgramIndex
 from runtime.params import DecodeParams, GenerationResult
 
 
@@ -28,7 +31,10 @@ class Sequence:
         slot: its KV-cache slot (= batch row) while running, else None.
         num_prefilled: prompt tokens whose KV is committed.
         uncached: real tokens whose KV is not cached yet, fed first in the next step.
-        drafts: verify mode: ids proposed by the previous step's masks, fed after ``uncached``.
+        drafts: verify mode: this step's draft ids, fed after ``uncached`` (:meth:`prepare_drafts`).
+        mask_drafts: verify mode: the previous step's predictions at its masks after the last
+            token it yielded (empty unless every draft of that step was kept).
+        lookup: n-gram index of prompt + generated ids when the draft source uses lookup, else None.
         is_block_ready: block scheme: its window held W real tokens in the last forward and
             its block is full, so that forward's KV of the block is exact.
         rng: random generator (sampling only).
@@ -45,6 +51,8 @@ class Sequence:
     num_prefilled: int = 0
     uncached: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
+    mask_drafts: list[int] = field(default_factory=list)
+    lookup: NgramIndex | None = None
     is_block_ready: bool = False
     rng: np.random.Generator | None = None
     result: GenerationResult = field(default_factory=GenerationResult)
@@ -52,6 +60,8 @@ class Sequence:
 
     def __post_init__(self):
         self.uncached = [self.prompt_ids[-1]]
+        if self.params.draft in ("lookup", "both"):
+            self.lookup = NgramIndex(self.prompt_ids)
         if self.params.temperature > 0:
             self.rng = np.random.default_rng(self.params.seed)
 
@@ -67,3 +77,19 @@ class Sequence:
     def prefill_chunk(self, window: int) -> list[int]:
         """The next at most W prompt tokens to prefill (never the last prompt token)."""
         return self.prompt_ids[self.num_prefilled:min(self.num_prefilled + window, len(self.prompt_ids) - 1)]
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Record tokens a step yielded (and index them for lookup drafts)."""
+        self.result.token_ids.extend(token_ids)
+        if self.lookup is not None:
+            self.lookup.extend(token_ids)
+
+    def prepare_drafts(self) -> None:
+        """Verify mode: set this step's ``drafts``, at most min(B, tokens left) - 1 of them.
+
+        A lookup proposal when the draft source uses lookup and one exists; otherwise the
+        previous step's mask predictions when the source uses masks; otherwise none.
+        """
+        max_drafts = min(self.block_size, self.num_remaining) - 1
+        proposal = self.lookup.propose(max_drafts) if self.lookup is not None else []
+        self.drafts = proposal or (self.mask_drafts[:max_drafts] if self.params.draft != "lookup" else [])

@@ -77,13 +77,19 @@ def test_tau_one_equals_generate_on_ten_prompts_each(default_bundle, hf_model):
     check_identity(default_bundle, hf_model, hf_greedy(default_bundle, hf_model, real_prompts(10)))
 
 
-@pytest.mark.parametrize("scheme, mode", [("continuous", "ar"), ("block", "ar"), ("continuous", "verify")])
-def test_batch_rows_and_verify_mode_equal_generate(default_bundle, greedy_pairs, scheme, mode):
+@pytest.mark.parametrize("scheme, mode, draft", [("continuous", "ar", "masks"), ("block", "ar", "masks"),
+                                                 ("continuous", "verify", "masks"), ("continuous", "verify", "lookup"),
+                                                 ("block", "verify", "both")])
+def test_batch_rows_and_verify_mode_equal_generate(default_bundle, greedy_pairs, scheme, mode, draft):
     config = load_config(default_bundle)
     engine = Engine(OnnxBackend(default_bundle, config), config, EngineConfig(max_batch_size=4, scheme=scheme))
-    results = engine.generate([ids for ids, _ in greedy_pairs], DecodeParams(mode=mode, max_new_tokens=MAX_NEW))
+    results = engine.generate([ids for ids, _ in greedy_pairs],
+                              DecodeParams(mode=mode, draft=draft, max_new_tokens=MAX_NEW))
     for result, (ids, expected) in zip(results, greedy_pairs):
-        assert result.token_ids == expected, f"{scheme}/{mode}: a row diverged from its solo greedy run"
+        assert result.token_ids == expected, f"{scheme}/{mode}/{draft}: a row diverged from its solo greedy run"
+    if draft != "masks":  # a plain model: prompt lookup alone gains tokens on real prompts
+        tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
+        assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f})"
 
 
 def test_lower_tau_never_emits_the_mask_token(default_bundle):

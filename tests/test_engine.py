@@ -124,6 +124,42 @@ def test_verify_mode_equals_greedy_ar_in_a_batch(tiny, scheme):
         assert gained > 0, "no draft was ever kept: the comparison would not exercise verification"
 
 
+@pytest.mark.parametrize("scheme", ["continuous", "block"])
+@pytest.mark.parametrize("draft", ["lookup", "both"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_verify_mode_with_lookup_drafts_equals_greedy_ar(tiny, scheme, draft, batch_size):
+    """Prompt-lookup drafts (DESIGN.md §3 "Draft sources") keep the output greedy AR, and on
+    these models' looping greedy outputs they are proposed and kept."""
+    backend, config, prompts = tiny
+    greedy = solo(tiny, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
+    engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size, scheme=scheme))
+    results = engine.generate(prompts, DecodeParams(mode="verify", draft=draft, max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == greedy
+    tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
+    assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f}): the test would not exercise them"
+
+
+def test_lookup_rows_feed_only_their_drafts(tiny):
+    """Continuous scheme, dynamic window: a verify row drafting by lookup alone feeds its real
+    token and its drafts, no masks: a W = 1 step (as cheap as AR) when it has no proposal."""
+    backend, config, prompts = tiny
+    engine = Engine(backend, config, EngineConfig(max_batch_size=1, prefill_chunk=1024))
+    windows, fed = [], []
+
+    class Spy:  # the real backend, recording each step's window and what the row fed in it
+        def step(self, ids, positions, mask, past):
+            seq = engine.scheduler.running[0]
+            if not seq.is_prefilling:
+                windows.append(ids.shape[1])
+                fed.append((ids[0].tolist(), seq.uncached + seq.drafts))
+            return backend.step(ids, positions, mask, past)
+
+    engine.backend = Spy()
+    engine.generate(prompts[:1], DecodeParams(mode="verify", draft="lookup", max_new_tokens=MAX_NEW))
+    assert all(ids == expected for ids, expected in fed)
+    assert 1 in windows and max(windows) > 1
+
+
 def test_block_scheme_accepts_multi_token_steps_and_commits_whole_blocks(tiny):
     backend, config, prompts = tiny
     params = DecodeParams(tau=0.5, max_new_tokens=MAX_NEW)

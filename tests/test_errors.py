@@ -50,6 +50,13 @@ def test_valid_bundle_generates(bundle, capsys):
     assert result["num_tokens"] == len(result["token_ids"]) == 4 and result["tpf"] == 1.0
 
 
+def test_verify_with_lookup_drafts_prints_the_greedy_ids(bundle, capsys):
+    greedy = json.loads(run_generate(bundle, capsys, "--json", "--max-new-tokens", "24")[1])
+    code, out, _ = run_generate(bundle, capsys, "--json", "--max-new-tokens", "24", "--mode", "verify",
+                                "--draft", "both")
+    assert code == 0 and json.loads(out)["token_ids"] == greedy["token_ids"]
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda b: (b / "model.onnx").write_bytes(b"\x08\x07garbage" * 100), "corrupt or truncated"),
     (lambda b: (b / "model.onnx").write_bytes((b / "model.onnx").read_bytes()[:50_000]), "corrupt or truncated"),
@@ -82,6 +89,7 @@ def test_bad_tau(bundle, capsys, tau, message):
 @pytest.mark.parametrize("extra, message", [
     (["--threads", "-1"], "num_threads must be in 0..256"),
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
+    (["--draft", "lookup"], "draft 'lookup' needs mode 'verify'"),
 ])
 def test_bad_runtime_arguments(bundle, capsys, extra, message):
     code, _, err = run_generate(bundle, capsys, *extra)

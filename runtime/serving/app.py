@@ -156,8 +156,8 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
                     chat: bool):
     max_new = _check_budget(ctx, prompt_ids, body.requested_max_tokens, prompt_field)
     try:
-        params = DecodeParams(tau=body.tau, mode=body.mode, max_new_tokens=max_new, temperature=body.temperature,
-                              top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        params = DecodeParams(tau=body.tau, mode=body.mode, draft=body.draft, max_new_tokens=max_new,
+                              temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     except ValueError as e:
         raise APIError(400, str(e), param=_field_named_in(str(e)), code="invalid_value") from e
     gen = Generation(ctx.engine_loop, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
@@ -183,7 +183,7 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
 
 def _field_named_in(message: str) -> str | None:
     """The request field a DecodeParams error names first (its messages start with the field)."""
-    found = [(m.start(), name) for name in ("tau", "mode", "temperature", "top_p", "top_k", "seed")
+    found = [(m.start(), name) for name in ("tau", "mode", "draft", "temperature", "top_p", "top_k", "seed")
              if (m := re.search(rf"\b{name}\b", message))]
     return min(found)[1] if found else None
 

@@ -8,6 +8,8 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
   request follows the server's live default tau (which the load policy may lower).
 - ``mode``: ``threshold`` (MARS, default), ``ar`` (one token per step) or ``verify``
   (lossless drafts, greedy only).
+- ``draft``: verify mode's draft source: ``masks`` (default), ``lookup`` (prompt lookup
+  over the prompt and the generated text) or ``both``; other modes take ``masks`` only.
 - ``top_k``: sampling filter (0 = off).
 - ``return_token_ids``: add the generated ids to the response's ``mars`` object.
 
@@ -51,6 +53,7 @@ class _GenerationRequest(BaseModel):
     # MARS extras
     tau: float | None = Field(None, ge=0.0)
     mode: Literal["threshold", "ar", "verify"] = "threshold"
+    draft: Literal["masks", "lookup", "both"] = "masks"
     top_k: int = Field(0, ge=0)
     return_token_ids: bool = False
 

@@ -89,6 +89,16 @@ def test_token_id_prompt_and_multi_token_steps(tiny_server, runtime_parts):
     assert mars["tpf"] == pytest.approx(expected.tpf) and mars["tpf"] > 1.0
 
 
+@pytest.mark.parametrize("draft", ["lookup", "both"])
+def test_verify_with_lookup_drafts_is_the_greedy_output(tiny_server, runtime_parts, draft):
+    tokenizer, decoder = runtime_parts
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    expected = decoder.generate(prompt_ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
+    text, _, mars, _ = chat(tiny_server, PROMPTS[0], extra_body={"mode": "verify", "draft": draft})
+    assert mars["token_ids"] == expected.token_ids and text == tokenizer.decode(expected.token_ids)
+    assert mars["num_forwards"] < expected.num_forwards  # the random model loops: drafts are kept
+
+
 def test_concurrent_requests_equal_their_solo_runs(tiny_server, runtime_parts):
     tokenizer, decoder = runtime_parts
     texts = PROMPTS * 2
@@ -119,6 +129,8 @@ BAD_REQUESTS = [
     ("chat", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"n": 2}, "n"),
     ("chat", {"mode": "fast"}, "mode"),
+    ("chat", {"mode": "verify", "draft": "ngram"}, "draft"),
+    ("chat", {"draft": "lookup"}, "draft"),                         # lookup drafts need verify mode
     ("chat", {"tau": -0.5}, "tau"),
     ("chat", {"temperature": 7}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),

@@ -2,7 +2,7 @@
 
     python bench/gpu_check.py [--model default-mars] [--block 4] [--out bench/results/gpu_check.json]
 
-On a machine with an NVIDIA GPU, TensorRT and cuda-python (``pip install -e '.[export,trt]'``):
+On a machine with an NVIDIA GPU, TensorRT and cuda-python (``pip install -e '.[gpu,export,trt]'``):
 
 1. ``mars-export MODEL --fp16 --trt`` (and the fp32 graph with --fp32 as well): exports the
    step graph, builds ``engine.plan`` and records parity against PyTorch on onnxruntime CPU,

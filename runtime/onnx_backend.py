@@ -2,24 +2,42 @@
 
 The backend owns the session and nothing else: it takes explicit inputs and past KV and
 returns logits and the new KV; caching and acceptance live elsewhere.
+
+onnxruntime comes from one of two packages that share the ``onnxruntime`` module:
+``onnxruntime`` (CPU, the ``[cpu]`` extra) or ``onnxruntime-gpu`` (CUDA and TensorRT
+providers, the ``[gpu]`` extra or NVIDIA's Jetson wheel). :func:`require_provider` says
+which one to install when a requested provider is missing.
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
-
-from runtime import bundle
-from runtime.bundle import BundleConfig, BundleError
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
+_GPU_INSTALL = ("pip install 'mars-edge[gpu]' (onnxruntime-gpu; on Jetson NVIDIA's onnxruntime-gpu wheel, "
+                "samples/jetson/README.md)")
+INSTALL = {
+    "cpu": "pip install 'mars-edge[cpu]' (onnxruntime) or, for a GPU, " + _GPU_INSTALL,
+    "cuda": _GPU_INSTALL + " with CUDA 12 and cuDNN 9",
+    "tensorrt": _GPU_INSTALL + " with CUDA 12 and TensorRT 10",
+}
+
+try:
+    import onnxruntime as ort
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+except ImportError as e:  # installed without the [cpu] or [gpu] extra
+    raise ImportError(f"the runtime needs onnxruntime, which cannot be imported ({e}): {INSTALL['cpu']}") from e
+
+from runtime import bundle
+from runtime.bundle import BundleConfig, BundleError
+
 MAX_THREADS = 256
 _LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.InvalidArgument, ort_state.Fail,
                 ort_state.NoSuchFile, ort_state.RuntimeException)
@@ -71,21 +89,57 @@ class OnnxBackend:
         return logits, list(zip(kv[0::2], kv[1::2]))
 
 
-def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceSession:
+def require_provider(provider: str) -> str:
+    """The onnxruntime name of ``provider``, checked against the installed onnxruntime build.
+
+    Args:
+        provider: ``cpu``, ``cuda`` or ``tensorrt``.
+
+    Returns:
+        Its execution provider name, e.g. ``CUDAExecutionProvider``.
+
+    Raises:
+        ValueError: unknown provider, or one this build lacks; the one-line message names
+            the package to install (and the clash when both onnxruntime packages are in).
+    """
     if provider not in PROVIDERS:
         raise ValueError(f"unknown execution provider {provider!r}; choose one of {sorted(PROVIDERS)}")
     name = PROVIDERS[provider]
-    if name not in ort.get_available_providers():
-        raise ValueError(f"execution provider {name} is not available in this onnxruntime build "
-                         f"(available: {ort.get_available_providers()})")
+    available = ort.get_available_providers()
+    if name not in available:
+        installed = _installed_packages()
+        names = " ".join(installed) or "onnxruntime"  # the two wheels write one module: remove the one(s) in
+        shown = " + ".join(f"{package} {version}" for package, version in installed.items()) or "onnxruntime"
+        raise ValueError(f"execution provider {name} is not in the installed {shown} (it has {available}): "
+                         f"pip uninstall -y {names}, then {INSTALL[provider]}")
+    return name
+
+
+def _installed_packages() -> dict[str, str]:
+    """The installed onnxruntime packages and their versions, e.g. ``{"onnxruntime": "1.32.0"}``."""
+    found = {}
+    for package in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceSession:
+    name = require_provider(provider)
     options = ort.SessionOptions()
     options.intra_op_num_threads = num_threads
     try:
-        return ort.InferenceSession(str(path), options, providers=[name])
+        session = ort.InferenceSession(str(path), options, providers=[name])
     except _LOAD_ERRORS as e:
         first_line = str(e).strip().splitlines()[0][:300]
         raise BundleError(f"cannot load {path}: the ONNX file is corrupt or truncated ({first_line}); "
                           "re-export the bundle with mars-export") from e
+    if name not in session.get_providers():  # onnxruntime falls back to the CPU when a GPU provider cannot start
+        raise ValueError(f"execution provider {name} is built in but did not start (a missing CUDA, cuDNN or "
+                         f"TensorRT library; onnxruntime logged which): {INSTALL[provider]}")
+    return session
 
 
 def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -> None:

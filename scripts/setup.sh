@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install the toolkit with its pinned dependencies.
-# Idempotent: a second run only checks that everything is installed.
+# Create .venv (once) and install the toolkit at the locked versions (requirements/lock.txt)
+# with the CPU onnxruntime and every extra CI needs. Idempotent: a second run only checks
+# that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[export,dev,bench,eval]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt \
+    -e ".[cpu,export,dev,bench,eval]"

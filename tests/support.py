@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import sys
 from pathlib import Path
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The interpreter of the torch-free runtime tests (marker ``runtime_python``): this venv's,
+# or the lowest-declared-versions venv that scripts/test_lowest.sh makes.
+RUNTIME_PYTHON = os.path.abspath(os.environ.get("MARS_RUNTIME_PYTHON") or sys.executable)  # not resolved: a venv
 
 
 def export(model: str, out: Path, block: int, window: int, *extra: str) -> Path:

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import onnx
@@ -25,7 +24,7 @@ from runtime.bundle import load_config
 from runtime.decoding import Decoder, DecodeParams
 from runtime.onnx_backend import OnnxBackend
 from runtime.tokenizer import Tokenizer
-from support import fix_window, real_prompts
+from support import RUNTIME_PYTHON, fix_window, real_prompts
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "c"
 TINY_CASES = [("llama", 4), ("qwen2", 8), ("qwen3", 4)]
@@ -48,7 +47,8 @@ wrapper = _load_wrapper()
 
 @pytest.fixture(scope="session")
 def mars_c(tmp_path_factory) -> Path:
-    """Path of the built ``mars_c`` binary (skips only when the headers cannot be downloaded)."""
+    """Path of the built ``mars_c`` binary (skips only when the headers cannot be downloaded),
+    linked to the onnxruntime library of ``support.RUNTIME_PYTHON``."""
     for tool in ("cmake", "cc", "bash"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed: cannot build samples/c")
@@ -59,7 +59,7 @@ def mars_c(tmp_path_factory) -> Path:
         pytest.skip("cannot download the ONNX Runtime C headers (libonnxruntime-dev from Debian trixie), "
                     f"so samples/c cannot be built: {fetch.stderr.strip().splitlines()[-1]}")
     assert fetch.returncode == 0, f"fetch_headers.sh failed:\n{fetch.stderr}"
-    for command in (["cmake", "-S", str(SAMPLE), "-B", str(build), f"-DPython3_EXECUTABLE={sys.executable}"],
+    for command in (["cmake", "-S", str(SAMPLE), "-B", str(build), f"-DPython3_EXECUTABLE={RUNTIME_PYTHON}"],
                     ["cmake", "--build", str(build)]):
         proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}"
@@ -95,6 +95,7 @@ def tiny_prompts() -> list[tuple[str, str]]:
     return [(kind, text[:TINY_PROMPT_CHARS]) for kind, text in real_prompts(2)]
 
 
+@pytest.mark.runtime_python
 @pytest.mark.parametrize("arch, window", TINY_CASES)
 def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
     _, bundle = tiny_bundle(arch, window)

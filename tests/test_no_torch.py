@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+import pytest
+from support import RUNTIME_PYTHON
 
 SCRIPT = """
 import json, sys
@@ -17,9 +19,10 @@ print(json.dumps({"code": code, "heavy": heavy}))
 """
 
 
+@pytest.mark.runtime_python
 def test_runtime_runs_without_torch(tiny_bundle):
     _, bundle = tiny_bundle("llama", 4)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(bundle)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([RUNTIME_PYTHON, "-c", SCRIPT, str(bundle)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     generated, status = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert status == {"code": 0, "heavy": []}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+import pytest
+from support import RUNTIME_PYTHON
 
 SCRIPT = """
 import json, sys
@@ -18,9 +20,10 @@ print(json.dumps({"status": r.status_code, "tokens": r.json()["usage"]["completi
 """
 
 
+@pytest.mark.runtime_python
 def test_server_runs_without_torch(tiny_bundle):
     _, bundle = tiny_bundle("llama", 4)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(bundle)], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([RUNTIME_PYTHON, "-c", SCRIPT, str(bundle)], capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"status": 200, "tokens": 3, "heavy": []}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.params import DecodeParams, GenerationResult
+from runtime.sampling import is_greedy
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Sequence:
 
     def __post_init__(self):
         self.uncached = [self.prompt_ids[-1]]
-        if self.params.temperature > 0:
+        if not is_greedy(self.params.temperature):
             self.rng = np.random.default_rng(self.params.seed)
 
     @property

@@ -112,6 +112,15 @@ def test_stop_string_cuts_the_text(tiny_server, stream):
     assert tiny_server.wait_idle()["active_slots"] == 0
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_server, tau):
+    """The API accepts any temperature in 0..2; one too small to divide logits by (1e-38 overflows
+    them to inf) decodes as temperature 0: the same ids, confidences and forwards."""
+    greedy = complete(tiny_server, PROMPTS[0], extra_body={"tau": tau})
+    for temperature in (1e-38, 1e-6):
+        assert complete(tiny_server, PROMPTS[0], temperature=temperature, extra_body={"tau": tau}) == greedy
+
+
 BAD_REQUESTS = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),

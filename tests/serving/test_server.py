@@ -7,6 +7,7 @@ it a hard case for streaming detokenization: every text below is checked against
 
 from __future__ import annotations
 
+import json
 from concurrent import futures
 
 import httpx
@@ -172,6 +173,21 @@ def test_malformed_json_and_unknown_route(tiny_server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = tiny_server.http.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_body_not_in_utf8_is_a_400_naming_its_encoding(tiny_server, route, encoding):
+    """JSON over HTTP is UTF-8 (RFC 8259 §8.1): other encodings are refused, not guessed."""
+    body = {"model": "tiny", "max_tokens": 2, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    del body["prompt" if route == "chat/completions" else "messages"]
+    r = tiny_server.http.post(f"/v1/{route}", content=json.dumps(body).encode(encoding),
+                              headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert encoding.upper() in message and "UTF-8" in message and "RFC 8259" in message, message
+    assert tiny_server.http.post(f"/v1/{route}", content=b"\xef\xbb\xbf" + json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"}).status_code == 200  # a UTF-8 BOM is ignored
 
 
 def test_stream_disconnect_frees_the_slot_at_once(tiny_server):

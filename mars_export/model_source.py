@@ -148,9 +148,9 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                  attn_implementation="sdpa")
-    # A GGUF-loaded model refuses save_pretrained while it carries the quantization marker;
-    # the weights are already dequantized to float32.
-    model.config.quantization_config = None
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
+    # The weights are dequantized to float32 on load, but transformers still marks the model
+    # as quantized (hf_quantizer, is_quantized, quantization_method, quantization_config), so
+    # save_pretrained, .half() (fp16 export) and .float() refuse it. Its quantizer removes the marks.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
     return model.eval(), tokenizer

@@ -101,15 +101,23 @@ class Engine:
     Not thread-safe: drive it from one thread.
 
     Args:
-        backend: object with ``step(input_ids, position_ids, attention_mask, past)`` and
-            ``is_window_dynamic`` as :class:`runtime.onnx_backend.OnnxBackend`.
+        backend: object with ``step(input_ids, position_ids, attention_mask, past)``,
+            ``is_window_dynamic``, ``max_batch`` and ``max_past`` as
+            :class:`runtime.onnx_backend.OnnxBackend`; no step feeds it a larger batch or past.
         config: the bundle config.
         engine_config: batch size, scheme and per-slot length.
+
+    Raises:
+        ValueError: ``max_batch_size`` exceeds the backend's ``max_batch``.
     """
 
     def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
         self.backend, self.config, self.engine_config = backend, config, engine_config
-        max_len = min(engine_config.max_seq_len or config.max_context, config.max_context)
+        if backend.max_batch is not None and engine_config.max_batch_size > backend.max_batch:
+            raise ValueError(f"max_batch_size {engine_config.max_batch_size} exceeds the backend's largest batch "
+                             f"{backend.max_batch} (its optimization profile); lower it or rebuild the engine")
+        # The past fed is the whole cache capacity, so the capacity stays within the backend's max_past.
+        max_len = min(engine_config.max_seq_len or config.max_context, config.max_context, backend.max_past)
         self.cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                              np.dtype(config.dtype), engine_config.max_batch_size)
         self.scheduler = Scheduler(engine_config.max_batch_size)
@@ -143,7 +151,8 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, an id outside the vocabulary, block_size above the
-                bundle's B, or prompt + max_new_tokens + W beyond the per-slot length.
+                bundle's B, or prompt + max_new_tokens + W beyond the per-slot length
+                (``cache.max_len``).
         """
         cfg = self.config
         if not prompt_ids:
@@ -157,7 +166,8 @@ class Engine:
         needed = len(prompt_ids) + params.max_new_tokens + cfg.window
         if needed > self.cache.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + window "
-                             f"({cfg.window}) = {needed} exceeds the model's max context {self.cache.max_len}; "
+                             f"({cfg.window}) = {needed} exceeds the {self.cache.max_len} positions a slot can hold "
+                             "(the model's max context, the backend's largest past, max_seq_len); "
                              "shorten the prompt or lower max_new_tokens")
         stop_ids = params.stop_ids if params.stop_ids is not None else frozenset(cfg.eos_token_ids)
         request_id = request_id or uuid.uuid4().hex

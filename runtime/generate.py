@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="verify mode's draft source: masks (the last step's mask predictions), lookup (tokens "
                         "that followed the latest earlier match of the context's last n-gram) or both; default masks")
     p.add_argument("--metric", default="probability", choices=METRICS, help="confidence metric (default probability)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; so is anything below 1e-5); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")

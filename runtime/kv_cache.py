@@ -33,7 +33,9 @@ class KVCache:
 
     Args:
         num_layers, num_kv_heads, head_dim: model shape.
-        max_len: the most positions one slot may ever hold (the capacity S grows up to it).
+        max_len: the most positions one slot may ever hold. The capacity S grows up to it and
+            never beyond, and S is the past length every step hands the graph, so the engine
+            passes at most the backend's ``max_past`` (a TensorRT optimization profile's).
         dtype: numpy dtype of the bundle's KV (float32 or float16).
         num_slots: N, the most sequences cached at once.
     """
@@ -52,7 +54,8 @@ class KVCache:
         return self.keys[0].shape[2]
 
     def reserve(self, needed: int) -> None:
-        """Make S at least ``needed``: double until it fits; halve while the longest row is under S / 4.
+        """Make S at least ``needed``: double until it fits (capped at ``max_len``); halve while the
+        longest row is under S / 4.
 
         Raises:
             ValueError: ``needed`` exceeds ``max_len``.

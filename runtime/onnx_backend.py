@@ -70,6 +70,9 @@ class OnnxBackend:
         _check_io(self.session, config, path)
         # A symbolic window axis (exports since 2026-11-30) also runs T-token prefill forwards.
         self.is_window_dynamic = isinstance(self.session.get_inputs()[0].shape[1], str)
+        # Batch and past length are dynamic axes: any batch, any past up to the model's context.
+        self.max_batch: int | None = None
+        self.max_past = config.max_context
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from runtime.acceptance import METRICS
+from runtime.sampling import is_greedy
 
 MODES = ("ar", "threshold", "verify")
 DRAFTS = ("masks", "lookup", "both")
@@ -31,13 +32,15 @@ class DecodeParams:
         max_new_tokens: most tokens to generate, >= 1.
         block_size: most tokens accepted per step; None = the bundle's B.
         stop_ids: ids that end generation; None = the bundle's eos ids.
-        temperature: 0 = greedy; > 0 samples (see :mod:`runtime.sampling` for what tau means then).
+        temperature: >= 0; below 1e-5 (0 included, :func:`runtime.sampling.is_greedy`) greedy,
+            else sampled (see :mod:`runtime.sampling` for what tau means then).
         top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
         seed: seed of the request's random generator (sampling only); None = fresh entropy.
 
     Raises:
         ValueError: a value out of range (the message names the field and what is allowed),
-            verify mode with temperature > 0, or a draft source other than masks outside verify mode.
+            verify mode with a sampling temperature, or a draft source other than masks outside
+            verify mode.
     """
 
     tau: float | None = 1.0
@@ -74,7 +77,7 @@ class DecodeParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.mode == "verify" and self.temperature > 0:
+        if self.mode == "verify" and not is_greedy(self.temperature):
             raise ValueError("verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
                              "or mode 'threshold'")
 

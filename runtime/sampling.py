@@ -9,6 +9,11 @@ top-p), and the confidence tested against tau is that of the same filtered distr
 at tau >= 1 this is exactly ordinary AR sampling. Below 1, mask predictions are drawn from
 their marginals independently, which is an approximation of the joint the AR model would
 sample; higher temperatures flatten the distributions, so fewer tokens pass tau.
+
+Temperatures below :data:`MIN_TEMPERATURE` (0 included) are greedy (:func:`is_greedy`, the
+one place this rule lives): dividing float32 logits by such a temperature overflows them to
+inf and the softmax to NaN (1e-38 gave token 0 forever), long after the distribution is
+one-hot anyway.
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ import numpy as np
 
 from runtime.acceptance import probability_confidence, softmax
 
+MIN_TEMPERATURE = 1e-5  # below it, greedy (the same epsilon as vLLM's sampler)
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` decodes greedily (argmax): 0, or any value below :data:`MIN_TEMPERATURE`."""
+    return temperature < MIN_TEMPERATURE
+
 
 def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, metric: str,
            rng: np.random.Generator | None, with_confidence: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -24,19 +36,20 @@ def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, met
 
     Args:
         logits: float32 [T, V].
-        temperature: 0 = greedy (argmax, confidence of the plain softmax); > 0 scales logits.
+        temperature: below :data:`MIN_TEMPERATURE` (0 included) greedy (argmax, confidence of
+            the plain softmax); else logits are divided by it.
         top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest set whose
             probability reaches top_p (1.0 = all).
         metric: confidence metric (:data:`runtime.acceptance.METRICS`).
-        rng: the request's generator; required when temperature > 0.
+        rng: the request's generator; required unless greedy.
         with_confidence: False skips the softmax of greedy rows (confidences are then 0).
 
     Returns:
         ids int64 [T], confidences float32 [T].
     """
-    if temperature == 0 and not with_confidence:
+    if is_greedy(temperature) and not with_confidence:
         return logits.argmax(axis=-1), np.zeros(len(logits), np.float32)
-    if temperature == 0:
+    if is_greedy(temperature):
         probs = softmax(logits)
         return logits.argmax(axis=-1), probability_confidence(probs, metric)
     probs = filtered_probs(logits, temperature, top_k, top_p)

@@ -16,6 +16,7 @@ import numpy as np
 
 from runtime.lookup import NgramIndex
 from runtime.params import DecodeParams, GenerationResult
+from runtime.sampling import is_greedy
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Sequence:
         self.uncached = [self.prompt_ids[-1]]
         if self.params.draft in ("lookup", "both"):
             self.lookup = NgramIndex(self.prompt_ids)
-        if self.params.temperature > 0:
+        if not is_greedy(self.params.temperature):
             self.rng = np.random.default_rng(self.params.seed)
 
     @property

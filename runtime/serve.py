@@ -82,7 +82,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     engine = Engine(backend, config, engine_config)
     ctx = ServerContext(engine_loop=EngineLoop(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
-                        max_seq_len=min(args.max_seq_len or config.max_context, config.max_context),
+                        max_seq_len=engine.cache.max_len,
                         window=config.window, vocab_size=config.vocab_size, limits=limits, api_key=args.api_key)
     return make_app(ctx)
 

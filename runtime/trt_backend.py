@@ -22,7 +22,7 @@ import numpy as np
 
 from runtime import bundle
 from runtime.bundle import BundleConfig, BundleError
-from runtime.trt_build import INSTALL_HINT, require_tensorrt
+from runtime.trt_build import INSTALL_HINT, profile_limits, require_tensorrt
 
 
 def _cuda_runtime():
@@ -107,6 +107,8 @@ class TrtBackend:
         self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, capacity in bytes)
         self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
         self._check_io(config, path, trt)
+        # The engine feeds no larger batch nor past (KV cache capacity) than the profile accepts.
+        self.max_batch, self.max_past = profile_limits(lambda name: self.engine.get_tensor_profile_shape(name, 0))
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:

@@ -81,6 +81,21 @@ def profile_shapes(config: BundleConfig, options: TrtBuildOptions) -> dict[str, 
     return shapes
 
 
+def profile_limits(profile_shape) -> tuple[int, int]:
+    """The largest batch and past length P an optimization profile accepts.
+
+    Args:
+        profile_shape: input name -> its (min, opt, max) shapes, e.g.
+            ``lambda name: engine.get_tensor_profile_shape(name, 0)`` or ``profile_shapes(...).__getitem__``.
+
+    Returns:
+        (max batch B, max past P): the largest dimensions 0 and 2 of the first layer's past
+        key ``[B, H, P, D]``; the engine must never feed more (:class:`runtime.engine.Engine`).
+    """
+    largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [B, H, P, D]
+    return int(largest[0]), int(largest[2])
+
+
 def trtexec_command(config: BundleConfig, options: TrtBuildOptions, onnx_path: str = bundle.ONNX_FILE,
                     engine_path: str = bundle.ENGINE_FILE) -> str:
     """The ``trtexec`` line that builds the same engine as :func:`build_engine`."""

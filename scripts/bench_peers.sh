@@ -12,7 +12,8 @@
 #   BUNDLE     our bundle (default bundles/default-mars-b4, exported here if missing)
 #   MODEL      model spec the bundle was exported from (default default-mars)
 #   ENGINES    engines to run (default "ours transformers ortgenai llamacpp optimum"); the rows of
-#              the others stay in $PEER_ENVS/work and join the report if their settings match
+#              the others stay in $PEER_ENVS/work and join the report if their settings match;
+#              ENGINES=ours installs nothing and writes no checkpoint (the CI smoke test runs it)
 #   OUT        result folder (default bench/results)
 #   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
 #
@@ -138,7 +139,9 @@ if [ ! -f "$BUNDLE/mars_config.json" ]; then
     step "export bundle" "$LOGS/bundle.export.log" .venv/bin/mars-export "$MODEL" --block 4 -o "$BUNDLE"
 fi
 "$PY" bench/peers.py prompts --work "$WORK" --bundle "$BUNDLE" "$@"
-if [ ! -f "$CKPT/config.json" ]; then
+needs_checkpoint=false  # every peer reads the HF checkpoint; ENGINES=ours alone (the CI smoke run) needs none
+for engine in $ENGINES; do [ "$engine" = ours ] || needs_checkpoint=true; done
+if $needs_checkpoint && [ ! -f "$CKPT/config.json" ]; then
     mkdir -p "$(dirname "$CKPT")"
     step "write checkpoint" "$LOGS/checkpoint.log" "$PY" bench/peers.py checkpoint --model "$MODEL" --out "$CKPT"
 fi

@@ -104,6 +104,23 @@ def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
     check_same_as_python(mars_c, bundle, tiny_prompts()[:1], (0.5,), TINY_MAX_NEW, num_threads=1, block_size=2)
 
 
+def test_prompt_at_the_context_bound_matches_python(mars_c, tiny_bundle):
+    """prompt + max_new_tokens + W = the model's max context, the largest run either accepts:
+    the C program (its past P + W stays within the context) and the Python runtime (its cache
+    capacity capped at the context, not doubled past it) give the same ids; one more is refused."""
+    _, bundle = tiny_bundle("llama", 4)
+    config = load_config(bundle)
+    max_new = 8
+    text = " ".join(text for _, text in real_prompts(3))
+    ids = Tokenizer(bundle).encode(text)[:config.max_context - max_new - config.window]
+    assert len(ids) + max_new + config.window == config.max_context
+    expected = Decoder(OnnxBackend(bundle, config, num_threads=1), config).generate(
+        ids, DecodeParams(tau=0.5, max_new_tokens=max_new))
+    assert wrapper.run_binary(mars_c, bundle, ids, 0.5, max_new, num_threads=1, timeout=600)[0] == expected.token_ids
+    with pytest.raises(wrapper.MarsCError, match="exceeds the model's max context"):
+        wrapper.run_binary(mars_c, bundle, ids + ids[-1:], 0.5, max_new, num_threads=1, timeout=600)
+
+
 def make_fp16_kv_bundle(src: Path, dst: Path) -> Path:
     """Copy of a float32 bundle whose KV inputs/outputs are float16 (Cast nodes at the graph
     edges; logits stay float32) and whose config says dtype float16, as an fp16 export does."""

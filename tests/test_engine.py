@@ -10,10 +10,11 @@ from support import real_prompts
 from transformers import AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
-from runtime.bundle import load_config
+from runtime.bundle import load_config, step_feeds
 from runtime.decoding import Decoder, DecodeParams
 from runtime.engine import Engine, EngineConfig
 from runtime.onnx_backend import OnnxBackend
+from runtime.trt_build import TrtBuildOptions, profile_limits, profile_shapes
 
 MAX_NEW = 24
 
@@ -237,7 +238,7 @@ def test_request_errors_name_the_problem(tiny):
         engine.add_request([], DecodeParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([config.vocab_size], DecodeParams())
-    with pytest.raises(ValueError, match="exceeds the model's max context 64"):
+    with pytest.raises(ValueError, match="exceeds the 64 positions a slot can hold"):
         engine.add_request([1] * 40, DecodeParams(max_new_tokens=30))
     with pytest.raises(ValueError, match="exceeds the bundle's block size"):
         engine.add_request([1], DecodeParams(block_size=config.block_size + 1))
@@ -252,3 +253,43 @@ def test_request_errors_name_the_problem(tiny):
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+class ProfileBackend:
+    """TensorRT stand-in: the real onnxruntime backend behind one optimization profile
+    (:func:`runtime.trt_build.profile_shapes`, W fixed) that refuses every input shape outside
+    the profile's min..max, as TensorRT's ``set_input_shape`` does."""
+
+    def __init__(self, backend, config, options: TrtBuildOptions):
+        self.backend, self.shapes = backend, profile_shapes(config, options)
+        self.max_batch, self.max_past = profile_limits(self.shapes.__getitem__)
+        self.is_window_dynamic = False
+        self.largest_past = 0  # the longest past fed so far
+
+    def step(self, ids, positions, mask, past):
+        for name, array in step_feeds(ids, positions, mask, past).items():
+            low, _, high = self.shapes[name]
+            if not all(lo <= dim <= hi for lo, dim, hi in zip(low, array.shape, high)):
+                raise ValueError(f"input {name} of shape {array.shape} is outside the profile {low}..{high}")
+        self.largest_past = max(self.largest_past, past[0][0].shape[2])
+        return self.backend.step(ids, positions, mask, past)
+
+
+@pytest.mark.parametrize("scheme", ["continuous", "block"])
+def test_shapes_fed_stay_inside_the_backends_optimization_profile(tiny, scheme):
+    """The cache capacity (the past fed) never outgrows the largest past the backend accepts,
+    even when doubling would (here past the power of two 64), and the ids stay the unbounded run's."""
+    backend, config, prompts = tiny
+    profiled = ProfileBackend(backend, config, TrtBuildOptions(max_batch=2, max_context=100, opt_context=50))
+    assert profiled.max_past == 100 - config.window < 128
+    short = [p for p in prompts if len(p) < 40][:2]
+    params = DecodeParams(tau=0.5, stop_ids=frozenset(),  # no end token: every row runs to the bound
+                          max_new_tokens=profiled.max_past - config.window - max(map(len, short)))
+    results = Engine(profiled, config, EngineConfig(max_batch_size=2, scheme=scheme)).generate(short, params)
+    assert profiled.largest_past == profiled.max_past > 64
+    unbounded = Engine(backend, config, EngineConfig(max_batch_size=2, scheme=scheme)).generate(short, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in unbounded]
+    with pytest.raises(ValueError, match=f"exceeds the {profiled.max_past} positions a slot can hold"):
+        Engine(profiled, config, EngineConfig(max_batch_size=2)).add_request([1] * 40, params)
+    with pytest.raises(ValueError, match="max_batch_size 3 exceeds the backend's largest batch 2"):
+        Engine(profiled, config, EngineConfig(max_batch_size=3))

@@ -104,7 +104,7 @@ def test_broken_chat_template(bundle, capsys):
 
 def test_prompt_beyond_context(bundle, capsys):
     code, _, err = run_generate(bundle, capsys, "--max-new-tokens", "100000")
-    assert code == 2 and len(err) == 1 and "exceeds the model's max context" in err[0]
+    assert code == 2 and len(err) == 1 and "exceeds the 512 positions a slot can hold" in err[0]
 
 
 def test_failed_export_leaves_nothing(tiny_bundle, tmp_path, monkeypatch, capsys):

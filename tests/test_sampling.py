@@ -8,7 +8,7 @@ import pytest
 from runtime.acceptance import count_verified
 from runtime.batch import window_mask
 from runtime.params import DecodeParams
-from runtime.sampling import filtered_probs, sample, select
+from runtime.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
 
@@ -36,6 +36,8 @@ def test_sample_follows_the_distribution_and_never_picks_a_cut_token():
 def test_select_greedy_and_sampled_confidence():
     ids, conf = select(LOGITS, 0.0, 0, 1.0, "probability", None)
     assert ids.tolist() == [0] and conf[0] == pytest.approx(0.5)
+    for tiny in (1e-38, MIN_TEMPERATURE / 2):  # below MIN_TEMPERATURE: greedy, no rng needed, finite confidence
+        assert [a.tolist() for a in select(LOGITS, tiny, 0, 1.0, "probability", None)] == [ids.tolist(), conf.tolist()]
     ids, conf = select(LOGITS, 1.0, 2, 1.0, "probability", np.random.default_rng(0))
     assert ids[0] in (0, 1) and conf[0] == pytest.approx(0.625)  # confidence of the filtered distribution
     assert select(LOGITS, 0.0, 0, 1.0, "probability", None, with_confidence=False)[1].tolist() == [0.0]

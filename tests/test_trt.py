@@ -42,6 +42,7 @@ def test_profile_keeps_tied_dimensions_equal(tiny_bundle):
         assert shapes["attention_mask"][which] == (batch, 1, 4, past + 4)  # last axis = P + W
         for name in bundle_io.input_names(config.num_layers)[3:]:
             assert shapes[name][which] == (batch, config.num_kv_heads, past, config.head_dim)
+    assert trt_build.profile_limits(shapes.__getitem__) == (6, 252)  # largest batch and past the engine may feed
 
 
 @pytest.mark.parametrize("options, message", [
@@ -115,6 +116,7 @@ def test_tiny_engine_matches_onnxruntime(tiny_bundle, tmp_path):
     config = load_config(bundle)
     assert json.loads((bundle / "mars_config.json").read_text())["engine_file"] == "engine.plan"
     trt, onnx = TrtBackend(bundle, config), OnnxBackend(bundle, config)
+    assert (trt.max_batch, trt.max_past) == (2, 60)  # read from the engine's optimization profile
     rng = np.random.default_rng(0)
     for batch, past_len in [(1, 0), (2, 0), (2, 37), (1, 60)]:
         ids = rng.integers(0, config.vocab_size, (batch, 4))  # [B, W]

@@ -35,12 +35,12 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
-    """Save a 2-layer random model of ``arch`` plus tokenizer to ``directory``; return it."""
+def make_checkpoint(arch: str, directory: Path, seed: int = 0, max_context: int = 512) -> Path:
+    """Save a 2-layer random model of ``arch`` (``max_context`` positions) plus tokenizer to ``directory``; return it."""
     tokenizer = make_tokenizer()
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_context,
                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)

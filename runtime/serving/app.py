@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from runtime.decoding import DecodeParams
 from runtime.serving import protocol
 from runtime.serving.engine_loop import EngineLoop
-from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check
+from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_utf8_json
 from runtime.serving.generation import Generation
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import ChatRequest, CompletionRequest, TauRequest
@@ -86,8 +86,9 @@ def make_app(ctx: ServerContext) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
     install_error_handlers(app, ctx.limits.max_body_bytes, lambda request, status: _count_error(ctx, request, status))
     auth = [Depends(make_auth_check(ctx.api_key))]
+    json_body = [*auth, Depends(require_utf8_json)]  # routes that take a JSON body
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat(body: ChatRequest, request: Request):
         try:
             prompt_ids = ctx.tokenizer.encode_chat([m.as_template_message() for m in body.messages])
@@ -95,7 +96,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
             raise APIError(400, str(e), param="messages") from e
         return await _generate(ctx, body, prompt_ids, "messages", request, chat=True)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=json_body)
     async def completions(body: CompletionRequest, request: Request):
         if isinstance(body.prompt, str):
             try:
@@ -130,7 +131,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
     async def get_tau():
         return _tau_state(ctx)
 
-    @app.post("/admin/tau", dependencies=auth)
+    @app.post("/admin/tau", dependencies=json_body)
     async def set_tau(body: TauRequest):
         try:
             await asyncio.to_thread(ctx.engine_loop.set_base_tau, body.tau)

@@ -1,4 +1,4 @@
-"""The HTTP boundary's errors: OpenAI-style error JSON, the body size limit and the API key.
+"""The HTTP boundary's errors: OpenAI-style error JSON, the body size limit, UTF-8 bodies and the API key.
 
 Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status and
 a message that names the bad field and what is allowed; the server keeps serving.
@@ -6,6 +6,7 @@ a message that names the bad field and what is allowed; the server keeps serving
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable
 
@@ -119,6 +120,19 @@ def make_auth_check(api_key: str | None):
                            code="invalid_api_key", type_="authentication_error")
 
     return check
+
+
+async def require_utf8_json(request: Request) -> None:
+    """A FastAPI dependency: refuse a body encoded other than in UTF-8 with a 400 naming its encoding.
+
+    JSON exchanged over HTTP is UTF-8 (RFC 8259 §8.1); Python's ``json`` would detect and
+    accept UTF-16 and UTF-32 too. A leading UTF-8 byte order mark is ignored, as the RFC allows.
+    """
+    body = await request.body()  # already read (and cached) by FastAPI to parse the JSON
+    encoding = json.detect_encoding(body) if body else "utf-8"
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise APIError(400, f"the request body is encoded in {encoding.upper()}; JSON over HTTP must be UTF-8 "
+                            "(RFC 8259 §8.1): send the body as UTF-8", code="invalid_encoding")
 
 
 def _slug(text: str) -> str:

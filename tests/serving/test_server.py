@@ -7,12 +7,14 @@ it a hard case for streaming detokenization: every text below is checked against
 
 from __future__ import annotations
 
+import json
+import threading
 from concurrent import futures
 
 import httpx
 import openai
 import pytest
-from server_support import serve
+from server_support import DEADLINE_S, serve, wait_until
 
 from runtime.bundle import load_config
 from runtime.decoding import DecodeParams, Decoder
@@ -122,6 +124,15 @@ def test_stop_string_cuts_the_text(tiny_server, stream):
     assert tiny_server.wait_idle()["active_slots"] == 0
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_server, tau):
+    """The API accepts any temperature in 0..2; one too small to divide logits by (1e-38 overflows
+    them to inf) decodes as temperature 0: the same ids, confidences and forwards."""
+    greedy = complete(tiny_server, PROMPTS[0], extra_body={"tau": tau})
+    for temperature in (1e-38, 1e-6):
+        assert complete(tiny_server, PROMPTS[0], temperature=temperature, extra_body={"tau": tau}) == greedy
+
+
 BAD_REQUESTS = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
@@ -177,29 +188,55 @@ def test_malformed_json_and_unknown_route(tiny_server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_body_not_in_utf8_is_a_400_naming_its_encoding(tiny_server, route, encoding):
+    """JSON over HTTP is UTF-8 (RFC 8259 §8.1): other encodings are refused, not guessed."""
+    body = {"model": "tiny", "max_tokens": 2, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    del body["prompt" if route == "chat/completions" else "messages"]
+    r = tiny_server.http.post(f"/v1/{route}", content=json.dumps(body).encode(encoding),
+                              headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert encoding.upper() in message and "UTF-8" in message and "RFC 8259" in message, message
+    assert tiny_server.http.post(f"/v1/{route}", content=b"\xef\xbb\xbf" + json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"}).status_code == 200  # a UTF-8 BOM is ignored
+
+
+ABORTED = 'mars_requests_total{outcome="aborted"}'
+
+
 def test_stream_disconnect_frees_the_slot_at_once(tiny_server):
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 450, "tau": 1.0, "stream": True}
-    assert complete(tiny_server, PROMPTS[0], max_tokens=450, extra_body={"tau": 1.0})[1] == "length"
-    aborted = tiny_server.metric('mars_requests_total{outcome="aborted"}')
-    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-        assert tiny_server.health()["active_slots"] == 1
-    health = tiny_server.wait_idle(timeout=5)
+    """The request cannot finish first: the gate holds the engine's forwards until the server
+    has counted the client's departure."""
+    aborted = tiny_server.metric(ABORTED)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400, "stream": True}
+    with tiny_server.gate.closed():
+        with httpx.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()  # kept: closing this iterator would close the stream
+            assert next(line for line in lines if line.startswith("data:"))  # the role chunk: no forward yet
+            # prefill and first step run in the engine's first turn; /health counts the slot from the next
+            tiny_server.advance_until(lambda health: health["active_slots"] == 1, max_forwards=3)
+        wait_until(lambda: tiny_server.metric(ABORTED) == aborted + 1, "the server to see the client leave")
+    health = tiny_server.wait_idle()
     assert health["active_slots"] == 0 and health["queue_depth"] == 0
-    assert tiny_server.metric('mars_requests_total{outcome="aborted"}') == aborted + 1
+    assert tiny_server.metric(ABORTED) == aborted + 1
 
 
 def test_non_streamed_disconnect_frees_the_slot(tiny_server):
-    aborted = tiny_server.metric('mars_requests_total{outcome="aborted"}')
+    """As above for a non-streamed request: no answer can come while the gate is closed, so the
+    client's read timeout always fires first."""
+    aborted = tiny_server.metric(ABORTED)
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 450, "tau": 1.0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.2))
-    assert tiny_server.wait_idle(timeout=5)["active_slots"] == 0
-    assert tiny_server.metric('mars_requests_total{outcome="aborted"}') == aborted + 1
+    with tiny_server.gate.closed():
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        wait_until(lambda: tiny_server.metric(ABORTED) == aborted + 1, "the server to see the client leave")
+    assert tiny_server.wait_idle()["active_slots"] == 0
+    assert tiny_server.metric(ABORTED) == aborted + 1
 
 
-def test_admin_tau_and_load_policy_move_the_default_live(tiny_server):
+def test_admin_tau_and_load_policy_move_the_default_live(tiny_server, monkeypatch):
     assert tiny_server.http.post("/admin/tau", json={"tau": True}).status_code == 400  # not coerced to 1.0
     r = tiny_server.http.post("/admin/tau", json={"tau": 0.2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tau"  # below --tau-min 0.5
@@ -208,13 +245,18 @@ def test_admin_tau_and_load_policy_move_the_default_live(tiny_server):
     assert tiny_server.metric("mars_default_tau") == 0.8
     tiny_server.http.post("/admin/tau", json={"tau": 1.0})
 
-    seen = []
-    with futures.ThreadPoolExecutor(9) as pool:  # 9 requests on 2 slots: the queue grows to 7
-        jobs = [pool.submit(complete, tiny_server, text, max_tokens=120) for text in PROMPTS * 3]
-        while not all(job.done() for job in jobs):
-            seen.append(tiny_server.health()["default_tau"])
+    loop, submitted = tiny_server.app.state.ctx.engine_loop, threading.Semaphore(0)
+    monkeypatch.setattr(loop, "submit", lambda submission, submit=loop.submit: (submit(submission),
+                                                                                submitted.release()))
+    with futures.ThreadPoolExecutor(9) as pool:
+        with tiny_server.gate.closed():  # 9 requests on 2 slots, all queued before any decode step
+            jobs = [pool.submit(complete, tiny_server, text, max_tokens=120) for text in PROMPTS * 3]
+            for _ in jobs:
+                assert submitted.acquire(timeout=DEADLINE_S), "a request never reached the engine thread"
+            # a turn runs at most 3 forwards (2 prefills, 1 step); the next turn takes all 9 requests
+            health = tiny_server.advance_until(lambda health: health["queue_depth"] >= 4, max_forwards=6)
+            assert health["default_tau"] == 0.5, health  # queue at --queue-high 4 or more: --tau-min
         results = [job.result() for job in jobs]
-    assert min(seen) < 1.0, seen
     assert tiny_server.wait_idle()["default_tau"] == 1.0
     assert max(mars["tpf"] for _, _, mars in results) > 1.0  # requests without tau followed the lowered default
 

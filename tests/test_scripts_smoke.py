@@ -1,0 +1,153 @@
+"""Smoke tests: every script in bench/ and scripts/ runs on a tiny model and writes its outputs.
+
+Each runs as a user runs it (a subprocess from the repository root) with small arguments,
+and the test checks the exit status and the files written, never a timing. The tiny
+model is a random 2-layer Llama with a byte-level tokenizer and 2048 positions, so the
+real GSM8K / HumanEval prompts the scripts use fit; tpf_vs_training.py and ship_adapter.py
+read a LoRA run of the default model, so one mars-train step on it is made once. Covered
+elsewhere: scripts/test.sh and scripts/setup.sh are what CI runs (.ci/run);
+``mars-export default-mars --block 4`` (the export demo.sh does when no BUNDLE is given) is
+the ``default_mars_bundle`` fixture; bench/profile_step.py has its own test.
+bench/gpu_check.py runs only where TensorRT and a GPU are.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import export
+from test_trt import GPU_MISSING
+from tiny_models import make_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900  # far above a healthy run (seconds); a smoke test is never a timing
+
+
+@pytest.fixture(scope="module")
+def smoke_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, bundle): the tiny Llama with 2048 positions, B = W = 4."""
+    root = tmp_path_factory.mktemp("smoke")
+    ckpt = make_checkpoint("llama", root / "ckpt", max_context=2048)
+    return ckpt, export(str(ckpt), root / "bundle", 4, 4, "--mask-token", "<mask>")
+
+
+def run(*command: str, env: dict | None = None) -> str:
+    """Run ``command`` from the repository root; assert exit status 0; return stdout."""
+    done = subprocess.run([str(c) for c in command], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, f"{' '.join(map(str, command))} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def python(script: str, *args) -> str:
+    return run(sys.executable, script, *args)
+
+
+def assert_results(out: Path, stem: str, suffixes=(".json", ".csv", ".png")) -> dict:
+    """Each ``out/stem.SUFFIX`` exists and is not empty; the JSON and CSV parse; return the JSON."""
+    for suffix in suffixes:
+        assert (out / f"{stem}{suffix}").stat().st_size > 0, f"{stem}{suffix} is empty"
+    if ".csv" in suffixes:
+        assert list(csv.DictReader((out / f"{stem}.csv").open())), f"{stem}.csv has no rows"
+    return json.loads((out / f"{stem}.json").read_text())
+
+
+def test_engine_modes(smoke_model, tmp_path):
+    _, bundle = smoke_model
+    python("bench/engine_modes.py", bundle, "--batch-sizes", "1", "2", "--taus", "0.9", "--num-prompts", "2",
+           "--max-new-tokens", "8", "--threads", "1", "--out", tmp_path)
+    result = assert_results(tmp_path, "engine_modes")
+    assert {row["mode"] for row in result["rows"]} >= {"ar", "threshold", "verify"}
+
+
+def test_runtime_vs_transformers(smoke_model, tmp_path):
+    ckpt, bundle = smoke_model
+    python("bench/runtime_vs_transformers.py", bundle, "--checkpoint", ckpt, "--taus", "1.0", "--max-new-tokens", "8",
+           "--out", tmp_path)
+    assert assert_results(tmp_path, "runtime_vs_transformers")["runs"]
+
+
+def test_scaling(smoke_model, tmp_path):
+    _, bundle = smoke_model
+    python("bench/scaling.py", bundle, "--contexts", "16", "--batch-sizes", "1", "--prompt-lengths", "8",
+           "--repeats", "1", "--warmup", "0", "--max-seconds", "1", "--prefill-repeats", "1", "--stream-mib", "1",
+           "--stream-repeats", "1", "--threads", "1", "--out", tmp_path)
+    assert_results(tmp_path, "scaling")
+
+
+def test_quantized_step(smoke_model, tmp_path):
+    _, bundle = smoke_model
+    python("bench/quantized_step.py", bundle, "--prompts-each", "1", "--tokens", "4", "--past", "8", "--repeats", "2",
+           "--threads", "1", "--out", tmp_path)
+    result = json.loads((tmp_path / "quantized_step.json").read_text())
+    assert set(result["results"]) == {"float32", "int8", "int4"}
+
+
+def test_load_test(smoke_model, tmp_path):
+    _, bundle = smoke_model
+    python("bench/load_test.py", bundle, "--clients", "2", "--duration", "2", "--max-tokens", "8",
+           "--max-batch-size", "2", "--threads", "1", "--queue-high", "2", "--ramp", "1", "2", "--ramp-step", "1",
+           "--out", tmp_path)
+    assert {"fixed", "ramp", "checks"} <= set(json.loads((tmp_path / "load_test.json").read_text()))
+
+
+def test_bench_peers_ours_only(smoke_model, tmp_path):
+    """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made."""
+    _, bundle = smoke_model
+    run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
+        "--threads", "1", "--taus", "0.9",
+        env={"ENGINES": "ours", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
+    result = assert_results(tmp_path, "peers")
+    assert {row["engine"] for row in result["rows"]} == {"ours"}
+    assert not (tmp_path / "peers" / "ckpt").exists()
+
+
+def test_demo_on_another_bundle(smoke_model):
+    """The README's main command with BUNDLE=DIR: setup (a no-op check after CI's), then the demo."""
+    _, bundle = smoke_model
+    out = run("bash", "scripts/demo.sh", "--max-new-tokens", "8", "--tau", "1.0", "0.5", env={"BUNDLE": str(bundle)})
+    assert out.count("tau=1.0") >= 6 and "### tau=0.5" in out, out[-1500:]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, data file): one LoRA step of mars-train on the default model, checkpointed
+    (the two scripts below read a run of the default model)."""
+    root = tmp_path_factory.mktemp("lora-run")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n"
+                            for p, r in [("What is 2 + 3?", "2 + 3 = 5."), ("Name a color.", "Blue.")]))
+    run(Path(sys.executable).parent / "mars-train", "default", "--data", data, "--output", root / "run", "--lora",
+        "--max-steps", "1", "--save-steps", "1", "--max-length", "128", "--batch-size", "1", "--block-size", "4")
+    return root / "run", data
+
+
+def test_tpf_vs_training(lora_run, tmp_path):
+    run_dir, _ = lora_run
+    gsm8k = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+    python("bench/tpf_vs_training.py", run_dir, "--gsm8k", gsm8k, "--num-prompts", "1", "--max-new-tokens", "4",
+           "--every", "1", "--out", tmp_path)
+    assert len(assert_results(tmp_path, "tpf_vs_training", (".json", ".png"))["rows"]) == 2  # base, checkpoint-1
+
+
+def test_ship_adapter(lora_run, tmp_path):
+    run_dir, data = lora_run
+    python("scripts/ship_adapter.py", run_dir / "checkpoint-1", "--out", tmp_path, "--block-size", "4",
+           "--max-length", "128", "--command", "mars-train default --lora ...", "--data", data)
+    info = json.loads((tmp_path / "mars_adapter.json").read_text())
+    assert info["block_size"] == 4 and info["optimizer_steps"] == 1
+    assert (tmp_path / "adapter_model.safetensors").stat().st_size > 0 and (tmp_path / "adapter_config.json").exists()
+
+
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_gpu_check(tmp_path):
+    """The GPU check end to end, small: fp16 export with a TensorRT engine, parity, identity, speed."""
+    python("bench/gpu_check.py", "--num-prompts", "1", "--max-new-tokens", "8", "--work", tmp_path / "bundles",
+           "--out", tmp_path / "gpu_check.json")
+    assert json.loads((tmp_path / "gpu_check.json").read_text())

@@ -1,25 +1,26 @@
 """Time one decode step of one or more bundles, interleaved, and break it down by ONNX op type.
 
-    python bench/profile_step.py BUNDLE [BUNDLE ...] [--past 128] [--windows 1 4] [--batch 1]
+    python bench/profile_step.py BUNDLE [BUNDLE ...] [--pasts 128] [--windows 1 4] [--batches 1]
                                  [--steps 20] [--rounds 5] [--threads N] [--top 12]
                                  [--out bench/results] [--name profile_step]
 
-Dimension letters: B batch (--batch), W window, P past length (--past), H KV heads, D head
-dim, V vocabulary.
+Dimension letters: B batch (--batches), W window (--windows), P past length (--pasts),
+H KV heads, D head dim, V vocabulary. The bundles must be exports of one model (same KV
+shapes and dtype): they are fed the same inputs.
 
-For every bundle and window W the step is the engine's: B rows of W tokens at positions
-P .. P+W-1 against a random past (per layer (key, value) [B, H, P, D] in the bundle dtype),
-all P past keys visible plus causal within the window (:func:`runtime.batch.window_mask`).
+For every (B, P, W) the step is the engine's: B rows of W tokens at positions P .. P+W-1
+against a random past (per layer (key, value) [B, H, P, D] in the bundle dtype), all P
+past keys visible plus causal within the window (:func:`runtime.batch.window_mask`).
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
-   (bundle, W) in turn, so that load from other processes hits all of them alike. Per
-   (bundle, W): the median over rounds of the mean step time, and its ratio to the first
-   bundle's at the same W (the A/B figure to quote on a shared machine).
-2. Greedy post-processing (the engine's, per step): copying the logits [B, W, V] out and
-   taking the argmax, timed the same way, as a share of the step.
-3. Op breakdown: onnxruntime's profiler over ``--steps`` steps per (bundle, W): kernel
-   time per op type (ms per step, share of the profiled total) and the node count per op
-   type in the optimized graph.
+   bundle in turn, so that load from other processes hits all of them alike. Per
+   (bundle, B, P, W): the median over rounds of the mean step time, and its ratio to the
+   first bundle's (the A/B figure to quote on a shared machine).
+2. Greedy post-processing, timed the same way: the step plus copying the logits
+   [B, W, V] out and taking their argmax, as a greedy engine does.
+3. Op breakdown at the first B and P, per bundle and W: onnxruntime's profiler over
+   ``--steps`` steps: kernel time per op type (ms per step, share of the profiled total)
+   and the node count per op type in the graph as onnxruntime optimized it.
 
 Writes {name}.json to --out and prints Markdown tables.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import sys
@@ -98,43 +100,56 @@ def op_breakdown(path: Path, feeds: dict, threads: int, steps: int) -> dict[str,
             for op, us in kernel_us.most_common()}
 
 
-def interleaved_times(sessions: dict, feeds: dict, steps: int, rounds: int) -> dict[tuple, dict]:
-    """(bundle, W) -> {"step_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps``."""
-    samples = collections.defaultdict(lambda: {"step_ms": [], "greedy_ms": []})
-    for key in sessions:  # warm-up: first runs allocate
-        sessions[key].run(None, feeds[key])
+def interleaved_times(sessions: dict, feeds: dict, steps: int, rounds: int) -> dict[str, dict]:
+    """bundle -> {"step_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps``, bundles taking turns."""
+    samples = {name: {"step_ms": [], "greedy_ms": []} for name in sessions}
+    for session in sessions.values():  # warm-up: first runs allocate
+        session.run(None, feeds)
     for _ in range(rounds):
-        for key, session in sessions.items():
-            step = mean_seconds(lambda: session.run(None, feeds[key]), steps)
-            greedy = mean_seconds(lambda: greedy_postprocess(session, feeds[key]), steps)
-            samples[key]["step_ms"].append(step * 1000)
-            samples[key]["greedy_ms"].append(greedy * 1000)
-    return {key: {name: float(np.median(values)) for name, values in s.items()} for key, s in samples.items()}
+        for name, session in sessions.items():
+            samples[name]["step_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps) * 1000)
+            samples[name]["greedy_ms"].append(mean_seconds(lambda: greedy_postprocess(session, feeds), steps) * 1000)
+    return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
+
+
+def load_bundles(bundle_dirs: list[Path]) -> dict[str, tuple[bundle.BundleConfig, Path]]:
+    """name -> (config, ONNX path) of each bundle.
+
+    Raises:
+        BundleError: a bundle is malformed, or its KV shapes or dtype differ from the first's
+            (the bundles share one set of inputs).
+    """
+    loaded = {}
+    for bundle_dir in bundle_dirs:
+        config = bundle.load_config(bundle_dir)
+        loaded[str(bundle_dir)] = config, bundle_dir / config.onnx_file
+    shapes = {(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, c.dtype) for c, _ in loaded.values()}
+    if len(shapes) > 1:
+        raise bundle.BundleError(f"the bundles differ in (layers, KV heads, head dim, vocab, dtype): {sorted(shapes)}; "
+                                 "compare exports of one model")
+    return loaded
 
 
 def run(args) -> dict:
-    """All measurements; returns {"meta": ..., "rows": [...]} with one row per (bundle, W)."""
+    """All measurements; returns {"meta": ..., "rows": [...]} with one row per (bundle, B, P, W)."""
     rng = np.random.default_rng(0)
-    sessions, feeds, paths = {}, {}, {}
-    for bundle_dir in args.bundles:
-        config = bundle.load_config(bundle_dir)
-        paths[str(bundle_dir)] = bundle_dir / config.onnx_file
-        session = make_session(paths[str(bundle_dir)], args.threads)
-        for window in args.windows:
-            sessions[str(bundle_dir), window] = session
-            feeds[str(bundle_dir), window] = step_feeds(config, args.batch, window, args.past, rng)
-    times = interleaved_times(sessions, feeds, args.steps, args.rounds)
+    loaded = load_bundles(args.bundles)
+    config = next(iter(loaded.values()))[0]
+    sessions = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
     rows = []
-    for (name, window), timing in times.items():
-        base = times[str(args.bundles[0]), window]["step_ms"]
-        ops = op_breakdown(paths[name], feeds[name, window], args.threads, args.steps)
-        rows.append({"bundle": name, "window": window, "batch": args.batch, "past": args.past, **timing,
-                     "ratio_to_first": timing["step_ms"] / base,
-                     "greedy_overhead_ms": timing["greedy_ms"] - timing["step_ms"],
-                     "profiled_ms": sum(o["ms"] for o in ops.values()),
-                     "num_nodes": sum(o["nodes"] for o in ops.values()), "ops": ops})
-        print(f"{name} W={window}: step {timing['step_ms']:.2f} ms ({rows[-1]['ratio_to_first']:.3f}x first), "
-              f"with argmax {timing['greedy_ms']:.2f} ms", flush=True)
+    for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
+        feeds = step_feeds(config, batch, window, past, rng)
+        times = interleaved_times(sessions, feeds, args.steps, args.rounds)
+        is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
+        for name, timing in times.items():
+            ops = op_breakdown(loaded[name][1], feeds, args.threads, args.steps) if is_profiled else {}
+            rows.append({"bundle": name, "window": window, "batch": batch, "past": past, **timing,
+                         "ratio_to_first": timing["step_ms"] / next(iter(times.values()))["step_ms"],
+                         "profiled_ms": sum(o["ms"] for o in ops.values()),
+                         "num_nodes": sum(o["nodes"] for o in ops.values()), "ops": ops})
+            print(f"{name} B={batch} P={past} W={window}: step {timing['step_ms']:.2f} ms "
+                  f"({rows[-1]['ratio_to_first']:.3f}x first), with argmax {timing['greedy_ms']:.2f} ms", flush=True)
+        del feeds
     meta = {"command": "python bench/profile_step.py " + " ".join(sys.argv[1:]), "threads": args.threads,
             "onnxruntime": ort.__version__, "loadavg_end": os.getloadavg()}
     return {"meta": meta, "rows": rows}
@@ -143,11 +158,12 @@ def run(args) -> dict:
 def markdown(result: dict, top: int) -> str:
     """Timing table, then per (bundle, W) the top op types."""
     rows = result["rows"]
-    lines = ["| bundle | W | step ms | vs first | step + argmax ms | nodes | profiled ms |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['bundle']} | {r['window']} | {r['step_ms']:.2f} | {r['ratio_to_first']:.3f} | {r['greedy_ms']:.2f} | "
-              f"{r['num_nodes']} | {r['profiled_ms']:.2f} |" for r in rows]
-    for r in rows:
-        lines += ["", f"{r['bundle']}, W = {r['window']}, B = {r['batch']}, P = {r['past']}:", "",
+    lines = ["| bundle | B | P | W | step ms | vs first | step + argmax ms |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['bundle']} | {r['batch']} | {r['past']} | {r['window']} | {r['step_ms']:.2f} | "
+              f"{r['ratio_to_first']:.3f} | {r['greedy_ms']:.2f} |" for r in rows]
+    for r in (r for r in rows if r["ops"]):
+        lines += ["", f"{r['bundle']}, W = {r['window']}, B = {r['batch']}, P = {r['past']}: {r['num_nodes']} nodes "
+                  f"after onnxruntime's optimizer, {r['profiled_ms']:.2f} ms kernel time per step", "",
                   "| op type | nodes | ms/step | share |", "|---|---|---|---|"]
         lines += [f"| {op} | {o['nodes']} | {o['ms']:.3f} | {o['share']:.1%} |" for op, o in list(r["ops"].items())[:top]]
     return "\n".join(lines)
@@ -156,9 +172,9 @@ def markdown(result: dict, top: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundles", type=Path, nargs="+", help="bundle directories; ratios are to the first")
-    p.add_argument("--past", type=int, default=128, help="past length P")
-    p.add_argument("--windows", type=int, nargs="+", default=[1, 4], help="windows W to time")
-    p.add_argument("--batch", type=int, default=1, help="batch B")
+    p.add_argument("--pasts", type=int, nargs="+", default=[128], help="past lengths P")
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 4], help="windows W")
+    p.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes B")
     p.add_argument("--steps", type=int, default=20, help="steps per timing sample and per profile")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
@@ -166,8 +182,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="profile_step", help="stem of the output file (default profile_step)")
     args = p.parse_args()
-    if args.past < 0 or min(args.windows) < 1 or args.batch < 1 or args.steps < 1 or args.rounds < 1:
-        p.error("--past must be >= 0; --windows, --batch, --steps and --rounds at least 1")
+    if min(args.pasts) < 0 or min(args.windows + args.batches) < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--pasts must be >= 0; --windows, --batches, --steps and --rounds at least 1")
     if not 1 <= args.threads <= 256:
         p.error(f"--threads must be in 1..256, got {args.threads}")
     try:

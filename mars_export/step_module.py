@@ -15,6 +15,8 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
   KV heads are never repeated; scores against the past and against the W new keys are
   two MatMuls whose small score tensors are concatenated, so the past KV is read in
   place and never copied into a past + new tensor (no Concat over the past).
+- RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with
+  the sign of rotate_half folded into the sine: one half-swap instead of two, no Neg.
 - RMSNorm (:func:`rms_norm_div_form`) is traced as ``x / sqrt(mean(x²) + eps) * w``, the
   pattern onnxruntime's graph optimizer fuses into one ``SimplifiedLayerNormalization``
   when it loads the graph; the file itself holds only standard ONNX ops (TensorRT reads it).
@@ -29,13 +31,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.masking_utils import sdpa_mask
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 STEP_ATTENTION = "mars_step"
-# Norms whose forward is weight * x * rsqrt(mean(x²) + eps), computed in float32.
-RMS_NORM_TYPES = (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
+# Model families whose RMSNorm is weight * x * rsqrt(mean(x²) + eps) (computed in float32)
+# and whose attention calls the module-level apply_rotary_pos_emb (rotate_half RoPE).
+FAMILIES = (modeling_llama, modeling_qwen2, modeling_qwen3)
+RMS_NORM_TYPES = (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm)
 
 
 @dataclass
@@ -140,21 +144,44 @@ def rms_norm_div_form(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tens
     return norm.weight * normed.to(hidden.dtype)
 
 
+def rotary_joint(query, key, cos, sin, unsqueeze_dim=1):
+    """RoPE of query [B, H, W, D] and key [B, Hkv, W, D] in one pass; cos, sin [B, W, D].
+
+    The same function as transformers' ``apply_rotary_pos_emb`` (x·cos + rotate_half(x)·sin
+    with rotate_half(x) = (-x2, x1)), written as x·cos + (x2, x1)·(-sin1, sin2): the halves
+    are swapped once for all heads and the sign lives in the sine, so the graph has no Neg.
+    Returns (query, key) rotated, shapes unchanged.
+    """
+    half = query.shape[-1] // 2
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # [B, 1, W, D]
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [B, 1, W, D]
+    heads = torch.cat([query, key], dim=1)  # [B, H + Hkv, W, D]
+    swapped = torch.cat([heads[..., half:], heads[..., :half]], dim=-1)  # [B, H + Hkv, W, D]
+    rotated = heads * cos + swapped * signed_sin  # [B, H + Hkv, W, D]
+    return rotated.split([query.shape[1], key.shape[1]], dim=1)
+
+
 @contextlib.contextmanager
 def step_graph_model(model: PreTrainedModel):
     """``model`` set up for tracing the step graph, restored on exit.
 
-    Inside: attention is :func:`step_attention` and every RMSNorm of a known family runs
-    :func:`rms_norm_div_form`. The weights are shared, never copied.
+    Inside: attention is :func:`step_attention`, every RMSNorm of a known family runs
+    :func:`rms_norm_div_form`, and those families' RoPE is :func:`rotary_joint`. The
+    weights are shared, never copied.
     """
     previous = model.config._attn_implementation
     norms = [m for m in model.modules() if isinstance(m, RMS_NORM_TYPES)]
+    rotaries = [family.apply_rotary_pos_emb for family in FAMILIES]
     model.set_attn_implementation(STEP_ATTENTION)
     for norm in norms:
         norm.forward = lambda hidden, norm=norm: rms_norm_div_form(norm, hidden)
+    for family in FAMILIES:
+        family.apply_rotary_pos_emb = rotary_joint
     try:
         yield model
     finally:
+        for family, rotary in zip(FAMILIES, rotaries):
+            family.apply_rotary_pos_emb = rotary
         for norm in norms:
             del norm.forward
         model.set_attn_implementation(previous)

@@ -20,12 +20,15 @@ def run_script(name: str, *args: str) -> str:
 def test_profile_step_writes_times_and_op_breakdown(tiny_bundle, tmp_path):
     bundle = tiny_bundle("llama", 4)[1]
     copy = shutil.copytree(bundle, tmp_path / "copy")
-    stdout = run_script("profile_step.py", str(bundle), str(copy), "--past", "6", "--windows", "1", "3",
+    stdout = run_script("profile_step.py", str(bundle), str(copy), "--pasts", "6", "0", "--windows", "1", "3",
                         "--steps", "2", "--rounds", "1", "--threads", "1", "--out", str(tmp_path), "--name", "p")
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
-    assert [(r["bundle"], r["window"]) for r in rows] == [(str(b), w) for b in (bundle, copy) for w in (1, 3)]
+    assert [(r["past"], r["window"], r["bundle"]) for r in rows] == \
+        [(p, w, str(b)) for p in (6, 0) for w in (1, 3) for b in (bundle, copy)]
     for row in rows:
         assert row["step_ms"] > 0 and row["greedy_ms"] > 0 and row["ratio_to_first"] > 0
+    assert [r["ratio_to_first"] for r in rows[0::2]] == [1.0] * 4
+    for row in rows[:4]:  # the op breakdown is taken at the first past
         assert row["ops"]["MatMul"]["nodes"] > 0 and abs(sum(o["share"] for o in row["ops"].values()) - 1) < 1e-6
-    assert [r["ratio_to_first"] for r in rows[:2]] == [1.0, 1.0]
+    assert all(not row["ops"] for row in rows[4:])
     assert "| op type | nodes | ms/step | share |" in stdout

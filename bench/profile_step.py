@@ -14,8 +14,9 @@ past keys visible plus causal within the window (:func:`runtime.batch.window_mas
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
    bundle in turn, so that load from other processes hits all of them alike. Per
-   (bundle, B, P, W): the median over rounds of the mean step time, and its ratio to the
-   first bundle's (the A/B figure to quote on a shared machine).
+   (bundle, B, P, W): the median over rounds of the mean step time (wall, and this
+   process's CPU time), and their ratios to the first bundle's (the A/B figures to quote
+   on a shared machine; at ``--threads 1`` the CPU time is the steadier one).
 2. Greedy post-processing, timed the same way: the step plus copying the logits
    [B, W, V] out and taking their argmax, as a greedy engine does.
 3. Op breakdown at the first B and P, per bundle and W: onnxruntime's profiler over
@@ -65,12 +66,12 @@ def make_session(path: Path, threads: int, profile_dir: str | None = None) -> or
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def mean_seconds(fn, repeats: int) -> float:
-    """Mean wall time of ``repeats`` calls of ``fn`` (seconds)."""
-    start = time.perf_counter()
+def mean_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Mean time of ``repeats`` calls of ``fn`` on ``clock`` (seconds; wall time by default)."""
+    start = clock()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats
+    return (clock() - start) / repeats
 
 
 def greedy_postprocess(session: ort.InferenceSession, feeds: dict):
@@ -101,13 +102,16 @@ def op_breakdown(path: Path, feeds: dict, threads: int, steps: int) -> dict[str,
 
 
 def interleaved_times(sessions: dict, feeds: dict, steps: int, rounds: int) -> dict[str, dict]:
-    """bundle -> {"step_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps``, bundles taking turns."""
-    samples = {name: {"step_ms": [], "greedy_ms": []} for name in sessions}
+    """bundle -> {"step_ms", "cpu_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps``, bundles
+    taking turns. cpu_ms is this process's CPU time per step (all its threads, spinning included): at
+    ``--threads 1`` it hardly moves with other processes' load, so it is the steadier A/B figure."""
+    samples = {name: {"step_ms": [], "cpu_ms": [], "greedy_ms": []} for name in sessions}
     for session in sessions.values():  # warm-up: first runs allocate
         session.run(None, feeds)
     for _ in range(rounds):
         for name, session in sessions.items():
             samples[name]["step_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps) * 1000)
+            samples[name]["cpu_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps, time.process_time) * 1000)
             samples[name]["greedy_ms"].append(mean_seconds(lambda: greedy_postprocess(session, feeds), steps) * 1000)
     return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
 
@@ -145,6 +149,7 @@ def run(args) -> dict:
             ops = op_breakdown(loaded[name][1], feeds, args.threads, args.steps) if is_profiled else {}
             rows.append({"bundle": name, "window": window, "batch": batch, "past": past, **timing,
                          "ratio_to_first": timing["step_ms"] / next(iter(times.values()))["step_ms"],
+                         "cpu_ratio_to_first": timing["cpu_ms"] / next(iter(times.values()))["cpu_ms"],
                          "profiled_ms": sum(o["ms"] for o in ops.values()),
                          "num_nodes": sum(o["nodes"] for o in ops.values()), "ops": ops})
             print(f"{name} B={batch} P={past} W={window}: step {timing['step_ms']:.2f} ms "
@@ -158,9 +163,11 @@ def run(args) -> dict:
 def markdown(result: dict, top: int) -> str:
     """Timing table, then per (bundle, W) the top op types."""
     rows = result["rows"]
-    lines = ["| bundle | B | P | W | step ms | vs first | step + argmax ms |", "|---|---|---|---|---|---|---|"]
+    lines = ["| bundle | B | P | W | step ms | vs first | CPU ms | vs first | step + argmax ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['bundle']} | {r['batch']} | {r['past']} | {r['window']} | {r['step_ms']:.2f} | "
-              f"{r['ratio_to_first']:.3f} | {r['greedy_ms']:.2f} |" for r in rows]
+              f"{r['ratio_to_first']:.3f} | {r['cpu_ms']:.2f} | {r['cpu_ratio_to_first']:.3f} | {r['greedy_ms']:.2f} |"
+              for r in rows]
     for r in (r for r in rows if r["ops"]):
         lines += ["", f"{r['bundle']}, W = {r['window']}, B = {r['batch']}, P = {r['past']}: {r['num_nodes']} nodes "
                   f"after onnxruntime's optimizer, {r['profiled_ms']:.2f} ms kernel time per step", "",

@@ -8,9 +8,10 @@ Dimension letters: B batch (--batches), W window (--windows), P past length (--p
 H KV heads, D head dim, V vocabulary. The bundles must be exports of one model (same KV
 shapes and dtype): they are fed the same inputs.
 
-For every (B, P, W) the step is the engine's: B rows of W tokens at positions P .. P+W-1
-against a random past (per layer (key, value) [B, H, P, D] in the bundle dtype), all P
-past keys visible plus causal within the window (:func:`runtime.batch.window_mask`).
+For every (B, P, W) the step is the engine's, with the inputs of ``bench/scaling.py``
+(``decode_inputs``): B rows of W tokens at positions P .. P+W-1 against a random past
+(per layer (key, value) [B, H, P, D] in the bundle dtype), all P past keys visible plus
+causal within the window.
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
    bundle in turn, so that load from other processes hits all of them alike. Per
@@ -42,18 +43,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime import bundle
-from runtime.batch import window_mask
-
-
-def step_feeds(config: bundle.BundleConfig, batch: int, window: int, past: int, rng: np.random.Generator) -> dict:
-    """Feeds for one step: ids [B, W], positions [B, W], mask bool [B, 1, W, P + W], past [B, H, P, D] per layer."""
-    shape = (batch, config.num_kv_heads, past, config.head_dim)
-    past_kv = [tuple(rng.standard_normal(shape, np.float32).astype(config.dtype) for _ in range(2))
-               for _ in range(config.num_layers)]
-    ids = rng.integers(0, config.vocab_size, (batch, window), dtype=np.int64)                      # [B, W]
-    positions = np.broadcast_to(past + np.arange(window, dtype=np.int64), (batch, window)).copy()  # [B, W]
-    mask = window_mask(np.full(batch, past, np.int64), past, window)                               # [B, 1, W, P + W]
-    return bundle.step_feeds(ids, positions, mask, past_kv)
+from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
 def make_session(path: Path, threads: int, profile_dir: str | None = None) -> ort.InferenceSession:
@@ -142,7 +132,7 @@ def run(args) -> dict:
     sessions = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
     rows = []
     for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
-        feeds = step_feeds(config, batch, window, past, rng)
+        feeds = bundle.step_feeds(*decode_inputs(config, window, batch, past, rng))
         times = interleaved_times(sessions, feeds, args.steps, args.rounds)
         is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
         for name, timing in times.items():

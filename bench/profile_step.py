@@ -1,17 +1,40 @@
-"""Time one decode step of a bundle and break it down by ONNX op type.
+"""Time one decode step of one or more bundles, interleaved, and break it down by ONNX op type.
 
-    python bench/profile_step.py BUNDLE [--past 128] [--steps 20]
+    python bench/profile_step.py BUNDLE [BUNDLE ...] [--pasts 128] [--windows 1 4] [--batches 1]
+                                 [--steps 20] [--rounds 5] [--threads N] [--top 12]
+                                 [--out bench/results] [--name profile_step]
 
-Prints the step time with and without onnxruntime's profiler, the cost of copying the
-past KV out of the runtime's cache buffers, and the top op types by kernel time.
+Dimension letters: B batch (--batches), W window (--windows), P past length (--pasts),
+H KV heads, D head dim, V vocabulary. The bundles must be exports of one model (same KV
+shapes and dtype): they are fed the same inputs.
+
+For every (B, P, W) the step is the engine's, with the inputs of ``bench/scaling.py``
+(``decode_inputs``): B rows of W tokens at positions P .. P+W-1 against a random past
+(per layer (key, value) [B, H, P, D] in the bundle dtype), all P past keys visible plus
+causal within the window.
+
+1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
+   bundle in turn, so that load from other processes hits all of them alike. Per
+   (bundle, B, P, W): the median over rounds of the mean step time (wall, and this
+   process's CPU time), and their ratios to the first bundle's (the A/B figures to quote
+   on a shared machine; at ``--threads 1`` the CPU time is the steadier one).
+2. Greedy post-processing, timed the same way: the step plus copying the logits
+   [B, W, V] out and taking their argmax, as a greedy engine does.
+3. Op breakdown at the first B and P, per bundle and W: onnxruntime's profiler over
+   ``--steps`` steps: kernel time per op type (ms per step, share of the profiled total)
+   and the node count per op type in the graph as onnxruntime optimized it.
+
+Writes {name}.json to --out and prints Markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,61 +43,153 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime import bundle
-from runtime.decoding import causal_window_mask
-from runtime.kv_cache import KVCache
+from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
-def feeds_for(config: bundle.BundleConfig, cache: KVCache) -> dict:
-    window, past = config.window, cache.length
-    feeds = {bundle.INPUT_IDS: np.zeros((1, window), np.int64),
-             bundle.POSITION_IDS: np.arange(past, past + window, dtype=np.int64)[None],
-             bundle.ATTENTION_MASK: causal_window_mask(past, window)}
-    for i, (k, v) in enumerate(cache.past()):
-        feeds.update(zip(bundle.past_names(i), (k, v)))
-    return feeds
+def make_session(path: Path, threads: int, profile_dir: str | None = None) -> ort.InferenceSession:
+    """A CPU session with ``threads`` intra-op threads; profiling into ``profile_dir`` when given."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if profile_dir is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(profile_dir, "step")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def mean_seconds(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
+def mean_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Mean time of ``repeats`` calls of ``fn`` on ``clock`` (seconds; wall time by default)."""
+    start = clock()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats
+    return (clock() - start) / repeats
 
 
-def op_breakdown(path: Path, feeds: dict, repeats: int) -> collections.Counter:
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "step")
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    for _ in range(repeats):
+def greedy_postprocess(session: ort.InferenceSession, feeds: dict):
+    """The step as a greedy engine sees it: run, then argmax over the logits [B, W, V] -> ids [B, W]."""
+    logits = session.run(None, feeds)[0]
+    return logits.argmax(-1)
+
+
+def op_breakdown(path: Path, feeds: dict, threads: int, steps: int) -> dict[str, dict]:
+    """op type -> {"ms": kernel ms per step, "share": of the profiled total, "nodes": count in the optimized graph}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        session = make_session(path, threads, tmp)
+        session.run(None, feeds)  # warm-up, then profile only the timed steps
+        for _ in range(steps):
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    kernel_us, nodes = collections.Counter(), collections.defaultdict(set)
+    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
+    first_timed = runs[1]["ts"] if len(runs) > 1 else 0  # skip the warm-up run
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= first_timed:
+            op = event["args"]["op_name"]
+            kernel_us[op] += event["dur"]
+            nodes[op].add(event["name"])
+    total = sum(kernel_us.values()) or 1
+    return {op: {"ms": us / steps / 1000, "share": us / total, "nodes": len(nodes[op])}
+            for op, us in kernel_us.most_common()}
+
+
+def interleaved_times(sessions: dict, feeds: dict, steps: int, rounds: int) -> dict[str, dict]:
+    """bundle -> {"step_ms", "cpu_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps``, bundles
+    taking turns. cpu_ms is this process's CPU time per step (all its threads, spinning included): at
+    ``--threads 1`` it hardly moves with other processes' load, so it is the steadier A/B figure."""
+    samples = {name: {"step_ms": [], "cpu_ms": [], "greedy_ms": []} for name in sessions}
+    for session in sessions.values():  # warm-up: first runs allocate
         session.run(None, feeds)
-    per_op = collections.Counter()
-    for event in json.loads(Path(session.end_profiling()).read_text()):
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            per_op[event["args"]["op_name"]] += event["dur"] / repeats / 1000  # ms per step
-    return per_op
+    for _ in range(rounds):
+        for name, session in sessions.items():
+            samples[name]["step_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps) * 1000)
+            samples[name]["cpu_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps, time.process_time) * 1000)
+            samples[name]["greedy_ms"].append(mean_seconds(lambda: greedy_postprocess(session, feeds), steps) * 1000)
+    return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
+
+
+def load_bundles(bundle_dirs: list[Path]) -> dict[str, tuple[bundle.BundleConfig, Path]]:
+    """name -> (config, ONNX path) of each bundle.
+
+    Raises:
+        BundleError: a bundle is malformed, or its KV shapes or dtype differ from the first's
+            (the bundles share one set of inputs).
+    """
+    loaded = {}
+    for bundle_dir in bundle_dirs:
+        config = bundle.load_config(bundle_dir)
+        loaded[str(bundle_dir)] = config, bundle_dir / config.onnx_file
+    shapes = {(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, c.dtype) for c, _ in loaded.values()}
+    if len(shapes) > 1:
+        raise bundle.BundleError(f"the bundles differ in (layers, KV heads, head dim, vocab, dtype): {sorted(shapes)}; "
+                                 "compare exports of one model")
+    return loaded
+
+
+def run(args) -> dict:
+    """All measurements; returns {"meta": ..., "rows": [...]} with one row per (bundle, B, P, W)."""
+    rng = np.random.default_rng(0)
+    loaded = load_bundles(args.bundles)
+    config = next(iter(loaded.values()))[0]
+    sessions = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
+    rows = []
+    for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
+        feeds = bundle.step_feeds(*decode_inputs(config, window, batch, past, rng))
+        times = interleaved_times(sessions, feeds, args.steps, args.rounds)
+        is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
+        for name, timing in times.items():
+            ops = op_breakdown(loaded[name][1], feeds, args.threads, args.steps) if is_profiled else {}
+            rows.append({"bundle": name, "window": window, "batch": batch, "past": past, **timing,
+                         "ratio_to_first": timing["step_ms"] / next(iter(times.values()))["step_ms"],
+                         "cpu_ratio_to_first": timing["cpu_ms"] / next(iter(times.values()))["cpu_ms"],
+                         "profiled_ms": sum(o["ms"] for o in ops.values()),
+                         "num_nodes": sum(o["nodes"] for o in ops.values()), "ops": ops})
+            print(f"{name} B={batch} P={past} W={window}: step {timing['step_ms']:.2f} ms "
+                  f"({rows[-1]['ratio_to_first']:.3f}x first), with argmax {timing['greedy_ms']:.2f} ms", flush=True)
+        del feeds
+    meta = {"command": "python bench/profile_step.py " + " ".join(sys.argv[1:]), "threads": args.threads,
+            "onnxruntime": ort.__version__, "loadavg_end": os.getloadavg()}
+    return {"meta": meta, "rows": rows}
+
+
+def markdown(result: dict, top: int) -> str:
+    """Timing table, then per (bundle, W) the top op types."""
+    rows = result["rows"]
+    lines = ["| bundle | B | P | W | step ms | vs first | CPU ms | vs first | step + argmax ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['bundle']} | {r['batch']} | {r['past']} | {r['window']} | {r['step_ms']:.2f} | "
+              f"{r['ratio_to_first']:.3f} | {r['cpu_ms']:.2f} | {r['cpu_ratio_to_first']:.3f} | {r['greedy_ms']:.2f} |"
+              for r in rows]
+    for r in (r for r in rows if r["ops"]):
+        lines += ["", f"{r['bundle']}, W = {r['window']}, B = {r['batch']}, P = {r['past']}: {r['num_nodes']} nodes "
+                  f"after onnxruntime's optimizer, {r['profiled_ms']:.2f} ms kernel time per step", "",
+                  "| op type | nodes | ms/step | share |", "|---|---|---|---|"]
+        lines += [f"| {op} | {o['nodes']} | {o['ms']:.3f} | {o['share']:.1%} |" for op, o in list(r["ops"].items())[:top]]
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("bundle", type=Path)
-    p.add_argument("--past", type=int, default=128)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("bundles", type=Path, nargs="+", help="bundle directories; ratios are to the first")
+    p.add_argument("--pasts", type=int, nargs="+", default=[128], help="past lengths P")
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 4], help="windows W")
+    p.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes B")
+    p.add_argument("--steps", type=int, default=20, help="steps per timing sample and per profile")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
+    p.add_argument("--top", type=int, default=12, help="op types listed per (bundle, W)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="profile_step", help="stem of the output file (default profile_step)")
     args = p.parse_args()
-    config = bundle.load_config(args.bundle)
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, args.past + config.window,
-                    np.dtype(config.dtype))
-    cache.length = args.past
-    feeds = feeds_for(config, cache)
-    session = ort.InferenceSession(str(args.bundle / config.onnx_file), providers=["CPUExecutionProvider"])
-    step = mean_seconds(lambda: session.run(None, feeds), args.steps)
-    copy = mean_seconds(cache.past, args.steps)
-    print(f"W={config.window} past={args.past}: step {step * 1000:.1f} ms, past KV copy {copy * 1000:.2f} ms")
-    per_op = op_breakdown(args.bundle / config.onnx_file, feeds, args.steps)
-    print(f"profiled kernel time {sum(per_op.values()):.1f} ms/step; top op types:")
-    for op, ms in per_op.most_common(8):
-        print(f"  {op:16s} {ms:6.2f} ms")
+    if min(args.pasts) < 0 or min(args.windows + args.batches) < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--pasts must be >= 0; --windows, --batches, --steps and --rounds at least 1")
+    if not 1 <= args.threads <= 256:
+        p.error(f"--threads must be in 1..256, got {args.threads}")
+    try:
+        result = run(args)
+    except bundle.BundleError as e:
+        sys.exit(f"error: {e}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    print(markdown(result, args.top))
 
 
 if __name__ == "__main__":

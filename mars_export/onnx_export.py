@@ -18,7 +18,7 @@ import torch
 from torch.export import Dim
 from transformers import PreTrainedModel
 
-from mars_export.step_module import StepModule
+from mars_export.step_module import StepModule, step_graph_model
 from runtime import bundle
 
 OPSET = 18
@@ -45,7 +45,8 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
                       "attention_mask": {0: batch, 2: length, 3: Dim.AUTO}, "past": kv_shapes}
     # The exporter narrates each pass on stdout and warns about unrelated optional packages
     # (torchvision) and deprecations; the bundle's parity check is what reports on the result.
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _quiet("torch.onnx"):
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _quiet("torch.onnx"), \
+            step_graph_model(model):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             StepModule(model).eval(), example, dynamo=True, dynamic_shapes=dynamic_shapes,

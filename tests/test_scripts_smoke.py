@@ -7,7 +7,7 @@ real GSM8K / HumanEval prompts the scripts use fit; tpf_vs_training.py and ship_
 read a LoRA run of the default model, so one mars-train step on it is made once. Covered
 elsewhere: scripts/test.sh and scripts/setup.sh are what CI runs (.ci/run);
 ``mars-export default-mars --block 4`` (the export demo.sh does when no BUNDLE is given) is
-the ``default_mars_bundle`` fixture; bench/profile_step.py has its own test.
+the ``default_mars_bundle`` fixture.
 bench/gpu_check.py runs only where TensorRT and a GPU are.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from tiny_models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900  # far above a healthy run (seconds); a smoke test is never a timing
+VERIFY_VARIANTS = ["verify", "verify + lookup", "verify + both"]  # lossless: must equal our AR ids
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +61,15 @@ def assert_results(out: Path, stem: str, suffixes=(".json", ".csv", ".png")) -> 
 
 
 def test_engine_modes(smoke_model, tmp_path):
+    """Every mode and draft source runs; the verify rows (each draft source) reproduce AR."""
     _, bundle = smoke_model
-    python("bench/engine_modes.py", bundle, "--batch-sizes", "1", "2", "--taus", "0.9", "--num-prompts", "2",
-           "--max-new-tokens", "8", "--threads", "1", "--out", tmp_path)
-    result = assert_results(tmp_path, "engine_modes")
-    assert {row["mode"] for row in result["rows"]} >= {"ar", "threshold", "verify"}
+    python("bench/engine_modes.py", bundle, "--batch-sizes", "1", "2", "--schemes", "continuous", "--taus", "0.9",
+           "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--out", tmp_path)
+    rows = assert_results(tmp_path, "engine_modes")["rows"]
+    assert len(rows) == 2 * 5 and {row["mode"] for row in rows} == {"ar", "threshold", "verify"}
+    verify = [row for row in rows if row["mode"] == "verify"]
+    assert sorted({row["draft"] for row in verify}) == ["both", "lookup", "masks"]
+    assert all(row["identical_to_ar"] == 1.0 for row in verify)
 
 
 def test_runtime_vs_transformers(smoke_model, tmp_path):
@@ -98,14 +104,36 @@ def test_load_test(smoke_model, tmp_path):
 
 
 def test_bench_peers_ours_only(smoke_model, tmp_path):
-    """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made."""
+    """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
+    with every variant of ours, and the lossless ones equal our AR ids."""
     _, bundle = smoke_model
-    run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
-        "--threads", "1", "--taus", "0.9",
-        env={"ENGINES": "ours", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
-    result = assert_results(tmp_path, "peers")
-    assert {row["engine"] for row in result["rows"]} == {"ours"}
+    table = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
+                "2", "--threads", "1", "--taus", "0.9",
+                env={"ENGINES": "ours", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
+    rows = assert_results(tmp_path, "peers")["rows"]
+    assert {row["engine"] for row in rows} == {"ours"} and all(row["status"] == "ok" for row in rows)
+    assert [r["variant"] for r in rows if r["batch_size"] == 1] == ["ar", "threshold tau=0.9", *VERIFY_VARIANTS]
+    assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in ["ar", *VERIFY_VARIANTS])  # of 2 prompts
+    assert "| ours | verify + lookup | 2 |" in table
     assert not (tmp_path / "peers" / "ckpt").exists()
+
+
+def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
+    """Two bundles interleaved over pasts x windows: per-row times and ratios, the op breakdown at the first past."""
+    _, bundle = smoke_model
+    copy = shutil.copytree(bundle, tmp_path / "copy")
+    stdout = python("bench/profile_step.py", bundle, copy, "--pasts", "6", "0", "--windows", "1", "3", "--steps", "2",
+                    "--rounds", "1", "--threads", "1", "--out", tmp_path, "--name", "p")
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [(r["past"], r["window"], r["bundle"]) for r in rows] == \
+        [(p, w, str(b)) for p in (6, 0) for w in (1, 3) for b in (bundle, copy)]
+    for row in rows:
+        assert min(row["step_ms"], row["cpu_ms"], row["greedy_ms"], row["ratio_to_first"], row["cpu_ratio_to_first"]) > 0
+    assert [r["ratio_to_first"] for r in rows[0::2]] == [1.0] * 4
+    for row in rows[:4]:  # the op breakdown is taken at the first past
+        assert row["ops"]["MatMul"]["nodes"] > 0 and abs(sum(o["share"] for o in row["ops"].values()) - 1) < 1e-6
+    assert all(not row["ops"] for row in rows[4:])
+    assert "| op type | nodes | ms/step | share |" in stdout
 
 
 def test_demo_on_another_bundle(smoke_model):

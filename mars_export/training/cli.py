@@ -47,7 +47,9 @@ def make_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--logging-steps", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="auto: bf16 (or fp16) on CUDA, fp32 on CPU")
+                   help="auto: bf16 (or fp16) on CUDA, fp32 on CPU; bf16 autocast also runs on CPU")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="batch examples of similar length together (less padding with --batch-size > 1)")
     lora = p.add_argument_group("LoRA (merged into the weights of the final model)")
     lora.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of all weights")
     lora.add_argument("--lora-rank", type=int, default=16)
@@ -100,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler=args.lr_scheduler,
         warmup_steps=args.warmup_steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seed=args.seed, save_steps=args.save_steps, logging_steps=args.logging_steps, resume=args.resume,
-        precision=args.precision,
+        precision=args.precision, group_by_length=args.group_by_length,
     )
 
 

@@ -111,6 +111,7 @@ def make_training_args(config: TrainConfig) -> TrainingArguments:
         logging_steps=config.logging_steps, report_to="none", remove_unused_columns=False,
         dataloader_pin_memory=torch.cuda.is_available(),
         bf16=precision == "bf16", fp16=precision == "fp16", dataloader_num_workers=0, **sampling,
+        use_cpu=not torch.cuda.is_available(),  # transformers refuses bf16 without a GPU unless told
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
+from support import load_script
 from tiny_mars import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -19,9 +19,7 @@ from mars_export.model_source import merge_adapter
 from mars_export.training.transfer import MIB, assemble_checkpoint, prepare_parts, receive_part
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("gpu_train", REPO / "scripts" / "gpu_train.py")
-gpu_train = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(gpu_train)
+gpu_train = load_script(REPO / "scripts" / "gpu_train.py")
 # The GPU machine may lack everything but torch, transformers, peft and accelerate (and their dependencies).
 DEVICE_STEP = """
 import sys

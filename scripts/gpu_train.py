@@ -65,9 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--out", required=True, help="returned files go here ($OUT)")
     train.add_argument("--max-new-tokens", type=int, default=256, help="distillation token cap (default 256)")
     train.add_argument("--distill-batch", type=int, default=256, help="prompts per generate call (default 256)")
-    train.add_argument("--distill-seconds", type=float, default=240.0, help="distillation time budget (default 240)")
+    train.add_argument("--distill-seconds", type=float, default=200.0, help="distillation time budget (default 200)")
     train.add_argument("--max-prompts", type=int, default=None, help="distill at most this many prompts")
-    train.add_argument("--train-seconds", type=float, default=240.0, help="training time budget (default 240)")
+    train.add_argument("--train-seconds", type=float, default=200.0, help="training time budget (default 200)")
     train.add_argument("--epochs", type=float, default=2.0, help="epochs over the distilled data (default 2)")
     train.add_argument("--max-steps", type=int, default=-1, help="optimizer steps; overrides --epochs when > 0")
     train.add_argument("--batch-size", type=int, default=32)
@@ -109,19 +109,24 @@ def prepare(args: argparse.Namespace) -> list[Path]:
 
 
 def distill_on_device(model, tokenizer, prompts: list, args: argparse.Namespace, path: Path) -> dict:
-    """Greedy answers of ``prompts``, shortest prompts first, until the time budget; returns the counts."""
+    """Greedy answers of ``prompts`` in their (shuffled) order until the time budget; returns the counts.
+
+    Each run of 8 batches is sorted by prompt length (less left padding), so a run cut
+    short by the budget still holds the mix of prompts, not the shortest ones.
+    """
     from mars_export.training.distill import generate_greedy, prepare_record
 
-    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True)) for p in prompts]
-    order = sorted(range(len(prompts)), key=lengths.__getitem__)  # less left padding per batch
     stats = {"num_prompts": len(prompts), "num_written": 0, "num_cut": 0, "num_tokens": 0}
-    start, last = time.perf_counter(), 0.0
+    start, last, group = time.perf_counter(), 0.0, 8 * args.distill_batch
     with open(path, "w", encoding="utf-8") as sink:
-        for begin in range(0, len(order), args.distill_batch):
+        for begin in range(0, len(prompts), args.distill_batch):
             if time.perf_counter() - start + last > args.distill_seconds:
                 break
+            if begin % group == 0:
+                run = sorted(prompts[begin:begin + group], key=lambda p: len(
+                    tokenizer.apply_chat_template(p, add_generation_prompt=True)))
             t = time.perf_counter()
-            batch = [prompts[i] for i in order[begin:begin + args.distill_batch]]
+            batch = run[begin % group:begin % group + args.distill_batch]
             for prompt, ids in zip(batch, generate_greedy(model, tokenizer, batch, args.max_new_tokens)):
                 record = prepare_record(prompt, ids, {tokenizer.eos_token_id},
                                         lambda x: tokenizer.decode(x, skip_special_tokens=True))
@@ -133,6 +138,7 @@ def distill_on_device(model, tokenizer, prompts: list, args: argparse.Namespace,
             logger.info("distilled %d/%d prompts (%.1f s)", stats["num_written"], len(prompts),
                         time.perf_counter() - start)
     stats["seconds"] = round(time.perf_counter() - start, 1)
+    stats["tokens_per_second"] = round(stats["num_tokens"] / max(stats["seconds"], 1e-9), 1)
     return stats
 
 
@@ -161,6 +167,9 @@ def train(args: argparse.Namespace) -> dict:
     prompts = [record_prompt_messages(r) for r in read_records(store / "prompts.jsonl")][:args.max_prompts]
     log["distill"] = distill_on_device(loaded.model.to(device), loaded.tokenizer, prompts, args,
                                        store / DISTILLED_FILE)
+    with open(store / DISTILLED_FILE, "rb") as src, gzip.open(out / f"{DISTILLED_FILE}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)  # returned even if training runs out of time
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
     mask_token = loaded.mask_token
     del loaded
     if device == "cuda":
@@ -190,8 +199,6 @@ def train(args: argparse.Namespace) -> dict:
                            if "loss_mask" in e]}
     write_shipped_adapter(Path(config.output) / "adapter", out / "adapter", info,
                           "default (SmolLM2-135M-Instruct, mars-edge)")
-    with open(store / DISTILLED_FILE, "rb") as src, gzip.open(out / f"{DISTILLED_FILE}.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
     log["total_seconds"] = round(time.perf_counter() - begin, 1)
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     for path in out.rglob("*"):

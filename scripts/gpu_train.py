@@ -35,9 +35,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, uninstalled on the GPU machine
 
+import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from mars_export.training.transfer import MIB, assemble_checkpoint, check_size, prepare_parts, receive_part  # noqa: E402
+from mars_export import default_model  # noqa: E402
+from mars_export.model_source import DEFAULT_SPEC, default_checkpoint, load_model  # noqa: E402
+from mars_export.training.adapter import write_shipped_adapter  # noqa: E402
+from mars_export.training.config import LoraSettings, TrainConfig  # noqa: E402
+from mars_export.training.data import read_records, record_prompt_messages  # noqa: E402
+from mars_export.training.distill import generate_greedy, prepare_record, read_prompts  # noqa: E402
+from mars_export.training.trainer import prepare_trainer  # noqa: E402
+from mars_export.training.transfer import (  # noqa: E402
+    MIB, assemble_checkpoint, check_size, prepare_parts, receive_part,
+)
 
 MAX_RETURN_BYTES = 16 * MIB  # the most one returned file may hold
 DEFAULT_PART_MIB = 50.0
@@ -75,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--block-size", type=int, default=4)
     train.add_argument("--max-length", type=int, default=1024)
     train.add_argument("--lora-rank", type=int, default=16)
-    train.add_argument("--lora-init", default=None, help="continue this adapter (e.g. mars_export/data/smollm2-135m-mars)")
+    train.add_argument("--lora-init", default=None,
+                       help="continue this adapter (e.g. mars_export/data/smollm2-135m-mars)")
     train.add_argument("--logging-steps", type=int, default=5)
     train.add_argument("--group-by-length", action="store_true")
     train.add_argument("--seed", type=int, default=0)
@@ -84,10 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace) -> list[Path]:
     """Write the parts and print the device commands."""
-    from mars_export import default_model
-    from mars_export.model_source import DEFAULT_SPEC, default_checkpoint
-    from mars_export.training.distill import read_prompts
-
     if args.model == DEFAULT_SPEC:
         checkpoint, gguf_path = default_checkpoint(), default_model.fetch_gguf()
     else:
@@ -114,8 +121,6 @@ def distill_on_device(model, tokenizer, prompts: list, args: argparse.Namespace,
     Each run of 8 batches is sorted by prompt length (less left padding), so a run cut
     short by the budget still holds the mix of prompts, not the shortest ones.
     """
-    from mars_export.training.distill import generate_greedy, prepare_record
-
     stats = {"num_prompts": len(prompts), "num_written": 0, "num_cut": 0, "num_tokens": 0}
     start, last, group = time.perf_counter(), 0.0, 8 * args.distill_batch
     with open(path, "w", encoding="utf-8") as sink:
@@ -144,39 +149,55 @@ def distill_on_device(model, tokenizer, prompts: list, args: argparse.Namespace,
 
 def train(args: argparse.Namespace) -> dict:
     """Rebuild, distill, train; write the adapter and logs to ``args.out``. Returns the log."""
-    import torch
-
-    from mars_export.model_source import load_model
-    from mars_export.training.adapter import write_shipped_adapter
-    from mars_export.training.config import LoraSettings, TrainConfig
-    from mars_export.training.data import read_records, record_prompt_messages
-    from mars_export.training.trainer import prepare_trainer
-
     out, store, begin = Path(args.out), Path(args.store), time.perf_counter()
     log = {"argv": sys.argv[1:], "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     checkpoint = assemble_checkpoint(store, store / "checkpoint-rebuilt")
     log["rebuild_seconds"] = round(time.perf_counter() - begin, 1)
     logger.info("checkpoint rebuilt bit-exactly in %.1f s", log["rebuild_seconds"])
+    log["distill"], mask_token = distill_checkpoint(checkpoint, store, args)
+    with open(store / DISTILLED_FILE, "rb") as src, gzip.open(out / f"{DISTILLED_FILE}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)  # returned even if training runs out of time
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    state = train_adapter(checkpoint, store, args)
+    log.update(train_seconds=state["seconds"], optimizer_steps=state["global_step"], precision=state["precision"],
+               epochs_done=round(state["epoch"] or 0.0, 3), log_history=state["log_history"])
+    info = {"mask_token": mask_token, "block_size": args.block_size,
+            "command": "python3 scripts/gpu_train.py " + " ".join(sys.argv[1:]),
+            "optimizer_steps": log["optimizer_steps"], "epochs": log["epochs_done"], "distill": log["distill"],
+            "loss_curve": [{k: e[k] for k in ("step", "loss_mask", "loss_ar")} for e in log["log_history"]
+                           if "loss_mask" in e]}
+    write_shipped_adapter(store / "run" / "adapter", out / "adapter", info,
+                          "default (SmolLM2-135M-Instruct, mars-edge)")
+    log["total_seconds"] = round(time.perf_counter() - begin, 1)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    for path in out.rglob("*"):
+        if path.is_file():
+            check_size(path, MAX_RETURN_BYTES)
+    logger.info("done in %.1f s: %d steps, %.2f epochs", log["total_seconds"], log["optimizer_steps"],
+                log["epochs_done"])
+    return log
 
+
+def distill_checkpoint(checkpoint: Path, store: Path, args: argparse.Namespace) -> tuple[dict, str]:
+    """Distill the received prompts with the rebuilt model (float32, no TF32); (counts, mask token)."""
     torch.backends.cuda.matmul.allow_tf32 = False  # greedy answers of the float32 model, as deployed
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(str(checkpoint))
     with gzip.open(store / PROMPTS_FILE, "rt", encoding="utf-8") as f:
         (store / "prompts.jsonl").write_text(f.read(), encoding="utf-8")
     prompts = [record_prompt_messages(r) for r in read_records(store / "prompts.jsonl")][:args.max_prompts]
-    log["distill"] = distill_on_device(loaded.model.to(device), loaded.tokenizer, prompts, args,
-                                       store / DISTILLED_FILE)
-    with open(store / DISTILLED_FILE, "rb") as src, gzip.open(out / f"{DISTILLED_FILE}.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)  # returned even if training runs out of time
-    (out / "train_log.json").write_text(json.dumps(log, indent=1))
-    mask_token = loaded.mask_token
-    del loaded
-    if device == "cuda":
+    model = loaded.model.to("cuda" if torch.cuda.is_available() else "cpu")
+    stats = distill_on_device(model, loaded.tokenizer, prompts, args, store / DISTILLED_FILE)
+    del model, loaded.model
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return stats, loaded.mask_token
 
-    lora = LoraSettings(init=args.lora_init) if args.lora_init else LoraSettings(rank=args.lora_rank,
-                                                                                alpha=2.0 * args.lora_rank)
+
+def train_adapter(checkpoint: Path, store: Path, args: argparse.Namespace) -> dict:
+    """Train a LoRA adapter on the distilled data (bf16 on CUDA) into ``store/run/adapter``; the trainer state."""
+    lora = (LoraSettings(init=args.lora_init) if args.lora_init
+            else LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
     config = TrainConfig(model=str(checkpoint), data=[str(store / DISTILLED_FILE)], output=str(store / "run"),
                          block_size=args.block_size, max_length=args.max_length, lora=lora, epochs=args.epochs,
                          max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler="constant_with_warmup",
@@ -188,24 +209,9 @@ def train(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     trainer.train()
     trainer.save_model(str(Path(config.output) / "adapter"))
-    state = trainer.state
-    log.update(train_seconds=round(time.perf_counter() - start, 1), optimizer_steps=state.global_step,
-               epochs_done=round(state.epoch or 0.0, 3), log_history=state.log_history,
-               precision="bf16" if trainer.args.bf16 else "fp32")
-    info = {"mask_token": mask_token, "block_size": args.block_size,
-            "command": "python3 scripts/gpu_train.py " + " ".join(sys.argv[1:]),
-            "optimizer_steps": state.global_step, "epochs": log["epochs_done"], "distill": log["distill"],
-            "loss_curve": [{k: e[k] for k in ("step", "loss_mask", "loss_ar")} for e in state.log_history
-                           if "loss_mask" in e]}
-    write_shipped_adapter(Path(config.output) / "adapter", out / "adapter", info,
-                          "default (SmolLM2-135M-Instruct, mars-edge)")
-    log["total_seconds"] = round(time.perf_counter() - begin, 1)
-    (out / "train_log.json").write_text(json.dumps(log, indent=1))
-    for path in out.rglob("*"):
-        if path.is_file():
-            check_size(path, MAX_RETURN_BYTES)
-    logger.info("done in %.1f s: %d steps, %.2f epochs", log["total_seconds"], state.global_step, log["epochs_done"])
-    return log
+    return {"seconds": round(time.perf_counter() - start, 1), "global_step": trainer.state.global_step,
+            "epoch": trainer.state.epoch, "log_history": trainer.state.log_history,
+            "precision": "bf16" if trainer.args.bf16 else "fp32"}
 
 
 class TimeBudget(TrainerCallback):

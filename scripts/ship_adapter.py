@@ -15,10 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from mars_export.model_source import ADAPTER_INFO_FILE, default_checkpoint
+from mars_export.model_source import default_checkpoint
+from mars_export.training.adapter import write_shipped_adapter
 from mars_export.training.data import load_examples
 
 
@@ -45,16 +43,10 @@ def main() -> None:
     p.add_argument("--command", required=True)
     p.add_argument("--data", action="append", required=True)
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((args.checkpoint / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = "default (SmolLM2-135M-Instruct, mars-edge)"
-    (args.out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = load_file(args.checkpoint / "adapter_model.safetensors")
-    save_file({k: v.to(torch.float16) for k, v in weights.items()}, args.out / "adapter_model.safetensors")
     base_config = json.loads((default_checkpoint() / "config.json").read_text())
     info = {"mask_token": base_config["mars_mask_token"], "block_size": args.block_size,
             "command": args.command, **training_stats(args.checkpoint, args.data, args.max_length)}
-    (args.out / ADAPTER_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    write_shipped_adapter(args.checkpoint, args.out, info, "default (SmolLM2-135M-Instruct, mars-edge)")
     print(json.dumps({k: v for k, v in info.items() if k != "loss_curve"}, indent=1))
 
 

@@ -39,3 +39,14 @@ def real_prompts(num_each: int) -> list[tuple[str, str]]:
     with gzip.open(SHARED_DATA / "humaneval/HumanEval.jsonl.gz", "rt") as f:
         humaneval = [json.loads(line)["prompt"] for line in f][:num_each]
     return [("gsm8k", q) for q in gsm8k] + [("humaneval", p) for p in humaneval]
+
+
+def load_script(path: Path):
+    """Import a script (``bench/*.py``, ``scripts/*.py``) as a module, for its smoke test."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module

@@ -53,13 +53,13 @@ def _parser_of(parse_args) -> argparse.ArgumentParser:
 
 
 def synopses() -> dict[str, str]:
-    """Synopsis start -> its text, from the README's code blocks (one command per synopsis)."""
+    """Synopsis start -> its text: the first README code block part that starts with it."""
     found = {}
     for block in re.findall(r"^```[a-z]*\n(.*?)^```", README, re.S | re.M):
         for part in re.split(r"\n(?=mars-train distill)", block):
             start = next((s for s in PARSERS if part.startswith(s)), None)
             if start is not None:
-                found[start] = part
+                found.setdefault(start, part)  # the first block of a command is its synopsis; later ones are examples
     return found
 
 

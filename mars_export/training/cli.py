@@ -3,7 +3,8 @@
 Usage::
 
     mars-train MODEL --data FILE [--data FILE ...] --output DIR [options]
-    mars-train distill MODEL --prompts FILE --output data.jsonl [--max-new-tokens N] [--batch-size K]
+    mars-train distill MODEL|BUNDLE --prompts FILE [--prompts FILE ...] --output data.jsonl
+                       [--max-new-tokens N] [--batch-size K] [--threads N]
 
 Training runs on the Hugging Face Trainer, so ``accelerate launch -m mars_export.training.cli``
 or ``torchrun`` spread it over devices. A model literally called ``distill`` must be
@@ -46,7 +47,9 @@ def make_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--logging-steps", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="auto: bf16 (or fp16) on CUDA, fp32 on CPU")
+                   help="auto: bf16 (or fp16) on CUDA, fp32 on CPU; bf16 autocast also runs on CPU")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="batch examples of similar length together (less padding with --batch-size > 1)")
     lora = p.add_argument_group("LoRA (merged into the weights of the final model)")
     lora.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of all weights")
     lora.add_argument("--lora-rank", type=int, default=16)
@@ -63,13 +66,18 @@ def make_train_parser() -> argparse.ArgumentParser:
 
 def make_distill_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mars-train distill",
-                                description="Answer prompts with the model's own greedy AR output; write chat JSONL.")
-    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("--prompts", required=True, metavar="FILE", help="any data file mars-train reads; answers ignored")
+                                description="Answer prompts with the model's own greedy AR output (the runtime "
+                                            "engine at tau 1, continuous batching); write chat JSONL.")
+    p.add_argument("model", metavar="MODEL",
+                   help=MODEL_HELP + " (exported to a temporary bundle first), or a bundle directory of it")
+    p.add_argument("--prompts", action="append", required=True, metavar="FILE",
+                   help="any data file mars-train reads (answers ignored); repeatable")
     p.add_argument("--output", required=True, metavar="FILE", help="chat JSONL to write")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="token cap; longer answers are cut there, kept and marked \"cut\": true (default 512)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests decoding at once (default 8)")
     p.add_argument("--max-prompts", type=int, default=None, help="answer only the first N prompts")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (default 0: its choice)")
     p.add_argument("--mask-token", default=None)
     return p
 
@@ -94,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler=args.lr_scheduler,
         warmup_steps=args.warmup_steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seed=args.seed, save_steps=args.save_steps, logging_steps=args.logging_steps, resume=args.resume,
-        precision=args.precision,
+        precision=args.precision, group_by_length=args.group_by_length,
     )
 
 
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from mars_export.training.distill import distill
         try:
             report = distill(args.model, args.prompts, args.output, args.max_new_tokens, args.batch_size,
-                             args.max_prompts, args.mask_token)
+                             args.max_prompts, args.mask_token, args.threads)
         except ValueError as err:
             parser.error(str(err))
         print(report)

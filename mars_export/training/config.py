@@ -64,7 +64,8 @@ class TrainConfig:
     """One ``mars-train`` run (DESIGN.md §2 for ``block_size`` and ``alpha``).
 
     ``max_steps`` > 0 overrides ``epochs``. ``save_steps`` 0 saves no periodic checkpoints.
-    ``lora`` None means full fine-tuning.
+    ``lora`` None means full fine-tuning. ``group_by_length`` batches examples of similar
+    length together (less padding), in a random order of such groups.
     """
 
     model: str
@@ -87,6 +88,7 @@ class TrainConfig:
     logging_steps: int = 10
     resume: bool = False
     precision: str = "auto"
+    group_by_length: bool = False
 
     def __post_init__(self) -> None:
         if not self.data:

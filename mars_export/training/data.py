@@ -12,6 +12,12 @@ The prompt is the chat template with ``add_generation_prompt=True``; the respons
 assistant text plus the end-of-turn token the template writes (DESIGN.md §2), tokenized
 on its own, as the model meets it when generating after the prompt.
 
+A record may carry ``"cut": true`` (``mars-train distill`` writes it for answers that hit
+the token cap): its answer is a true prefix of the model's output that never reached its
+end, so its response gets no end-of-turn token. Every response token is still a target of
+both streams; only the "stop here" target is missing, since the text did not stop there.
+The last block of a cut answer may be partial, exactly as for a finished one.
+
 Dimension letters: N batch, L longest example in the batch.
 """
 
@@ -129,15 +135,29 @@ def record_response(record: dict) -> str | None:
     return None
 
 
-def prepare_example(tokenizer: PreTrainedTokenizerBase, prompt: Messages, response: str) -> Example:
+def record_is_cut(record: dict) -> bool:
+    """Whether the record's answer was cut at a token cap (``"cut": true``; absent means False).
+
+    Raises:
+        ValueError: ``cut`` is not a JSON boolean.
+    """
+    cut = record.get("cut", False)
+    if not isinstance(cut, bool):
+        raise ValueError(f"'cut' must be true or false, got {cut!r}")
+    return cut
+
+
+def prepare_example(tokenizer: PreTrainedTokenizerBase, prompt: Messages, response: str,
+                    is_cut: bool = False) -> Example:
     """Token ids of one prompt/answer pair through the tokenizer's chat template.
 
     The response ends with the end-of-turn token (``tokenizer.eos_token_id``): whatever the
     template writes after it (SmolLM2: a newline) is cut, and it is appended if the
-    template writes none.
+    template writes none. A cut answer (``is_cut``) ends without it.
 
     Raises:
-        ValueError: the template does not render the prompt as a prefix of the conversation.
+        ValueError: the template does not render the prompt as a prefix of the conversation,
+            or a cut answer is empty.
     """
     prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     full_text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": response}],
@@ -152,6 +172,10 @@ def prepare_example(tokenizer: PreTrainedTokenizerBase, prompt: Messages, respon
         response_ids = response_ids[:len(response_ids) - response_ids[::-1].index(eos)]
     else:
         response_ids = response_ids + [eos]
+    if is_cut:
+        if len(response_ids) < 2:
+            raise ValueError("a cut answer (\"cut\": true) is empty; drop the record")
+        response_ids = response_ids[:-1]  # it never reached its end-of-turn token
     return Example(prompt_ids, response_ids)
 
 
@@ -168,7 +192,7 @@ def load_examples(paths: list[str | Path], tokenizer: PreTrainedTokenizerBase,
             prompt, response = record_prompt_messages(record), record_response(record)
             if response is None:
                 raise ValueError(f"{path}: a training record has no answer: {json.dumps(record)[:200]}")
-            example = prepare_example(tokenizer, prompt, response)
+            example = prepare_example(tokenizer, prompt, response, record_is_cut(record))
             report.num_records += 1
             if max_length is not None and example.length > max_length:
                 report.num_dropped_too_long += 1

@@ -2,8 +2,16 @@
 
 MARS (arXiv 2604.07023) fine-tunes on instruction data; training on the model's own
 greedy answers keeps the multi-token predictions close to what the AR model would say.
-Answers cut by ``max_new_tokens`` (no end-of-turn token) are dropped and counted, so no
-truncated answer is later taught as complete.
+
+:func:`distill` generates through this project's batched engine (:class:`runtime.engine.Engine`,
+continuous batching, tau = 1, so exactly greedy AR) over an ONNX bundle of the model: the
+bundle given, or one exported into a temporary directory. :func:`generate_greedy` is the
+transformers ``generate`` path, kept for machines without onnxruntime (the GPU script,
+``scripts/gpu_train.py``).
+
+An answer that reaches ``max_new_tokens`` without its end-of-turn token is cut there and
+kept, marked ``"cut": true``: it is still the model's own greedy text, only unfinished.
+The training loader gives a cut answer no end-of-turn target (:func:`~mars_export.training.data.prepare_example`).
 
 Dimension letters: N batch, T prompt tokens (left-padded), G generated tokens.
 """
@@ -11,40 +19,147 @@ Dimension letters: N batch, T prompt tokens (left-padded), G generated tokens.
 from __future__ import annotations
 
 import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from mars_export.model_source import load_model
 from mars_export.training.data import Messages, read_records, record_prompt_messages
+
+BUNDLE_CONFIG_FILE = "mars_config.json"  # a bundle directory holds this (runtime.bundle.CONFIG_FILE)
+EXPORT_BLOCK_SIZE = 4  # block size of the temporary export; distillation runs at tau 1, so any B works
 
 
 @dataclass
 class DistillReport:
-    """How many prompts were answered, and how many answers were dropped as unfinished."""
+    """What :func:`distill` wrote: answers, how many were cut, generated tokens and wall time (s)."""
 
     num_prompts: int = 0
     num_written: int = 0
-    num_unfinished: int = 0
+    num_cut: int = 0
+    num_tokens: int = 0
+    seconds: float = 0.0
 
     def __str__(self) -> str:
-        return (f"{self.num_written} of {self.num_prompts} answers written; {self.num_unfinished} dropped "
-                "as unfinished (raise --max-new-tokens to keep them)")
+        rate = self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        return (f"{self.num_written} of {self.num_prompts} answers written, {self.num_cut} of them cut at "
+                f"--max-new-tokens (marked \"cut\": true); {self.num_tokens} tokens in {self.seconds:.1f} s "
+                f"({rate:.1f} tokens/s)")
+
+
+def read_prompts(paths: list[str | Path], max_prompts: int | None = None) -> list[Messages]:
+    """The prompts (chat messages without the answer) of every record of ``paths``, in order.
+
+    Raises:
+        ValueError: a malformed record or data file, or ``max_prompts`` below 1.
+    """
+    if max_prompts is not None and max_prompts < 1:
+        raise ValueError(f"--max-prompts must be >= 1, got {max_prompts}")
+    prompts = [record_prompt_messages(r) for path in paths for r in read_records(path)]
+    return prompts[:max_prompts]
+
+
+def prepare_record(prompt: Messages, answer_ids: list[int], stop_ids: set[int],
+                   decode: Callable[[list[int]], str]) -> dict:
+    """The chat record of one greedy answer: ``{"messages": prompt + [answer], "cut": bool}``.
+
+    ``answer_ids`` ends with a stop id when the answer finished; otherwise it was cut at
+    the token cap and ``cut`` is True. The stop token itself is not part of the text.
+    """
+    is_cut = not answer_ids or answer_ids[-1] not in stop_ids
+    text = decode(answer_ids if is_cut else answer_ids[:-1])
+    return {"messages": prompt + [{"role": "assistant", "content": text}], "cut": is_cut}
+
+
+@contextmanager
+def open_bundle(model_spec: str, mask_token: str | None = None) -> Iterator[Path]:
+    """A bundle directory of ``model_spec``: the spec itself if it is one, else a temporary export.
+
+    The temporary bundle (block size 4, float32, parity-checked as ``mars-export`` does) is
+    removed on exit.
+
+    Raises:
+        ValueError: as :func:`mars_export.model_source.load_model`; ParityError if the export fails its check.
+    """
+    if (Path(model_spec) / BUNDLE_CONFIG_FILE).is_file():
+        yield Path(model_spec)
+        return
+    from mars_export.bundle_writer import write_bundle
+    from mars_export.cli import FP32_PARITY_TOL
+    from mars_export.model_source import load_model
+
+    loaded = load_model(model_spec, mask_token)
+    with tempfile.TemporaryDirectory(prefix="mars-distill-") as tmp:
+        write_bundle(loaded, Path(tmp) / "bundle", EXPORT_BLOCK_SIZE, EXPORT_BLOCK_SIZE, FP32_PARITY_TOL)
+        del loaded
+        yield Path(tmp) / "bundle"
+
+
+def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str | Path, max_new_tokens: int = 512,
+            batch_size: int = 8, max_prompts: int | None = None, mask_token: str | None = None,
+            num_threads: int = 0) -> DistillReport:
+    """Write one chat record per prompt (:func:`prepare_record`) with the engine's greedy answer.
+
+    Args:
+        model_spec: a bundle directory (``mars-export`` output), or a model spec as for
+            :func:`mars_export.model_source.load_model`, exported to a temporary bundle first.
+        prompts_paths: data files :mod:`mars_export.training.data` reads; answers in them are ignored.
+        output_path: the chat JSONL to write (replaced), in prompt order, flushed as answers finish.
+        max_new_tokens: the token cap; longer answers are cut there and marked.
+        batch_size: engine slots (rows decoding at once; continuous batching).
+        num_threads: onnxruntime intra-op threads (0: its choice).
+
+    Raises:
+        ValueError: a bad argument, a malformed prompt record, or a prompt too long for the model.
+    """
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens}, {batch_size}")
+    from runtime.engine import Engine, EngineConfig
+    from runtime.loading import load_backend
+    from runtime.params import DecodeParams
+    from runtime.tokenizer import Tokenizer
+
+    prompts = read_prompts(prompts_paths, max_prompts)
+    with open_bundle(model_spec, mask_token) as bundle_dir:
+        backend, config, _ = load_backend(bundle_dir, "cpu", num_threads)
+        tokenizer = Tokenizer(bundle_dir)
+        engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size))
+        params = DecodeParams(tau=1.0, mode="ar", max_new_tokens=max_new_tokens)
+        start = time.perf_counter()
+        request_ids = [engine.add_request(tokenizer.encode_chat(p), params) for p in prompts]
+        answers: dict[str, list[int]] = {}
+        report = DistillReport(num_prompts=len(prompts))
+        with open(output_path, "w", encoding="utf-8") as sink:
+            while engine.has_unfinished():
+                answers.update((o.request_id, o.result.token_ids) for o in engine.step() if o.finished)
+                while report.num_written < len(prompts) and request_ids[report.num_written] in answers:
+                    ids = answers.pop(request_ids[report.num_written])
+                    record = prepare_record(prompts[report.num_written], ids, set(config.eos_token_ids),
+                                            tokenizer.decode)
+                    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    report.num_written += 1
+                    report.num_cut += record["cut"]
+                    report.num_tokens += len(ids)
+                sink.flush()
+        report.seconds = time.perf_counter() - start
+    return report
 
 
 @torch.no_grad()
 def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[Messages],
                     max_new_tokens: int) -> list[list[int]]:
-    """Greedy AR continuations of one batch of chat prompts.
+    """Greedy AR continuations of one batch of chat prompts with transformers ``generate``.
 
     The batch is left-padded so every row's generation starts at the same index.
 
     Returns:
         Per prompt, the generated ids up to and including the first end-of-turn token
-        (``tokenizer.eos_token_id``), or all ``max_new_tokens`` ids when none came.
+        (``tokenizer.eos_token_id``), or all ``max_new_tokens`` ids when none came (a cut answer).
     """
     tokenizer.padding_side = "left"
     enc = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True, padding=True,
@@ -55,36 +170,3 @@ def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
                          eos_token_id=eos)  # [N, T + G]
     rows = out[:, enc["input_ids"].shape[1]:].tolist()  # [N, G]
     return [row[:row.index(eos) + 1] if eos in row else row for row in rows]
-
-
-def distill(model_spec: str, prompts_path: str | Path, output_path: str | Path, max_new_tokens: int = 512,
-            batch_size: int = 8, max_prompts: int | None = None, mask_token: str | None = None) -> DistillReport:
-    """Write ``{"messages": prompt + [assistant answer]}`` lines for the prompts of ``prompts_path``.
-
-    Args:
-        model_spec: as for :func:`mars_export.model_source.load_model`.
-        prompts_path: any data file :mod:`mars_export.training.data` reads; answers in it are ignored.
-        output_path: the chat JSONL to write (replaced).
-        max_prompts: answer only the first this many prompts.
-
-    Raises:
-        ValueError: ``max_new_tokens`` or ``batch_size`` below 1, or a malformed prompt record.
-    """
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens}, {batch_size}")
-    loaded = load_model(model_spec, mask_token)
-    model = loaded.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    prompts = [record_prompt_messages(r) for r in read_records(prompts_path)][:max_prompts]
-    report = DistillReport(num_prompts=len(prompts))
-    with open(output_path, "w", encoding="utf-8") as sink:
-        for start in tqdm(range(0, len(prompts), batch_size), desc="distill", unit="batch"):
-            batch = prompts[start:start + batch_size]
-            for prompt, ids in zip(batch, generate_greedy(model, loaded.tokenizer, batch, max_new_tokens)):
-                if not ids or ids[-1] != loaded.tokenizer.eos_token_id:
-                    report.num_unfinished += 1
-                    continue
-                answer = loaded.tokenizer.decode(ids[:-1], skip_special_tokens=True)
-                record = {"messages": prompt + [{"role": "assistant", "content": answer}]}
-                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                report.num_written += 1
-    return report

@@ -85,10 +85,13 @@ def prepare_lora_model(model: PreTrainedModel, settings: LoraSettings, mask_toke
 
 
 def choose_precision(precision: str) -> str:
-    """``auto`` -> bf16 on a CUDA device that supports it, fp16 on other CUDA devices, fp32 otherwise."""
+    """``auto`` -> bf16 on a CUDA device that supports it, fp16 on other CUDA devices, fp32 otherwise.
+
+    ``bf16`` also runs on CPU (autocast; fast on CPUs with AVX512_BF16 or AMX); ``fp16`` needs CUDA.
+    """
     if precision != "auto":
-        if precision != "fp32" and not torch.cuda.is_available():
-            raise ValueError(f"--precision {precision} needs a CUDA device; use fp32 on CPU")
+        if precision == "fp16" and not torch.cuda.is_available():
+            raise ValueError("--precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
         return precision
     if not torch.cuda.is_available():
         return "fp32"
@@ -98,6 +101,7 @@ def choose_precision(precision: str) -> str:
 def make_training_args(config: TrainConfig) -> TrainingArguments:
     """``TrainingArguments`` for ``config``: no evaluation, no reporting integrations."""
     precision = choose_precision(config.precision)
+    sampling = {"train_sampling_strategy": "group_by_length"} if config.group_by_length else {}
     return TrainingArguments(
         output_dir=config.output, per_device_train_batch_size=config.batch_size,
         gradient_accumulation_steps=config.grad_accum, learning_rate=config.learning_rate,
@@ -106,7 +110,8 @@ def make_training_args(config: TrainConfig) -> TrainingArguments:
         save_strategy="steps" if config.save_steps else "no", save_steps=config.save_steps or 500,
         logging_steps=config.logging_steps, report_to="none", remove_unused_columns=False,
         dataloader_pin_memory=torch.cuda.is_available(),
-        bf16=precision == "bf16", fp16=precision == "fp16", dataloader_num_workers=0,
+        bf16=precision == "bf16", fp16=precision == "fp16", dataloader_num_workers=0, **sampling,
+        use_cpu=not torch.cuda.is_available(),  # transformers refuses bf16 without a GPU unless told
     )
 
 

@@ -1,4 +1,4 @@
-"""``mars-train`` end to end on a tiny model: train, checkpoint, resume, LoRA merge, distill."""
+"""``mars-train`` end to end on a tiny model: train, checkpoint, resume, LoRA merge, --lora-init."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from tiny_mars import EOS_ID, MASK_ID, make_model, make_tokenizer
+from tiny_mars import MASK_ID, make_tokenizer
 from transformers import AutoModelForCausalLM
 
 from mars_export.model_source import load_model
 from mars_export.training.cli import main
-from mars_export.training.distill import generate_greedy
 
 
 def train(checkpoint: str, data: str, output: Path, *extra: str) -> int:
@@ -73,46 +72,6 @@ def test_lora_output_is_a_merged_plain_checkpoint(tiny_checkpoint, tiny_jsonl, t
     adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
     ids = torch.randint(4, 260, (1, 12))
     torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
-
-
-def test_batched_greedy_matches_one_prompt_at_a_time():
-    model, tokenizer = make_model(), make_tokenizer()
-    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a much longer question"}]]
-    batched = generate_greedy(model, tokenizer, prompts, max_new_tokens=6)
-    assert batched == [generate_greedy(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
-
-
-def eos_model() -> torch.nn.Module:
-    """An untied tiny Llama whose every greedy step says end-of-turn (hand-set weights)."""
-    model = make_model(tie=False)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 1.0  # the residual stream is the embedding
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[EOS_ID, 0] = 1.0
-    return model
-
-
-def test_distill_writes_chat_jsonl_and_drops_unfinished(tmp_path):
-    eos_model().save_pretrained(tmp_path / "eos")
-    make_tokenizer().save_pretrained(tmp_path / "eos")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"question": "q1", "answer": "ignored"}\n{"prompt": "q2"}\n')
-    out = tmp_path / "distilled.jsonl"
-    assert main(["distill", str(tmp_path / "eos"), "--prompts", str(prompts), "--output", str(out),
-                 "--max-new-tokens", "3", "--batch-size", "2"]) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["messages"][0]["content"] for r in records] == ["q1", "q2"]
-    assert all(r["messages"][-1] == {"role": "assistant", "content": ""} for r in records)
-
-    random_model = tmp_path / "random"
-    make_model(seed=3).save_pretrained(random_model)
-    make_tokenizer().save_pretrained(random_model)
-    assert main(["distill", str(random_model), "--prompts", str(prompts), "--output", str(out),
-                 "--max-new-tokens", "2"]) == 0
-    assert out.read_text() == ""  # two random tokens never end with end-of-turn here
 
 
 def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_path, capsys):

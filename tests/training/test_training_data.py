@@ -9,9 +9,10 @@ import pytest
 from tiny_mars import EOS_ID
 
 from mars_export.training.data import (
-    Example, ExampleDataset, MarsCollator, load_examples, prepare_example, read_records, record_prompt_messages,
-    record_response,
+    Example, ExampleDataset, MarsCollator, load_examples, prepare_example, read_records, record_is_cut,
+    record_prompt_messages, record_response,
 )
+from mars_export.training.objective import IGNORE_INDEX, prepare_targets
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -42,6 +43,26 @@ def test_example_is_prompt_template_then_answer_ending_with_end_of_turn(tokenize
     assert example.prompt_ids == tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
     assert tokenizer.decode(example.response_ids) == "Hello there<|im_end|>"  # the template's "\n" is cut
     assert example.response_ids[-1] == EOS_ID
+
+
+def test_cut_answer_has_no_end_of_turn_target(tmp_path, tokenizer):
+    prompt = [{"role": "user", "content": "Hi"}]
+    whole, cut = prepare_example(tokenizer, prompt, "Hello th"), prepare_example(tokenizer, prompt, "Hello th", True)
+    assert cut.prompt_ids == whole.prompt_ids and cut.response_ids == whole.response_ids[:-1]
+    assert tokenizer.decode(cut.response_ids) == "Hello th" and EOS_ID not in cut.response_ids
+    for example, last_target in [(whole, EOS_ID), (cut, cut.response_ids[-1])]:
+        batch = MarsCollator(pad_token_id=EOS_ID)([ExampleDataset([example])[0]])
+        targets = prepare_targets(batch["input_ids"], batch["prompt_lengths"], batch["lengths"])[0]
+        assert targets[targets != IGNORE_INDEX].tolist()[-1] == last_target  # every response token is a target
+        assert int((targets != IGNORE_INDEX).sum()) == len(example.response_ids)
+    path = tmp_path / "distilled.jsonl"
+    path.write_text("".join(json.dumps({"messages": prompt + [{"role": "assistant", "content": "Hello th"}],
+                                        "cut": flag}) + "\n" for flag in (False, True)))
+    assert load_examples([path], tokenizer)[0] == [whole, cut]
+    with pytest.raises(ValueError, match="'cut' must be true or false"):
+        record_is_cut({"cut": "yes"})
+    with pytest.raises(ValueError, match="cut answer .* is empty"):
+        prepare_example(tokenizer, prompt, "", is_cut=True)
 
 
 def test_read_records_jsonl_and_json(tmp_path):

@@ -1,0 +1,104 @@
+"""``scripts/gpu_train.py`` end to end on CPU with a tiny model: parts, receive, rebuild, distill, train, return."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from support import load_script
+from tiny_mars import make_model, make_tokenizer
+from transformers import AutoModelForCausalLM
+
+from mars_export.model_source import merge_adapter
+from mars_export.training.transfer import MIB, assemble_checkpoint, prepare_parts, receive_part
+
+REPO = Path(__file__).resolve().parents[2]
+gpu_train = load_script(REPO / "scripts" / "gpu_train.py")
+# The GPU machine may lack everything but torch, transformers, peft and accelerate (and their dependencies).
+DEVICE_STEP = """
+import sys
+for name in ("onnxruntime", "onnx", "onnxscript", "gguf", "runtime", "matplotlib"):
+    sys.modules[name] = None  # any import of them now raises ImportError
+sys.argv[0] = "scripts/gpu_train.py"
+import runpy
+runpy.run_path("scripts/gpu_train.py", run_name="__main__")
+"""
+
+
+@pytest.fixture()
+def tiny_parts(tmp_path):
+    """A tiny checkpoint and its prompts prepared as parts of at most 0.03 MiB (so several)."""
+    make_model().save_pretrained(tmp_path / "ckpt")
+    make_tokenizer().save_pretrained(tmp_path / "ckpt")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": "x"}) + "\n"
+                               for i in range(6)))
+    assert gpu_train.main(["prepare", str(tmp_path / "ckpt"), "--prompts", str(prompts), "--out",
+                           str(tmp_path / "parts"), "--part-mib", "0.03"]) == 0
+    return tmp_path / "ckpt", sorted((tmp_path / "parts").glob("part-*"))
+
+
+def test_whole_flow_on_cpu_returns_an_adapter_and_a_log(tiny_parts, tmp_path):
+    checkpoint, parts = tiny_parts
+    assert len(parts) >= 3 and all(sum(f.stat().st_size for f in p.rglob("*")) <= 0.03 * MIB for p in parts)
+    store, out = tmp_path / "device-store", tmp_path / "OUT"
+    for part in parts:  # one device command per part
+        assert gpu_train.main(["receive", str(part), "--store", str(store)]) == 0
+    train = ["train", "--store", str(store), "--out", str(out), "--max-new-tokens", "6", "--distill-batch", "4",
+             "--max-steps", "2", "--batch-size", "2", "--lora-rank", "4", "--block-size", "2", "--logging-steps", "1"]
+    done = subprocess.run([sys.executable, "-c", DEVICE_STEP, *train], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = load_file(checkpoint / "model.safetensors")
+    rebuilt = load_file(store / "checkpoint-rebuilt" / "model.safetensors")
+    assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["optimizer_steps"] == 2 and log["distill"]["num_written"] == 6
+    assert any("loss_mask" in entry for entry in log["log_history"]) and (out / "gpu_train.log").stat().st_size
+    assert {p.name for p in (out / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                             "mars_adapter.json"}
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    adapted = PeftModel.from_pretrained(model, out / "adapter")
+    assert adapted.peft_config["default"].r == 4
+    merged = merge_adapter(AutoModelForCausalLM.from_pretrained(checkpoint), out / "adapter")
+    assert merged.config.mars_block_size == 2
+    assert len((out / "distilled.jsonl.gz").read_bytes()) > 0
+
+
+def test_parts_are_checked_and_limits_enforced(tiny_parts, tmp_path):
+    checkpoint, parts = tiny_parts
+    with pytest.raises(ValueError, match="at most 64 MiB"):
+        prepare_parts(checkpoint, tmp_path / "big", 65 * MIB)
+    with pytest.raises(ValueError, match="exceed the part limit"):
+        prepare_parts(checkpoint, tmp_path / "small", 1024)
+    store = tmp_path / "store"
+    receive_part(parts[0], store)
+    with pytest.raises(ValueError, match=r"parts \[2"):
+        assemble_checkpoint(store, tmp_path / "rebuilt")
+    weights = next(parts[1].glob("weights.*"))
+    weights.write_bytes(b"\0" + weights.read_bytes()[1:])
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        receive_part(parts[1], store)
+    assert gpu_train.main(["receive", str(parts[1]), "--store", str(store)]) == 2
+
+
+def test_default_model_travels_as_its_gguf_blocks_bit_exactly(tmp_path):
+    from mars_export.model_source import default_checkpoint
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    assert gpu_train.main(["prepare", "default", "--prompts", str(prompts), "--out", str(tmp_path / "parts")]) == 0
+    parts = sorted((tmp_path / "parts").glob("part-*"))
+    sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in parts]
+    assert len(parts) == 2 and max(sizes) <= gpu_train.DEFAULT_PART_MIB * MIB and sum(sizes) < 100 * MIB
+    assert (parts[0] / "python" / "gguf" / "quants.py").is_file()  # the decoder travels with part 1
+    for part in parts:
+        receive_part(part, tmp_path / "store")
+    rebuilt = load_file(assemble_checkpoint(tmp_path / "store", tmp_path / "rebuilt") / "model.safetensors")
+    base = load_file(default_checkpoint() / "model.safetensors")
+    assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)

@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from mars_export.evaluation.tasks import load_gsm8k, load_humaneval
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
-from runtime.params import DRAFTS, DecodeParams
-from runtime.tokenizer import Tokenizer
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DRAFTS, DecodeParams
+from runtime.evaluation.tasks import load_gsm8k, load_humaneval
+from runtime.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -37,10 +37,10 @@ from support import real_prompts
 
 from mars_export.parity import _graph_logits
 from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleConfig, load_config
-from runtime.decoding import causal_window_mask
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import causal_window_mask
+from runtime.text.tokenizer import Tokenizer
 
 PRECISIONS = ("int8", "int4")
 

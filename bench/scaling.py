@@ -48,10 +48,10 @@ import onnxruntime as ort
 from onnx import helper
 
 from runtime import bundle
-from runtime.batch import run_batch, window_mask
-from runtime.decoding import causal_window_mask
-from runtime.kv_cache import KVCache
-from runtime.onnx_backend import OnnxBackend
+from runtime.backends.onnx import OnnxBackend
+from runtime.decode.batch import run_batch, window_mask
+from runtime.decode.decoder import causal_window_mask
+from runtime.decode.kv_cache import KVCache
 
 GB = 1e9
 GIB = 2**30

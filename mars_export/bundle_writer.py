@@ -26,7 +26,7 @@ from runtime.bundle import (
     BundleConfig,
     BundleError,
 )
-from runtime.onnx_backend import PROVIDERS, OnnxBackend
+from runtime.backends.onnx import PROVIDERS, OnnxBackend
 
 
 def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str = "float32") -> BundleConfig:
@@ -116,7 +116,7 @@ def _measure_gpu(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, pr
         others["onnxruntime-cuda"] = measure_parity(loaded.model, OnnxBackend(bundle_dir, config, "cuda"),
                                                     config, prompts)
     if config.engine_file is not None:
-        from runtime.trt_backend import TrtBackend
+        from runtime.backends.trt import TrtBackend
         others["tensorrt"] = measure_parity(loaded.model, TrtBackend(bundle_dir, config), config, prompts)
     for name, result in others.items():
         check_parity({**result, "backend": name}, parity["tolerance"])

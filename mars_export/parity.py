@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from runtime.bundle import BundleConfig
-from runtime.decoding import causal_window_mask
+from runtime.decode.decoder import causal_window_mask
 
 
 class ParityError(RuntimeError):

@@ -25,11 +25,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from mars_export.evaluation.scoring import common_prefix
 from mars_export.parity import ParityError, measure_parity
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import LOGITS, BundleConfig
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.evaluation.scoring import common_prefix
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32

@@ -4,7 +4,7 @@
 - :class:`ReferenceDecoder`: MARS threshold decoding with a KV cache (MARS, arXiv
   2604.07023, §3; DESIGN.md §3), written independently of the runtime's numpy decoder
   but with the same names, the same window protocol and the same results type
-  (:class:`runtime.decoding.GenerationResult`), so a test can compare them id for id.
+  (:class:`runtime.decode.decoder.GenerationResult`), so a test can compare them id for id.
 
 Dimension letters: W window, V vocabulary, P cached positions, r pending real tokens.
 """
@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from runtime.decoding import DecodeParams, GenerationResult
+from runtime.decode.decoder import DecodeParams, GenerationResult
 
 
 @torch.no_grad()
@@ -84,7 +84,7 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], params: DecodeParams) -> GenerationResult:
-        """Same contract as :meth:`runtime.decoding.Decoder.generate`."""
+        """Same contract as :meth:`runtime.decode.decoder.Decoder.generate`."""
         block_size = params.block_size or self.block_size
         stop_ids = params.stop_ids if params.stop_ids is not None else frozenset(self.eos_token_ids)
         result, start = GenerationResult(), time.perf_counter()

@@ -11,12 +11,12 @@ import argparse
 import json
 import sys
 
-from runtime.acceptance import METRICS
+from runtime.backends.onnx import PROVIDERS, OnnxBackend
 from runtime.bundle import BundleError, load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.params import DRAFTS, MODES
-from runtime.onnx_backend import PROVIDERS, OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.acceptance import METRICS
+from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.params import DRAFTS, MODES
+from runtime.text.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -90,7 +90,7 @@ def profile_limits(profile_shape) -> tuple[int, int]:
 
     Returns:
         (max batch B, max past P): the largest dimensions 0 and 2 of the first layer's past
-        key ``[B, H, P, D]``; the engine must never feed more (:class:`runtime.engine.Engine`).
+        key ``[B, H, P, D]``; the engine must never feed more (:class:`runtime.decode.engine.Engine`).
     """
     largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [B, H, P, D]
     return int(largest[0]), int(largest[2])

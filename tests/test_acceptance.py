@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.acceptance import confidence, count_accepted
-from runtime.decoding import DecodeParams, causal_window_mask
-from runtime.kv_cache import KVCache
+from runtime.decode.acceptance import confidence, count_accepted
+from runtime.decode.decoder import DecodeParams, causal_window_mask
+from runtime.decode.kv_cache import KVCache
 
 STOP = frozenset({2})
 

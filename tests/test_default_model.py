@@ -12,11 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_export.model_source import default_checkpoint
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.text.tokenizer import Tokenizer
 
 from support import real_prompts
 

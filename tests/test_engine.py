@@ -10,10 +10,10 @@ from support import real_prompts
 from transformers import AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, step_feeds
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.engine import Engine, EngineConfig
 from runtime.trt_build import TrtBuildOptions, profile_limits, profile_shapes
 
 MAX_NEW = 24

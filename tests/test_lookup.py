@@ -1,4 +1,4 @@
-"""Tier 1, hand-made token lists: prompt-lookup drafts (runtime.lookup) and how a sequence picks its drafts."""
+"""Tier 1, hand-made token lists: prompt-lookup drafts (runtime.decode.lookup) and how a sequence picks its drafts."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from runtime.lookup import NgramIndex
-from runtime.params import DecodeParams
-from runtime.sequence import Sequence
+from runtime.decode.lookup import NgramIndex
+from runtime.decode.params import DecodeParams
+from runtime.decode.sequence import Sequence
 
 
 def scan_propose(context: list[int], max_drafts: int, max_n: int, min_n: int) -> list[int]:
-    """The rule of runtime.lookup by brute force: rescan the whole context for each n."""
+    """The rule of runtime.decode.lookup by brute force: rescan the whole context for each n."""
     length = len(context)
     for n in range(min(max_n, length), min_n - 1, -1):
         suffix = context[length - n:]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.acceptance import count_verified
-from runtime.batch import window_mask
-from runtime.params import DecodeParams
-from runtime.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence
+from runtime.decode.acceptance import count_verified
+from runtime.decode.batch import window_mask
+from runtime.decode.params import DecodeParams
+from runtime.decode.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
+from runtime.decode.scheduler import Scheduler
+from runtime.decode.sequence import Sequence
 
 LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))  # [1, 4]
 

@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder, greedy_generate
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import EngineConfig
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.engine import EngineConfig
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 WINDOWS = [4, 8]

@@ -11,7 +11,7 @@ Every step is one forward of the step graph over the running rows:
     tokens; the output at the last real token is the AR prediction, each later output
     predicts one more token ahead; the acceptance rule picks how many to keep. Verify-mode
     drafts come from the request's draft source (lookup and/or the last step's masks,
-    :meth:`runtime.sequence.Sequence.prepare_drafts`); a ``lookup`` row feeds no masks.
+    :meth:`runtime.decode.sequence.Sequence.prepare_drafts`); a ``lookup`` row feeds no masks.
 
 Two batch schemes (DESIGN.md §4):
   - ``continuous``: each row commits the KV of its real tokens every step and advances on
@@ -32,14 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.acceptance import count_accepted, count_verified
-from runtime.batch import run_batch, run_prefill
 from runtime.bundle import BundleConfig
-from runtime.kv_cache import KVCache
-from runtime.params import DecodeParams, GenerationResult, check_tau
-from runtime.sampling import select
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence
+from runtime.decode.acceptance import count_accepted, count_verified
+from runtime.decode.batch import run_batch, run_prefill
+from runtime.decode.kv_cache import KVCache
+from runtime.decode.params import DecodeParams, GenerationResult, check_tau
+from runtime.decode.sampling import select
+from runtime.decode.scheduler import Scheduler
+from runtime.decode.sequence import Sequence
 
 SCHEMES = ("continuous", "block")
 
@@ -103,7 +103,7 @@ class Engine:
     Args:
         backend: object with ``step(input_ids, position_ids, attention_mask, past)``,
             ``is_window_dynamic``, ``max_batch`` and ``max_past`` as
-            :class:`runtime.onnx_backend.OnnxBackend`; no step feeds it a larger batch or past.
+            :class:`runtime.backends.onnx.OnnxBackend`; no step feeds it a larger batch or past.
         config: the bundle config.
         engine_config: batch size, scheme and per-slot length.
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from runtime.acceptance import METRICS
-from runtime.sampling import is_greedy
+from runtime.decode.acceptance import METRICS
+from runtime.decode.sampling import is_greedy
 
 MODES = ("ar", "threshold", "verify")
 DRAFTS = ("masks", "lookup", "both")
@@ -25,15 +25,15 @@ class DecodeParams:
         draft: where verify mode's drafts come from (DESIGN.md §3 "Draft sources"): ``masks``
             (the previous step's mask predictions, default), ``lookup`` (prompt lookup: the
             tokens that followed the latest earlier match of the context's suffix n-gram, see
-            :mod:`runtime.lookup`; no masks are fed, a step without a match feeds one token)
+            :mod:`runtime.decode.lookup`; no masks are fed, a step without a match feeds one token)
             or ``both`` (a lookup proposal when there is one, else the mask predictions;
             masks fill the rest of the window).
         metric: confidence metric, one of ``probability``, ``margin``, ``entropy``.
         max_new_tokens: most tokens to generate, >= 1.
         block_size: most tokens accepted per step; None = the bundle's B.
         stop_ids: ids that end generation; None = the bundle's eos ids.
-        temperature: >= 0; below 1e-5 (0 included, :func:`runtime.sampling.is_greedy`) greedy,
-            else sampled (see :mod:`runtime.sampling` for what tau means then).
+        temperature: >= 0; below 1e-5 (0 included, :func:`runtime.decode.sampling.is_greedy`) greedy,
+            else sampled (see :mod:`runtime.decode.sampling` for what tau means then).
         top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
         seed: seed of the request's random generator (sampling only); None = fresh entropy.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.acceptance import probability_confidence, softmax
+from runtime.decode.acceptance import probability_confidence, softmax
 
 MIN_TEMPERATURE = 1e-5  # below it, greedy (the same epsilon as vLLM's sampler)
 
@@ -40,7 +40,7 @@ def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, met
             the plain softmax); else logits are divided by it.
         top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest set whose
             probability reaches top_p (1.0 = all).
-        metric: confidence metric (:data:`runtime.acceptance.METRICS`).
+        metric: confidence metric (:data:`runtime.decode.acceptance.METRICS`).
         rng: the request's generator; required unless greedy.
         with_confidence: False skips the softmax of greedy rows (confidences are then 0).
 

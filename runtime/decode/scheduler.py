@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from runtime.sequence import Sequence
+from runtime.decode.sequence import Sequence
 
 
 class Scheduler:

@@ -4,7 +4,7 @@ A sequence is prefilling while prompt tokens other than the last remain uncached
 every step feeds its ``uncached`` real tokens (the last prompt token first, later the tokens
 accepted in the previous step), the verify-mode ``drafts``, and mask tokens up to the
 window W (DESIGN.md §3). Verify-mode drafts are chosen before each step from the request's
-draft source: a prompt-lookup proposal over prompt + generated ids (:mod:`runtime.lookup`)
+draft source: a prompt-lookup proposal over prompt + generated ids (:mod:`runtime.decode.lookup`)
 and/or the previous step's mask predictions.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.lookup import NgramIndex
-from runtime.params import DecodeParams, GenerationResult
-from runtime.sampling import is_greedy
+from runtime.decode.lookup import NgramIndex
+from runtime.decode.params import DecodeParams, GenerationResult
+from runtime.decode.sampling import is_greedy
 
 
 @dataclass

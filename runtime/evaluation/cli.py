@@ -22,18 +22,18 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from runtime.backends.onnx import PROVIDERS
 from runtime.bundle import BundleError, load_config
-from runtime.decoding import DecodeParams
-from runtime.onnx_backend import PROVIDERS
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
-from mars_export.evaluation import tasks
-from mars_export.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
-from mars_export.evaluation.plot import plot_tpf_quality
-from mars_export.evaluation.report import format_table, write_csv, write_json
-from mars_export.evaluation.runner import DEFAULT_TAUS, encode_prompts, plan_block_sizes, plan_taus, run_bundle
-from mars_export.evaluation.scoring import score_all
-from mars_export.evaluation.summary import summarize
+from runtime.evaluation import tasks
+from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
+from runtime.evaluation.plot import plot_tpf_quality
+from runtime.evaluation.report import format_table, write_csv, write_json
+from runtime.evaluation.runner import DEFAULT_TAUS, encode_prompts, plan_block_sizes, plan_taus, run_bundle
+from runtime.evaluation.scoring import score_all
+from runtime.evaluation.summary import summarize
 
 
 DESCRIPTION = ("Speed/quality of MARS bundles on the torch-free runtime: TPF, tokens/s, agreement with greedy AR, "

@@ -7,7 +7,7 @@ Routes:
     GET  /metrics                                     Prometheus text format
     GET  /admin/tau, POST /admin/tau {"tau": x}       read / set the base tau live
 
-Each generation request becomes a :class:`~runtime.serving.generation.Generation`; the
+Each generation request becomes a :class:`~runtime.serving.request_stream.RequestStream`; the
 streamed and the non-streamed response both consume its text deltas.
 """
 
@@ -23,14 +23,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from runtime.decoding import DecodeParams
+from runtime.decode.decoder import DecodeParams
 from runtime.serving import protocol
-from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.engine_thread import EngineThread
 from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_utf8_json
-from runtime.serving.generation import Generation
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import ChatRequest, CompletionRequest, TauRequest
-from runtime.tokenizer import Tokenizer
+from runtime.serving.request_stream import RequestStream
+from runtime.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class ServerLimits:
 class ServerContext:
     """What the routes need. ``max_seq_len`` is the engine's per-slot capacity in tokens."""
 
-    engine_loop: EngineLoop
+    engine_thread: EngineThread
     tokenizer: Tokenizer
     metrics: ServerMetrics
     model_name: str
@@ -77,9 +77,9 @@ def make_app(ctx: ServerContext) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx.engine_loop.start()
+        ctx.engine_thread.start()
         yield
-        ctx.engine_loop.stop()
+        ctx.engine_thread.stop()
 
     app = FastAPI(title="mars-edge", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -117,7 +117,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        loop = ctx.engine_loop
+        loop = ctx.engine_thread
         body = {"status": "ok" if loop.is_alive else "engine stopped", "model": ctx.model_name,
                 "queue_depth": loop.queue_depth, "active_slots": loop.num_running,
                 "default_tau": loop.default_tau, "base_tau": loop.base_tau}
@@ -134,7 +134,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
     @app.post("/admin/tau", dependencies=json_body)
     async def set_tau(body: TauRequest):
         try:
-            await asyncio.to_thread(ctx.engine_loop.set_base_tau, body.tau)
+            await asyncio.to_thread(ctx.engine_thread.set_base_tau, body.tau)
         except ValueError as e:
             raise APIError(400, str(e), param="tau", code="invalid_value") from e
         return _tau_state(ctx) | {"base_tau": body.tau}
@@ -148,7 +148,7 @@ def _count_error(ctx: ServerContext, request: Request, status: int) -> None:
 
 
 def _tau_state(ctx: ServerContext) -> dict:
-    loop, policy = ctx.engine_loop, ctx.engine_loop.policy
+    loop, policy = ctx.engine_thread, ctx.engine_thread.policy
     return {"base_tau": loop.base_tau, "default_tau": loop.default_tau, "tau_min": policy.tau_min,
             "tau_max": policy.tau_max, "queue_low": policy.queue_low, "queue_high": policy.queue_high}
 
@@ -161,7 +161,7 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
                               temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     except ValueError as e:
         raise APIError(400, str(e), param=_field_named_in(str(e)), code="invalid_value") from e
-    gen = Generation(ctx.engine_loop, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
+    gen = RequestStream(ctx.engine_thread, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
     try:
         await gen.start()
     except ValueError as e:
@@ -207,7 +207,7 @@ def _check_budget(ctx: ServerContext, prompt_ids: list[int], requested: int | No
     return requested if requested is not None else min(limits.default_max_tokens, room)
 
 
-async def _collect(gen: Generation, request: Request) -> str | None:
+async def _collect(gen: RequestStream, request: Request) -> str | None:
     """All text deltas joined; None (and the request aborted) if the client disconnects first."""
     parts: list[str] = []
 
@@ -234,7 +234,7 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _stream(ctx: ServerContext, gen: Generation, body, chat: bool):
+async def _stream(ctx: ServerContext, gen: RequestStream, body, chat: bool):
     """Server-sent events: one chunk per text delta, a final chunk with the finish reason, [DONE]."""
     rid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
     model = ctx.model_name

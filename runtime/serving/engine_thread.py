@@ -1,4 +1,4 @@
-"""The engine thread: the only code that touches the :class:`~runtime.engine.Engine`.
+"""The engine thread: the only code that touches the :class:`~runtime.decode.engine.Engine`.
 
 The engine is not thread-safe, so one thread owns it. Request handlers talk to that
 thread through a thread-safe command queue (submit, abort, set the base tau), and the
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.decoding import DecodeParams
+from runtime.decode.decoder import DecodeParams
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
 
@@ -38,7 +38,7 @@ class Submission:
         prompt_ids: the prompt's token ids.
         params: decoding parameters.
         deliver: called on the engine thread with :data:`ADMITTED`, then each
-            :class:`~runtime.engine.StepOutput`; or once with a ``ValueError`` (rejected)
+            :class:`~runtime.decode.engine.StepOutput`; or once with a ``ValueError`` (rejected)
             or a ``RuntimeError`` (the engine failed).
     """
 
@@ -48,11 +48,11 @@ class Submission:
     deliver: Callable[[object], None]
 
 
-class EngineLoop:
+class EngineThread:
     """Owns the engine and its thread.
 
     Args:
-        engine: the :class:`~runtime.engine.Engine`.
+        engine: the :class:`~runtime.decode.engine.Engine`.
         policy: the load policy.
         metrics: the server's metrics.
         base_tau: the starting base tau (validated against the policy's bounds).

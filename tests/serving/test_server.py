@@ -16,10 +16,10 @@ import openai
 import pytest
 from server_support import DEADLINE_S, serve, wait_until
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]
 MAX_NEW = 40
@@ -245,7 +245,7 @@ def test_admin_tau_and_load_policy_move_the_default_live(tiny_server, monkeypatc
     assert tiny_server.metric("mars_default_tau") == 0.8
     tiny_server.http.post("/admin/tau", json={"tau": 1.0})
 
-    loop, submitted = tiny_server.app.state.ctx.engine_loop, threading.Semaphore(0)
+    loop, submitted = tiny_server.app.state.ctx.engine_thread, threading.Semaphore(0)
     monkeypatch.setattr(loop, "submit", lambda submission, submit=loop.submit: (submit(submission),
                                                                                 submitted.release()))
     with futures.ThreadPoolExecutor(9) as pool:
@@ -309,7 +309,7 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(tiny_bundle):
     _, bundle = tiny_bundle("llama", 4)
 
     def inject(app):
-        engine = app.state.ctx.engine_loop.engine
+        engine = app.state.ctx.engine_thread.engine
         engine.backend = FailingBackend(engine.backend, fail_at=3)
 
     with serve(str(bundle), prepare=inject) as server:

@@ -41,7 +41,8 @@ import openai
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

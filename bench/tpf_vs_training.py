@@ -24,7 +24,7 @@ from peft import PeftModel
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder
-from runtime.decode.decoder import DecodeParams
+from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 
 

@@ -14,7 +14,8 @@ import sys
 from runtime.backends.onnx import PROVIDERS, OnnxBackend
 from runtime.bundle import BundleError, load_config
 from runtime.decode.acceptance import METRICS
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 from runtime.decode.params import DRAFTS, MODES
 from runtime.text.tokenizer import Tokenizer
 

@@ -21,7 +21,8 @@ from fastapi import FastAPI
 from runtime.backends.loading import load_backend
 from runtime.backends.onnx import PROVIDERS
 from runtime.bundle import BundleError
-from runtime.decode.engine import SCHEMES, Engine, EngineConfig
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, make_app
 from runtime.serving.engine_thread import EngineThread
 from runtime.serving.load_policy import LoadPolicy
@@ -82,8 +83,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     engine = Engine(backend, config, engine_config)
     ctx = ServerContext(engine_thread=EngineThread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
-                        max_seq_len=engine.cache.max_len,
-                        window=config.window, vocab_size=config.vocab_size, limits=limits, api_key=args.api_key)
+                        limits=limits, api_key=args.api_key)
     return make_app(ctx)
 
 

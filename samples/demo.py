@@ -14,7 +14,8 @@ from pathlib import Path
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).parent / "prompts" / "demo_prompts.json"

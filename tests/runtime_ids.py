@@ -14,8 +14,9 @@ import sys
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]

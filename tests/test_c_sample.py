@@ -22,7 +22,8 @@ from onnx import TensorProto, helper
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 from support import RUNTIME_PYTHON, fix_window, real_prompts
 

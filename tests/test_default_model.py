@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mars_export.model_source import default_checkpoint
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 
 from support import real_prompts

@@ -12,8 +12,9 @@ from transformers import AutoTokenizer
 from mars_export.parity import chat_prompt_ids
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, step_feeds
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
 from runtime.trt_build import TrtBuildOptions, profile_limits, profile_shapes
 
 MAX_NEW = 24

@@ -24,7 +24,8 @@ from mars_export import cli as export_cli
 from mars_export.parity import chat_prompt_ids
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, past_names
-from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 
 ARCHS = ["qwen2", "qwen3"]
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]

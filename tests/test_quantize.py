@@ -19,7 +19,8 @@ from mars_export import quantize
 from runtime import generate
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 
 CASES = [("llama", "int4"), ("qwen3", "int8")]
 

@@ -57,14 +57,16 @@ def test_count_verified(drafts, predicted, max_accept, expected):
 
 def test_scheduler_admits_fifo_into_the_lowest_free_slots():
     seqs = [Sequence(str(i), [1, 2], DecodeParams(), 4, frozenset({0})) for i in range(4)]
-    scheduler = Scheduler(num_slots=3)
+    scheduler = Scheduler(num_slots=3, window=4, scheme="block")
     for seq in seqs:
         scheduler.add(seq)
-    assert [s.request_id for s in scheduler.schedule()] == ["0", "1", "2"] and scheduler.num_rows == 3
+    assert [s.request_id for s in scheduler.schedule(1.0).rows] == ["0", "1", "2"] and scheduler.num_rows == 3
     scheduler.finish(seqs[0])
     assert scheduler.num_rows == 3  # slot 0 free: an idle row inside the batch
-    assert scheduler.schedule(can_admit=False) == seqs[1:3]
-    assert [s.slot for s in scheduler.schedule()] == [0, 1, 2] and seqs[3].slot == 0
+    seqs[1].uncached = [5, 6]  # inside a block: the block scheme admits only at a block boundary
+    assert scheduler.schedule(1.0).rows == seqs[1:3]
+    seqs[1].uncached = [6]
+    assert [s.slot for s in scheduler.schedule(1.0).rows] == [0, 1, 2] and seqs[3].slot == 0
     scheduler.finish(seqs[2])
     assert scheduler.num_rows == 2 and scheduler.find("2") is None and scheduler.find("3") is seqs[3]
 

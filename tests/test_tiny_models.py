@@ -18,8 +18,9 @@ from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder, greedy_generate
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import Decoder, DecodeParams
+from runtime.decode.decoder import Decoder
 from runtime.decode.engine import EngineConfig
+from runtime.decode.params import DecodeParams
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 WINDOWS = [4, 8]

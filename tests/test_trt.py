@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_missing_tensorrt_names_the_fix(tiny_bundle, tmp_path, capsys):
     bundle = shutil.copytree(original, tmp_path / "bundle")
     (bundle / "engine.plan").write_bytes(b"not built here")
     config = load_config(bundle)
-    config = type(config)(**{**config.__dict__, "engine_file": "engine.plan"})
+    config = replace(config, engine_file="engine.plan")
     from runtime.backends.trt import TrtBackend
     with pytest.raises(RuntimeError, match=r"pip install 'mars-edge\[trt\]'"):
         TrtBackend(bundle, config)

@@ -1,7 +1,7 @@
 """The MARS acceptance rule (MARS, arXiv 2604.07023, §3 "inference"; DESIGN.md §3).
 
 Plain functions over numpy arrays, testable without a model. Dimension letters:
-T = predictions available in one step, V = vocabulary.
+M = predictions one step offers a row (see :mod:`runtime`), V = vocabulary.
 
 Rule, left to right: prediction 0 (the output at the last real token, i.e. the greedy AR
 token) is always accepted. Prediction j >= 1 (the output at the j-th mask) is accepted while
@@ -9,9 +9,15 @@ token) is always accepted. Prediction j >= 1 (the output at the j-th mask) is ac
   - fewer than ``max_accept`` tokens have been accepted, and
   - its confidence is strictly greater than ``tau``.
 With tau >= 1 no confidence passes, so exactly one token per step: greedy AR.
+
+:func:`accept_threshold` and :func:`accept_verify` are the two rules as pure functions of
+one row's predictions: they return the tokens the step yields and how many of the row's
+KV entries to commit (:class:`Accepted`); the engine applies them in one place.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,14 +25,14 @@ METRICS = ("probability", "margin", "entropy")
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, float32 in and out; [T, V] -> [T, V]."""
+    """Softmax over the last axis, float32 in and out; [M, V] -> [M, V]."""
     shifted = logits - logits.max(axis=-1, keepdims=True)
     exp = np.exp(shifted)
     return exp / exp.sum(axis=-1, keepdims=True)
 
 
 def confidence(logits: np.ndarray, metric: str = "probability") -> np.ndarray:
-    """Confidence of the argmax of each row of logits, in [0, 1]; [T, V] float32 -> [T] float32.
+    """Confidence of the argmax of each row of logits, in [0, 1]; [M, V] float32 -> [M] float32.
 
     Raises:
         ValueError: unknown metric.
@@ -35,7 +41,7 @@ def confidence(logits: np.ndarray, metric: str = "probability") -> np.ndarray:
 
 
 def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np.ndarray:
-    """Confidence of the most likely token of each row of probabilities; [T, V] -> [T] float32.
+    """Confidence of the most likely token of each row of probabilities; [M, V] -> [M] float32.
 
     Metrics:
         probability: p(argmax) (the paper's rule; default).
@@ -48,7 +54,7 @@ def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np
     if metric == "probability":
         return probs.max(axis=-1)
     if metric == "margin":
-        top2 = np.partition(probs, -2, axis=-1)[:, -2:]  # [T, 2], unordered
+        top2 = np.partition(probs, -2, axis=-1)[:, -2:]  # [M, 2], unordered
         return np.abs(top2[:, 1] - top2[:, 0])
     if metric == "entropy":
         entropy = -(probs * np.log(np.maximum(probs, 1e-30))).sum(axis=-1)
@@ -58,17 +64,17 @@ def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np
 
 def count_accepted(predicted_ids: np.ndarray, confidences: np.ndarray, tau: float,
                    max_accept: int, stop_ids: frozenset[int]) -> int:
-    """How many of the T predictions of one step to accept, left to right.
+    """How many of the M predictions of one step to accept, left to right.
 
     Args:
-        predicted_ids: [T] int, argmax ids; index 0 is the AR prediction.
-        confidences: [T] float, from :func:`confidence`.
+        predicted_ids: [M] int, argmax ids; index 0 is the AR prediction.
+        confidences: [M] float, from :func:`confidence`.
         tau: threshold; >= 1 means one token per step.
         max_accept: upper bound on the count (block size, remaining budget), >= 1.
         stop_ids: end-token ids; nothing is accepted after one of them.
 
     Returns:
-        The count n, 1 <= n <= min(T, max_accept).
+        The count n, 1 <= n <= min(M, max_accept).
     """
     assert max_accept >= 1 and len(predicted_ids) >= 1
     limit = min(len(predicted_ids), max_accept)
@@ -102,3 +108,67 @@ def count_verified(drafts: list[int], predicted_ids: np.ndarray, max_accept: int
            and drafts[count - 1] == int(predicted_ids[count - 1])):
         count += 1
     return count
+
+
+def max_accept(block_size: int, num_remaining: int, num_uncached: int, window: int, is_block: bool) -> int:
+    """The budget of one step: at most B tokens and the tokens left; in the block scheme also
+    W + 1 - (the block's uncached tokens), so a block yields at most W tokens. 0: a block-scheme
+    row whose block is full waits (its step yields nothing)."""
+    budget = min(block_size, num_remaining)
+    return min(budget, window + 1 - num_uncached) if is_block else budget
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What one step yields for one row (returned by the acceptance rules, applied by the engine).
+
+    Attributes:
+        tokens: the tokens accepted, in order (possibly none: a block-scheme row waiting for
+            the block to close, or a prefill row).
+        num_committed: how many of the row's fed inputs get their KV committed, from the first
+            (the uncached real tokens, then kept verify drafts); block scheme: 0 until the block closes.
+        mask_drafts: verify mode: the predictions at the masks after the last token yielded,
+            the next step's drafts (empty unless every draft was kept).
+    """
+
+    tokens: list[int]
+    num_committed: int
+    mask_drafts: list[int] = field(default_factory=list)
+
+
+def accept_threshold(predicted_ids: np.ndarray, confidences: np.ndarray, tau: float, max_accept: int,
+                     stop_ids: frozenset[int], num_committed: int) -> Accepted:
+    """Threshold (and ar) mode, MARS §3: keep predictions left to right while confident.
+
+    Args:
+        predicted_ids: [M] int chosen ids (index 0 at the last real token).
+        confidences, tau, max_accept, stop_ids: as :func:`count_accepted`.
+        num_committed: KV entries to commit (the real tokens fed; 0 in an open block).
+
+    Returns:
+        :class:`Accepted` with 1 <= len(tokens) <= min(M, max_accept).
+    """
+    count = count_accepted(predicted_ids, confidences, tau, max_accept, stop_ids)
+    return Accepted([int(t) for t in predicted_ids[:count]], num_committed)
+
+
+def accept_verify(predicted_ids: np.ndarray, drafts: list[int], max_accept: int, stop_ids: frozenset[int],
+                  num_real: int, block_size: int) -> Accepted:
+    """Verify mode, DESIGN.md §3: keep drafts equal to the argmax before them; exactly greedy AR.
+
+    Args:
+        predicted_ids: [M] int argmax ids, M = k + 1 + masks (index 0 at the last real token).
+        drafts: the k draft ids this step fed (k < M).
+        max_accept, stop_ids: as :func:`count_verified`.
+        num_real: r, the uncached real tokens fed before the drafts.
+        block_size: B, the most mask drafts kept for the next step + 1.
+
+    Returns:
+        :class:`Accepted`: tokens ``predicted_ids[:n]``; r + n - 1 entries committed (the real
+        tokens and the kept drafts); the mask predictions after the last draft when all were kept.
+    """
+    count = count_verified(drafts, predicted_ids, max_accept, stop_ids)
+    tokens = [int(t) for t in predicted_ids[:count]]
+    is_all_kept = count - 1 == len(drafts) and tokens[-1] not in stop_ids
+    mask_drafts = [int(t) for t in predicted_ids[len(drafts) + 1:][:block_size - 1]] if is_all_kept else []
+    return Accepted(tokens, num_real + count - 1, mask_drafts)

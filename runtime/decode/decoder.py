@@ -26,20 +26,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from runtime.bundle import BundleConfig
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams, GenerationResult
-
-__all__ = ["DecodeParams", "Decoder", "GenerationResult", "causal_window_mask"]
-
-
-def causal_window_mask(past_len: int, window: int) -> np.ndarray:
-    """bool [1, 1, W, P + W]: query i sees the P cached keys and new keys 0..i (exact-length past)."""
-    keys = np.arange(past_len + window)
-    queries = past_len + np.arange(window)
-    return (keys[None, :] <= queries[:, None])[None, None]
 
 
 class Decoder:

@@ -1,6 +1,14 @@
 """The batched MARS decoding engine: schedule, run, accept, commit (MARS, arXiv 2604.07023, §3; DESIGN.md §3-4).
 
-Dimension letters: n batch rows (= cache slots 0..n-1), W window, V vocabulary.
+Dimension letters (glossary in :mod:`runtime`): n batch rows (= cache slots 0..n-1), W window,
+w this step's window, M predictions of a row, V vocabulary.
+
+:meth:`Engine.step` reads schedule, run, accept, commit: the scheduler's plan
+(:class:`runtime.decode.scheduler.StepPlan`) says who feeds what and how wide; one forward
+runs it; the pure acceptance rules (:mod:`runtime.decode.acceptance`) say what each row
+keeps and how many KV entries it commits; :meth:`Engine._commit` is the one place that
+changes the sequences and the cache. A row's ``uncached`` tokens are always the real tokens
+whose KV is not committed: commit appends the accepted tokens and drops the committed ones.
 
 Every step is one forward of the step graph over the running rows:
   - a prefilling row feeds its next W prompt tokens (never the last one) and commits them;
@@ -33,15 +41,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.bundle import BundleConfig
-from runtime.decode.acceptance import count_accepted, count_verified
+from runtime.decode.acceptance import Accepted, accept_threshold, accept_verify, max_accept
 from runtime.decode.batch import run_batch, run_prefill
 from runtime.decode.kv_cache import KVCache
-from runtime.decode.params import DecodeParams, GenerationResult, check_tau
+from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
 from runtime.decode.sampling import select
-from runtime.decode.scheduler import Scheduler
+from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan
 from runtime.decode.sequence import Sequence
-
-SCHEMES = ("continuous", "block")
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,19 @@ class StepOutput:
     result: GenerationResult
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """The vocabulary check: a prompt is >= 1 token id, each in 0..V-1.
+
+    Raises:
+        ParamError: (field ``prompt``) empty, or an id outside the vocabulary.
+    """
+    if not prompt_ids:
+        raise ParamError("prompt", "the prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
 class Engine:
     """Continuous-batching MARS decoder over a backend with ``step`` (onnxruntime or TensorRT).
 
@@ -120,9 +139,10 @@ class Engine:
         max_len = min(engine_config.max_seq_len or config.max_context, config.max_context, backend.max_past)
         self.cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                              np.dtype(config.dtype), engine_config.max_batch_size)
-        self.scheduler = Scheduler(engine_config.max_batch_size)
         self.is_window_dynamic = backend.is_window_dynamic  # T-token prefill, shorter AR steps
         self.prefill_chunk = engine_config.prefill_chunk if self.is_window_dynamic else 0
+        self.scheduler = Scheduler(engine_config.max_batch_size, config.window, engine_config.scheme,
+                                   self.prefill_chunk, self.is_window_dynamic)
         self._default_tau = 1.0
         self.num_steps = 0  # batch forwards run so far
 
@@ -146,29 +166,31 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def room(self, num_prompt: int) -> int:
+        """The context budget: tokens a slot can still generate after a prompt of ``num_prompt``
+        tokens, S - W - num_prompt (S = ``cache.max_len``: the model's max context, the backend's
+        largest past, ``max_seq_len``). Reads only constants, so any thread may call it."""
+        return self.cache.max_len - self.config.window - num_prompt
+
     def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None) -> str:
         """Queue a request; returns its id.
 
         Raises:
-            ValueError: empty prompt, an id outside the vocabulary, block_size above the
-                bundle's B, or prompt + max_new_tokens + W beyond the per-slot length
-                (``cache.max_len``).
+            ParamError: empty prompt or an id outside the vocabulary (field ``prompt``), block_size
+                above the bundle's B (``block_size``), or max_new_tokens beyond :meth:`room`
+                (``max_new_tokens``).
         """
         cfg = self.config
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        check_prompt_ids(prompt_ids, cfg.vocab_size)
         block_size = params.block_size or cfg.block_size
         if block_size > cfg.block_size:
-            raise ValueError(f"block_size {block_size} exceeds the bundle's block size {cfg.block_size}")
-        needed = len(prompt_ids) + params.max_new_tokens + cfg.window
-        if needed > self.cache.max_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + window "
-                             f"({cfg.window}) = {needed} exceeds the {self.cache.max_len} positions a slot can hold "
-                             "(the model's max context, the backend's largest past, max_seq_len); "
-                             "shorten the prompt or lower max_new_tokens")
+            raise ParamError("block_size", f"block_size {block_size} exceeds the bundle's block size {cfg.block_size}")
+        if params.max_new_tokens > self.room(len(prompt_ids)):
+            raise ParamError("max_new_tokens",
+                             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + window "
+                             f"({cfg.window}) = {len(prompt_ids) + params.max_new_tokens + cfg.window} exceeds the "
+                             f"{self.cache.max_len} positions a slot can hold (the model's max context, the backend's "
+                             "largest past, max_seq_len); shorten the prompt or lower max_new_tokens")
         stop_ids = params.stop_ids if params.stop_ids is not None else frozenset(cfg.eos_token_ids)
         request_id = request_id or uuid.uuid4().hex
         self.scheduler.add(Sequence(request_id, list(prompt_ids), params, block_size, stop_ids))
@@ -185,40 +207,15 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests, run one forward over the running rows, accept and commit."""
-        can_admit = self.engine_config.scheme == "continuous" or all(
-            len(s.uncached) == 1 for s in self.scheduler.running.values())
-        running = self.scheduler.schedule(can_admit)
-        if not running:
+        """One step: schedule, run the forward, accept per row, commit (DESIGN.md §3-4)."""
+        plan = self.scheduler.schedule(self.default_tau)
+        for seq in plan.prefill:
+            self._prefill_chunk(seq)
+        if not plan.rows:
             return []
-        for seq in running:
-            seq.start_time = seq.start_time or time.perf_counter()
-            if self.prefill_chunk and seq.is_prefilling:
-                self._prefill_chunk(seq)
-        if self.prefill_chunk:  # rows still prefilling sit out the batch forward (idle rows)
-            running = [s for s in running if not s.is_prefilling]
-            if not running:
-                return []
-        for seq in running:
-            if seq.params.mode == "verify" and not seq.is_prefilling:
-                seq.prepare_drafts()
-        window = self._step_window(running)
-        rows: list[list[int] | None] = [None] * self.scheduler.num_rows
-        for seq in running:
-            rows[seq.slot] = self._prepare_row(seq, window)
-        self.cache.reserve(max(int(self.cache.lengths[s.slot]) + window for s in running))
-        logits, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)  # [n, W, V]
-        logits[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
-        self.num_steps += 1
-        counts = np.zeros(len(rows), np.int64)  # [n] KV entries to commit per row
-        advanced = [(seq, out) for seq in running if (out := self._advance(seq, logits[seq.slot], counts))]
-        if self.engine_config.scheme == "block":
-            self._close_block(running, counts)
-        self.cache.commit(presents, counts)
-        for seq, out in advanced:
-            if out.finished:
-                self._finish(seq, out.finish_reason)
-        return [out for _, out in advanced]
+        logits, presents = self._run(plan)  # [n, w, V]
+        accepted = [self._accept(seq, logits[seq.slot], plan.is_block) for seq in plan.rows]
+        return self._commit(plan, accepted, presents)
 
     def generate(self, prompts: list[list[int]], params: DecodeParams) -> list[GenerationResult]:
         """Run ``prompts`` to completion with the same params; results in prompt order.
@@ -251,98 +248,60 @@ class Engine:
         if not seq.is_prefilling:
             seq.result.prefill_seconds = time.perf_counter() - seq.start_time
 
-    def _step_window(self, running: list[Sequence]) -> int:
-        """Tokens per row in this step: W, or (continuous scheme, dynamic window) the widest
-        :meth:`_row_width` of the batch, capped at W."""
-        can_shrink = self.engine_config.scheme == "continuous" and self.is_window_dynamic
-        if not can_shrink or any(s.is_prefilling for s in running):
-            return self.config.window
-        return min(max(self._row_width(s) for s in running), self.config.window)
+    def _run(self, plan: StepPlan) -> tuple[np.ndarray, list]:
+        """One batch forward of the plan's rows (other slots idle); the mask token's logit suppressed."""
+        rows: list[list[int] | None] = [None] * plan.num_rows
+        for seq in plan.rows:
+            rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
+        self.cache.reserve(max(int(self.cache.lengths[s.slot]) + plan.width for s in plan.rows))
+        logits, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)  # [n, w, V]
+        logits[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
+        self.num_steps += 1
+        return logits, presents
 
-    def _row_width(self, seq: Sequence) -> int:
-        """Inputs a row can use: its uncached real tokens, then (threshold at tau < 1 and verify
-        mode) one draft or mask per further token it may accept; AR rows need no mask, and
-        verify rows drafting by lookup alone feed only their drafts (none: one token, as AR)."""
-        if seq.params.mode == "verify" and seq.params.draft == "lookup":
-            return len(seq.uncached) + len(seq.drafts)
-        uses_masks = seq.params.mode == "verify" or self._tau(seq) < 1.0
-        return len(seq.uncached) + (seq.block_size - 1 if uses_masks else 0)
-
-    def _tau(self, seq: Sequence) -> float:
-        """The threshold this row uses now: 1 in ar mode, else its own or the live default."""
-        params = seq.params
-        return 1.0 if params.mode == "ar" else self.default_tau if params.tau is None else params.tau
-
-    def _prepare_row(self, seq: Sequence, window: int) -> list[int]:
-        """The ``window`` ids row ``seq`` feeds: a prefill chunk, or uncached + drafts + masks."""
+    def _accept(self, seq: Sequence, logits: np.ndarray, is_block: bool) -> Accepted:
+        """What this row keeps from its logits [w, V]: a W-token prefill commits its chunk; else
+        the verify or threshold rule over the predictions from the last real token on."""
         if seq.is_prefilling:
-            chunk = seq.prefill_chunk(window)
-            return chunk + [self.config.pad_token_id] * (window - len(chunk))
-        real = seq.uncached[:window] + seq.drafts[:window - min(len(seq.uncached), window)]
-        return real + [self.config.mask_token_id] * (window - len(real))
-
-    def _advance(self, seq: Sequence, logits: np.ndarray, counts: np.ndarray) -> StepOutput | None:
-        """Accept from this row's logits [w, V] (w: this step's window); set its commit count;
-        return its output (None in prefill)."""
-        if seq.is_prefilling:
-            counts[seq.slot] = len(seq.prefill_chunk(self.config.window))
-            self._count_prefilled(seq, counts[seq.slot])
-            return None
+            return Accepted([], len(seq.prefill_chunk(self.config.window)))
         num_real = min(len(seq.uncached), len(logits))
-        predictions = logits[num_real - 1:]  # [w - r + 1, V]: the AR prediction, then one per later input
-        if seq.params.mode == "verify":
-            tokens = self._accept_verify(seq, predictions, num_real, counts)
-        else:
-            tokens = self._accept_threshold(seq, predictions, num_real, counts)
-        seq.add_tokens(tokens)
-        seq.result.num_forwards += 1
-        reason = "stop" if tokens and tokens[-1] in seq.stop_ids else "length" if seq.num_remaining == 0 else None
-        return StepOutput(seq.request_id, tokens, reason is not None, reason, seq.result)
-
-    def _accept_threshold(self, seq: Sequence, predictions: np.ndarray, num_real: int, counts: np.ndarray) -> list[int]:
-        """MARS §3: keep predictions left to right while confident (threshold and ar modes)."""
-        params, window, tau = seq.params, self.config.window, self._tau(seq)
-        budget = min(seq.block_size, seq.num_remaining)
-        if self.engine_config.scheme == "block":
-            budget = min(budget, window + 1 - len(seq.uncached))  # a block yields at most W tokens
-            seq.is_block_ready = num_real == window
-        else:
-            counts[seq.slot] = num_real
+        predictions = logits[num_real - 1:]  # [M, V], M = w - r + 1: the AR prediction, then one per later input
+        is_verify = seq.params.mode == "verify"  # verify rows advance per row in both schemes
+        budget = max_accept(seq.block_size, seq.num_remaining, len(seq.uncached), self.config.window,
+                            is_block and not is_verify)
+        if is_verify:
+            drafts = seq.drafts[:len(predictions) - 1]  # the drafts this step fed
+            return accept_verify(predictions.argmax(axis=-1), drafts, budget, seq.stop_ids, num_real, seq.block_size)
         if budget == 0:  # block scheme: a full block re-run until every row is ready
-            return []
+            return Accepted([], 0)
+        params, tau = seq.params, seq.tau(self.default_tau)
         ids, scores = select(predictions, params.temperature, params.top_k, params.top_p, params.metric,
                              seq.rng, with_confidence=tau < 1.0)
-        tokens = [int(t) for t in ids[:count_accepted(ids, scores, tau, budget, seq.stop_ids)]]
-        seq.uncached = seq.uncached + tokens if self.engine_config.scheme == "block" else tokens
-        return tokens
+        return accept_threshold(ids, scores, tau, budget, seq.stop_ids, 0 if is_block else num_real)
 
-    def _accept_verify(self, seq: Sequence, predictions: np.ndarray, num_real: int, counts: np.ndarray) -> list[int]:
-        """DESIGN.md §3 verify mode: keep drafts equal to the argmax before them; exactly greedy AR."""
-        predicted = predictions.argmax(axis=-1)  # [w - r + 1]
-        drafts = seq.drafts[:len(predicted) - 1]  # the drafts this step fed
-        count = count_verified(drafts, predicted, min(seq.block_size, seq.num_remaining), seq.stop_ids)
-        tokens = [int(t) for t in predicted[:count]]
-        counts[seq.slot] = num_real + count - 1  # the real tokens and the kept drafts
-        is_all_kept = count - 1 == len(drafts) and tokens[-1] not in seq.stop_ids
-        seq.mask_drafts = [int(t) for t in predicted[len(drafts) + 1:][:seq.block_size - 1]] if is_all_kept else []
-        seq.uncached = [tokens[-1]]
-        return tokens
-
-    def _close_block(self, running: list[Sequence], counts: np.ndarray) -> None:
-        """Block scheme: once every threshold-mode decoding row is ready, commit each row's W block entries."""
-        window = self.config.window
-        in_block = [s for s in running if not s.is_prefilling and s.params.mode != "verify"
-                    and not self._is_done(s)]
-        if not in_block or not all(s.is_block_ready for s in in_block):
-            return
-        for seq in in_block:
-            counts[seq.slot] = window
-            seq.uncached = seq.uncached[window:]
-            seq.is_block_ready = False
-
-    def _is_done(self, seq: Sequence) -> bool:
-        tokens = seq.result.token_ids
-        return seq.num_remaining == 0 or bool(tokens) and tokens[-1] in seq.stop_ids
+    def _commit(self, plan: StepPlan, accepted: list[Accepted], presents: list) -> list[StepOutput]:
+        """Apply the step: each row's tokens, counters and uncached tokens, the block close, the
+        cache commit, then finish the rows that are done. Returns the decoding rows' outputs."""
+        counts = np.zeros(plan.num_rows, np.int64)  # [n] KV entries to commit per row
+        advanced: list[tuple[Sequence, StepOutput]] = []
+        for seq, acc in zip(plan.rows, accepted):
+            counts[seq.slot] = acc.num_committed
+            if seq.is_prefilling:
+                self._count_prefilled(seq, acc.num_committed)
+                continue
+            seq.add_tokens(acc.tokens)
+            seq.result.num_forwards += 1
+            seq.uncached, seq.mask_drafts = (seq.uncached + acc.tokens)[acc.num_committed:], acc.mask_drafts
+            reason = seq.finish_reason
+            advanced.append((seq, StepOutput(seq.request_id, acc.tokens, reason is not None, reason, seq.result)))
+        for seq in plan.block_to_close():
+            counts[seq.slot] = self.config.window
+            seq.uncached = seq.uncached[self.config.window:]
+        self.cache.commit(presents, counts)
+        for seq, out in advanced:
+            if out.finished:
+                self._finish(seq, out.finish_reason)
+        return [out for _, out in advanced]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.result.finish_reason = reason

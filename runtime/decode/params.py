@@ -1,4 +1,8 @@
-"""Per-request decoding parameters and the result of one generation (plain data)."""
+"""Per-request decoding parameters, the result of one generation, and the rules on them.
+
+The one home of: tau's validation (:func:`check_tau`), the error that names the bad
+request field (:class:`ParamError`), and tokens per forward (:func:`tokens_per_forward`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,17 @@ from runtime.decode.sampling import is_greedy
 
 MODES = ("ar", "threshold", "verify")
 DRAFTS = ("masks", "lookup", "both")
+
+
+class ParamError(ValueError):
+    """A request value out of range; ``field`` names it (``tau``, ``prompt``, ``max_new_tokens``, ...).
+
+    The message says what is allowed; the HTTP layer reports ``field`` as the error's ``param``.
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -38,9 +53,9 @@ class DecodeParams:
         seed: seed of the request's random generator (sampling only); None = fresh entropy.
 
     Raises:
-        ValueError: a value out of range (the message names the field and what is allowed),
-            verify mode with a sampling temperature, or a draft source other than masks outside
-            verify mode.
+        ParamError: a value out of range (``field`` and the message name the field and what is
+            allowed), verify mode with a sampling temperature, or a draft source other than masks
+            outside verify mode.
     """
 
     tau: float | None = 1.0
@@ -59,26 +74,26 @@ class DecodeParams:
         if self.tau is not None:
             check_tau(self.tau)
         if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+            raise ParamError("mode", f"unknown mode {self.mode!r}; choose one of {MODES}")
         if self.draft not in DRAFTS:
-            raise ValueError(f"unknown draft source {self.draft!r}; choose one of {DRAFTS}")
+            raise ParamError("draft", f"unknown draft source {self.draft!r}; choose one of {DRAFTS}")
         if self.draft != "masks" and self.mode != "verify":
-            raise ValueError(f"draft {self.draft!r} needs mode 'verify' (drafts are verified there); "
+            raise ParamError("draft", f"draft {self.draft!r} needs mode 'verify' (drafts are verified there); "
                              f"mode {self.mode!r} takes draft 'masks'")
         if self.metric not in METRICS:
-            raise ValueError(f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
+            raise ParamError("metric", f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ParamError("max_new_tokens", f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise ParamError("block_size", f"block_size must be >= 1, got {self.block_size}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            raise ParamError("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ParamError("top_k", f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.mode == "verify" and not is_greedy(self.temperature):
-            raise ValueError("verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
+            raise ParamError("mode", "verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
                              "or mode 'threshold'")
 
 
@@ -86,10 +101,10 @@ def check_tau(tau) -> float:
     """Return ``tau`` if it is a finite number >= 0.
 
     Raises:
-        ValueError: otherwise.
+        ParamError: otherwise (field ``tau``).
     """
     if not _is_number(tau) or tau < 0:
-        raise ValueError(f"tau must be a finite number >= 0, got {tau}; tau >= 1 means one token per step (greedy AR)")
+        raise ParamError("tau", f"tau must be a finite number >= 0, got {tau}; tau >= 1 means one token per step (greedy AR)")
     return float(tau)
 
 
@@ -123,7 +138,7 @@ class GenerationResult:
     @property
     def tpf(self) -> float:
         """Tokens per decode forward."""
-        return self.num_tokens / max(self.num_forwards, 1)
+        return tokens_per_forward(self.num_tokens, self.num_forwards)
 
     def summary(self) -> dict:
         """The counts as a plain dict (for ``--json`` and benchmarks)."""
@@ -133,3 +148,8 @@ class GenerationResult:
                 "seconds": self.seconds, "prefill_seconds": self.prefill_seconds,
                 "decode_tokens_per_second": self.num_tokens / decode_seconds if decode_seconds > 0 else None,
                 "finish_reason": self.finish_reason}
+
+
+def tokens_per_forward(num_tokens: int, num_forwards: int) -> float:
+    """TPF: generated tokens per decode forward (prefill excluded); 0 forwards counts as 1."""
+    return num_tokens / max(num_forwards, 1)

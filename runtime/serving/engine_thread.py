@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.decode.decoder import DecodeParams
+from runtime.decode.params import DecodeParams
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
 
@@ -63,7 +63,6 @@ class EngineThread:
         self.policy = policy
         self.metrics = metrics
         self.base_tau = policy.check_base(base_tau)
-        self.default_tau = self.base_tau
         self.queue_depth = 0
         self.num_running = 0
         self._commands: queue.Queue = queue.Queue()
@@ -79,6 +78,11 @@ class EngineThread:
         """Stop the thread after the current step; unfinished requests get an error."""
         self._commands.put(None)
         self._thread.join()
+
+    @property
+    def default_tau(self) -> float:
+        """The engine's live default tau (stored there only; a float read is safe from any thread)."""
+        return self.engine.default_tau
 
     @property
     def is_alive(self) -> bool:
@@ -159,9 +163,7 @@ class EngineThread:
     def _apply_policy(self) -> None:
         self.queue_depth, self.num_running = self.engine.num_waiting, self.engine.num_running
         tau = self.policy.default_tau(self.base_tau, self.queue_depth)
-        if tau != self.engine.default_tau:
-            self.engine.default_tau = tau
-        self.default_tau = tau
+        self.engine.default_tau = tau
         self.metrics.record_load(self.queue_depth, self.num_running, tau, self.base_tau)
 
     def _step(self) -> None:

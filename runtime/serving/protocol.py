@@ -51,7 +51,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # MARS extras
-    tau: float | None = Field(None, ge=0.0)
+    tau: float | None = None  # checked by DecodeParams (runtime.decode.params.check_tau)
     mode: Literal["threshold", "ar", "verify"] = "threshold"
     draft: Literal["masks", "lookup", "both"] = "masks"
     top_k: int = Field(0, ge=0)

@@ -15,7 +15,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
-from runtime.decode.decoder import DecodeParams
+from runtime.decode.params import DecodeParams, tokens_per_forward
 from runtime.serving.engine_thread import ADMITTED, EngineThread, Submission
 from runtime.serving.metrics import ServerMetrics
 from runtime.text.detokenize import TextStream
@@ -111,5 +111,5 @@ class RequestStream:
 
     def mars_info(self, return_token_ids: bool) -> dict:
         """The MARS extras of the response: decode forwards, TPF, and the ids if asked."""
-        info = {"num_forwards": self.num_forwards, "tpf": self.num_tokens / max(self.num_forwards, 1)}
+        info = {"num_forwards": self.num_forwards, "tpf": tokens_per_forward(self.num_tokens, self.num_forwards)}
         return info | ({"token_ids": list(self.text.detokenizer.token_ids)} if return_token_ids else {})

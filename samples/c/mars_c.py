@@ -34,7 +34,7 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
         binary: path of ``mars_c``.
         bundle: bundle directory.
         prompt_ids: prompt token ids.
-        tau, max_new_tokens, block_size: as in ``runtime.decode.decoder.DecodeParams`` (probability metric).
+        tau, max_new_tokens, block_size: as in ``runtime.decode.params.DecodeParams`` (probability metric).
         num_threads: onnxruntime intra-op threads, 0 = onnxruntime's choice.
         timeout: seconds before the binary is killed (None: no limit).
 

@@ -18,7 +18,8 @@ from server_support import DEADLINE_S, serve, wait_until
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]

@@ -13,7 +13,8 @@ from support import real_prompts
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.decoder import DecodeParams, Decoder
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 from runtime.text.detokenize import Detokenizer
 from runtime.text.tokenizer import Tokenizer
 

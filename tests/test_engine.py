@@ -141,6 +141,22 @@ def test_verify_mode_with_lookup_drafts_equals_greedy_ar(tiny, scheme, draft, ba
     assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f}): the test would not exercise them"
 
 
+@pytest.mark.parametrize("scheme", ["continuous", "block"])
+@pytest.mark.parametrize("draft", ["lookup", "both"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_threshold_mode_with_lookup_drafts_at_tau_one_equals_greedy_ar(tiny, scheme, draft, batch_size):
+    """Threshold mode takes lookup drafts too (DESIGN.md §3): kept drafts are exact, so at
+    tau = 1 the output is greedy AR, in fewer forwards on these models' looping outputs."""
+    backend, config, prompts = tiny
+    greedy = solo(tiny, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
+    engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size, scheme=scheme))
+    results = engine.generate(prompts, DecodeParams(tau=1.0, draft=draft, max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == greedy
+    if scheme == "continuous" or batch_size == 1:  # a block-scheme batch also counts the re-runs of waiting rows
+        tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
+        assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f}): the test would not exercise them"
+
+
 def test_lookup_rows_feed_only_their_drafts(tiny):
     """Continuous scheme, dynamic window: a verify row drafting by lookup alone feeds its real
     token and its drafts, no masks: a W = 1 step (as cheap as AR) when it has no proposal."""

@@ -95,8 +95,9 @@ def test_sequence_drafts_stop_at_the_token_budget():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "verify", "draft": "ngram"}, "unknown draft source 'ngram'"),
-    ({"mode": "threshold", "draft": "lookup"}, "draft 'lookup' needs mode 'verify'"),
-    ({"mode": "ar", "draft": "both"}, "draft 'both' needs mode 'verify'"),
+    ({"mode": "ar", "draft": "lookup"}, "draft 'lookup' needs mode 'verify' or 'threshold'"),
+    ({"mode": "ar", "draft": "both"}, "draft 'both' needs mode 'verify' or 'threshold'"),
+    ({"mode": "threshold", "draft": "lookup", "temperature": 0.7}, "draft 'lookup' is greedy only"),
 ])
 def test_decode_params_reject_bad_draft_sources(kwargs, message):
     with pytest.raises(ValueError, match=message):

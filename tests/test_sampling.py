@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.decode.acceptance import count_verified
+from runtime.decode.acceptance import accept, count_verified
 from runtime.decode.batch import window_mask
 from runtime.decode.params import DecodeParams
 from runtime.decode.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
@@ -53,6 +53,20 @@ def test_select_greedy_and_sampled_confidence():
 ])
 def test_count_verified(drafts, predicted, max_accept, expected):
     assert count_verified(drafts, np.array(predicted), max_accept, frozenset({2})) == expected
+
+
+@pytest.mark.parametrize("drafts, predicted, confidences, tau, tokens, committed, mask_drafts", [
+    ([], [7, 1, 3, 4], [0, .9, .9, .1], 0.5, [7, 1, 3], 2, [4]),                 # no drafts: plain threshold
+    ([7, 8], [7, 8, 9, 1, 3], [0, 0, 0, .9, .1], 0.5, [7, 8, 9, 1], 4, [3]),    # drafts kept, then a mask by tau
+    ([7, 5], [7, 8, 9, 1, 3], [0, 0, 0, .9, .9], 0.5, [7, 8], 3, []),           # a wrong draft: its correction ends it
+    ([7, 8], [7, 8, 9, 1, 3], [0, 0, 0, .9, .9], 1.0, [7, 8, 9], 4, [1, 3]),    # tau 1 (verify): the exact token only
+    ([7, 2], [7, 2, 9, 1, 3], [0, 0, 0, .9, .9], 0.5, [7, 2], 3, []),           # an end token: nothing after it
+])
+def test_accept_keeps_drafts_then_masks_by_tau(drafts, predicted, confidences, tau, tokens, committed, mask_drafts):
+    args = (np.array(predicted), np.array(confidences, np.float32), tau, drafts, 4, frozenset({2}), 2, 4)
+    accepted = accept(*args, is_block=False)
+    assert (accepted.tokens, accepted.num_committed, accepted.mask_drafts) == (tokens, committed, mask_drafts)
+    assert accept(*args, is_block=True).num_committed == 0  # an open block commits nothing
 
 
 def test_scheduler_admits_fifo_into_the_lowest_free_slots():

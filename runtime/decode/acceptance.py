@@ -10,9 +10,14 @@ token) is always accepted. Prediction j >= 1 (the output at the j-th mask) is ac
   - its confidence is strictly greater than ``tau``.
 With tau >= 1 no confidence passes, so exactly one token per step: greedy AR.
 
-:func:`accept_threshold` and :func:`accept_verify` are the two rules as pure functions of
-one row's predictions: they return the tokens the step yields and how many of the row's
-KV entries to commit (:class:`Accepted`); the engine applies them in one place.
+With drafts fed after the real tokens (DESIGN.md §3 "Draft sources"), the drafts are checked
+first: draft i + 1 is kept while it equals prediction i (:func:`count_verified`); once all are
+kept, the prediction at the last draft is the exact next token and the rule above goes on
+from there over the masks (in verify mode, tau is 1: the exact token only).
+
+:func:`accept` is that rule as a pure function of one row's predictions: it returns the
+tokens the step yields and how many of the row's KV entries to commit (:class:`Accepted`);
+the engine applies them in one place.
 """
 
 from __future__ import annotations
@@ -136,39 +141,31 @@ class Accepted:
     mask_drafts: list[int] = field(default_factory=list)
 
 
-def accept_threshold(predicted_ids: np.ndarray, confidences: np.ndarray, tau: float, max_accept: int,
-                     stop_ids: frozenset[int], num_committed: int) -> Accepted:
-    """Threshold (and ar) mode, MARS §3: keep predictions left to right while confident.
+def accept(predicted_ids: np.ndarray, confidences: np.ndarray, tau: float, drafts: list[int], max_accept: int,
+           stop_ids: frozenset[int], num_real: int, block_size: int, is_block: bool) -> Accepted:
+    """One row's step: keep the drafts equal to the prediction before them, then (all kept)
+    accept the predictions from the exact next token on while confident (MARS §3; DESIGN.md §3).
 
     Args:
-        predicted_ids: [M] int chosen ids (index 0 at the last real token).
-        confidences, tau, max_accept, stop_ids: as :func:`count_accepted`.
-        num_committed: KV entries to commit (the real tokens fed; 0 in an open block).
-
-    Returns:
-        :class:`Accepted` with 1 <= len(tokens) <= min(M, max_accept).
-    """
-    count = count_accepted(predicted_ids, confidences, tau, max_accept, stop_ids)
-    return Accepted([int(t) for t in predicted_ids[:count]], num_committed)
-
-
-def accept_verify(predicted_ids: np.ndarray, drafts: list[int], max_accept: int, stop_ids: frozenset[int],
-                  num_real: int, block_size: int) -> Accepted:
-    """Verify mode, DESIGN.md §3: keep drafts equal to the argmax before them; exactly greedy AR.
-
-    Args:
-        predicted_ids: [M] int argmax ids, M = k + 1 + masks (index 0 at the last real token).
-        drafts: the k draft ids this step fed (k < M).
-        max_accept, stop_ids: as :func:`count_verified`.
+        predicted_ids: [M] int chosen ids (index 0 at the last real token; argmax when drafts are fed).
+        confidences: [M] float, as :func:`count_accepted`.
+        tau: threshold; >= 1 (ar and verify mode) keeps the exact next token only.
+        drafts: the k draft ids this step fed after the real tokens (k < M; none in plain threshold mode).
+        max_accept, stop_ids: as :func:`count_accepted`.
         num_real: r, the uncached real tokens fed before the drafts.
-        block_size: B, the most mask drafts kept for the next step + 1.
+        block_size: B, the most mask predictions kept as the next step's drafts + 1.
+        is_block: a block-scheme row (nothing is committed until its block closes).
 
     Returns:
-        :class:`Accepted`: tokens ``predicted_ids[:n]``; r + n - 1 entries committed (the real
-        tokens and the kept drafts); the mask predictions after the last draft when all were kept.
+        :class:`Accepted`: tokens ``predicted_ids[:n]``, 1 <= n <= min(M, max_accept); r + the
+        kept drafts committed (0 in an open block); when every draft was kept and no end token
+        came, the next predictions (at most B - 1) as the next step's mask drafts.
     """
-    count = count_verified(drafts, predicted_ids, max_accept, stop_ids)
+    kept = count_verified(drafts, predicted_ids, max_accept, stop_ids) - 1
+    count = kept + 1
+    if kept == len(drafts):  # the prediction at the last draft is the exact next token
+        count = kept + count_accepted(predicted_ids[kept:], confidences[kept:], tau, max_accept - kept, stop_ids)
     tokens = [int(t) for t in predicted_ids[:count]]
-    is_all_kept = count - 1 == len(drafts) and tokens[-1] not in stop_ids
-    mask_drafts = [int(t) for t in predicted_ids[len(drafts) + 1:][:block_size - 1]] if is_all_kept else []
-    return Accepted(tokens, num_real + count - 1, mask_drafts)
+    is_all_kept = kept == len(drafts) and tokens[-1] not in stop_ids
+    mask_drafts = [int(t) for t in predicted_ids[count:][:block_size - 1]] if is_all_kept else []
+    return Accepted(tokens, 0 if is_block else num_real + kept, mask_drafts)

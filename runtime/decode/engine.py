@@ -15,11 +15,12 @@ Every step is one forward of the step graph over the running rows:
     when the graph's window axis is dynamic, a prefilling row instead runs one forward of
     up to ``prefill_chunk`` prompt tokens alone per step, sits out the batch forward,
     and joins it once its prompt is cached;
-  - a decoding row feeds its uncached real tokens, its drafts (verify mode), then mask
-    tokens; the output at the last real token is the AR prediction, each later output
-    predicts one more token ahead; the acceptance rule picks how many to keep. Verify-mode
-    drafts come from the request's draft source (lookup and/or the last step's masks,
-    :meth:`runtime.decode.sequence.Sequence.prepare_drafts`); a ``lookup`` row feeds no masks.
+  - a decoding row feeds its uncached real tokens, its drafts, then mask tokens; the output
+    at the last real token is the AR prediction, each later output predicts one more token
+    ahead; the acceptance rule picks how many to keep. Drafts (verify mode, or threshold
+    mode with draft ``lookup``/``both``) come from the request's draft source (lookup and/or
+    the last step's masks, :meth:`runtime.decode.sequence.Sequence.prepare_drafts`); a row
+    that needs no mask (verify with ``lookup``, threshold at tau >= 1) feeds none.
 
 Two batch schemes (DESIGN.md §4):
   - ``continuous``: each row commits the KV of its real tokens every step and advances on
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.bundle import BundleConfig
-from runtime.decode.acceptance import Accepted, accept_threshold, accept_verify, max_accept
+from runtime.decode.acceptance import Accepted, accept, max_accept
 from runtime.decode.batch import run_batch, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
@@ -261,23 +262,20 @@ class Engine:
 
     def _accept(self, seq: Sequence, logits: np.ndarray, is_block: bool) -> Accepted:
         """What this row keeps from its logits [w, V]: a W-token prefill commits its chunk; else
-        the verify or threshold rule over the predictions from the last real token on."""
+        the acceptance rule over its drafts and the predictions from the last real token on."""
         if seq.is_prefilling:
             return Accepted([], len(seq.prefill_chunk(self.config.window)))
         num_real = min(len(seq.uncached), len(logits))
         predictions = logits[num_real - 1:]  # [M, V], M = w - r + 1: the AR prediction, then one per later input
-        is_verify = seq.params.mode == "verify"  # verify rows advance per row in both schemes
-        budget = max_accept(seq.block_size, seq.num_remaining, len(seq.uncached), self.config.window,
-                            is_block and not is_verify)
-        if is_verify:
-            drafts = seq.drafts[:len(predictions) - 1]  # the drafts this step fed
-            return accept_verify(predictions.argmax(axis=-1), drafts, budget, seq.stop_ids, num_real, seq.block_size)
+        in_block = is_block and seq.params.mode != "verify"  # verify rows advance per row in both schemes
+        budget = max_accept(seq.block_size, seq.num_remaining, len(seq.uncached), self.config.window, in_block)
         if budget == 0:  # block scheme: a full block re-run until every row is ready
             return Accepted([], 0)
         params, tau = seq.params, seq.tau(self.default_tau)
         ids, scores = select(predictions, params.temperature, params.top_k, params.top_p, params.metric,
                              seq.rng, with_confidence=tau < 1.0)
-        return accept_threshold(ids, scores, tau, budget, seq.stop_ids, 0 if is_block else num_real)
+        drafts = seq.drafts[:len(predictions) - 1]  # the drafts this step fed
+        return accept(ids, scores, tau, drafts, budget, seq.stop_ids, num_real, seq.block_size, in_block)
 
     def _commit(self, plan: StepPlan, accepted: list[Accepted], presents: list) -> list[StepOutput]:
         """Apply the step: each row's tokens, counters and uncached tokens, the block close, the

@@ -37,12 +37,15 @@ class DecodeParams:
         mode: ``threshold`` (MARS §3: accept mask predictions while confident), ``ar`` (one
             token per step, whatever tau), or ``verify`` (DESIGN.md §3: the previous step's
             mask predictions are checked as drafts; output exactly greedy AR; tau unused).
-        draft: where verify mode's drafts come from (DESIGN.md §3 "Draft sources"): ``masks``
-            (the previous step's mask predictions, default), ``lookup`` (prompt lookup: the
-            tokens that followed the latest earlier match of the context's suffix n-gram, see
-            :mod:`runtime.decode.lookup`; no masks are fed, a step without a match feeds one token)
-            or ``both`` (a lookup proposal when there is one, else the mask predictions;
-            masks fill the rest of the window).
+        draft: where the drafts come from (DESIGN.md §3 "Draft sources"): ``masks`` (verify
+            mode: the previous step's mask predictions; threshold mode: no drafts, plain MARS;
+            the default), ``lookup`` (prompt lookup: the tokens that followed the latest earlier
+            match of the context's suffix n-gram, see :mod:`runtime.decode.lookup`; verify mode
+            feeds no masks, a step without a match feeds one token) or ``both`` (a lookup
+            proposal when there is one, else the previous step's mask predictions; masks fill
+            the rest of the window). Drafts are kept while each equals the argmax before it; in
+            threshold mode the mask predictions after the exact next token are then accepted by
+            tau as usual, so at tau >= 1 the output is exactly greedy AR. Greedy only.
         metric: confidence metric, one of ``probability``, ``margin``, ``entropy``.
         max_new_tokens: most tokens to generate, >= 1.
         block_size: most tokens accepted per step; None = the bundle's B.
@@ -54,8 +57,8 @@ class DecodeParams:
 
     Raises:
         ParamError: a value out of range (``field`` and the message name the field and what is
-            allowed), verify mode with a sampling temperature, or a draft source other than masks
-            outside verify mode.
+            allowed), verify mode or a draft source other than masks with a sampling temperature,
+            or a draft source other than masks in ar mode.
     """
 
     tau: float | None = 1.0
@@ -70,6 +73,11 @@ class DecodeParams:
     top_k: int = 0
     seed: int | None = None
 
+    @property
+    def uses_drafts(self) -> bool:
+        """Whether steps feed drafts: verify mode, or a lookup draft source in threshold mode."""
+        return self.mode == "verify" or self.draft != "masks"
+
     def __post_init__(self):
         if self.tau is not None:
             check_tau(self.tau)
@@ -77,9 +85,9 @@ class DecodeParams:
             raise ParamError("mode", f"unknown mode {self.mode!r}; choose one of {MODES}")
         if self.draft not in DRAFTS:
             raise ParamError("draft", f"unknown draft source {self.draft!r}; choose one of {DRAFTS}")
-        if self.draft != "masks" and self.mode != "verify":
-            raise ParamError("draft", f"draft {self.draft!r} needs mode 'verify' (drafts are verified there); "
-                             f"mode {self.mode!r} takes draft 'masks'")
+        if self.draft != "masks" and self.mode == "ar":
+            raise ParamError("draft", f"draft {self.draft!r} needs mode 'verify' or 'threshold' (drafts are verified "
+                             "there); mode 'ar' takes draft 'masks'")
         if self.metric not in METRICS:
             raise ParamError("metric", f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
         if self.max_new_tokens < 1:
@@ -95,6 +103,9 @@ class DecodeParams:
         if self.mode == "verify" and not is_greedy(self.temperature):
             raise ParamError("mode", "verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
                              "or mode 'threshold'")
+        if self.draft != "masks" and not is_greedy(self.temperature):
+            raise ParamError("draft", f"draft {self.draft!r} is greedy only (drafts are checked against the argmax); "
+                             "use temperature 0 or draft 'masks'")
 
 
 def check_tau(tau) -> float:

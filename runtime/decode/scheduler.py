@@ -91,7 +91,7 @@ class Scheduler:
         joining = {s.slot for s in prefill if self._prefill_finishes(s)}  # decode in this step's forward too
         rows = [s for s in running if not (self.prefill_chunk and s.is_prefilling) or s.slot in joining]
         for seq in rows:
-            if seq.params.mode == "verify" and (seq.slot in joining or not seq.is_prefilling):
+            if seq.params.uses_drafts and (seq.slot in joining or not seq.is_prefilling):
                 seq.prepare_drafts()
         is_block = self.scheme == "block"
         full = frozenset(s.slot for s in rows if is_block and s.params.mode != "verify" and not s.is_prefilling
@@ -137,10 +137,12 @@ class Scheduler:
 
     @staticmethod
     def _row_width(seq: Sequence, default_tau: float) -> int:
-        """Inputs a row can use: its uncached real tokens, then (threshold at tau < 1 and verify
-        mode) one draft or mask per further token it may accept; AR rows need no mask, and
-        verify rows drafting by lookup alone feed only their drafts (none: one token, as AR)."""
-        if seq.params.mode == "verify" and seq.params.draft == "lookup":
-            return len(seq.uncached) + len(seq.drafts)
-        uses_masks = seq.params.mode == "verify" or seq.tau(default_tau) < 1.0
-        return len(seq.uncached) + (seq.block_size - 1 if uses_masks else 0)
+        """Inputs a row can use: its uncached real tokens, then one draft or mask per further
+        token it may accept when masks are of use (threshold at tau < 1, or a draft source
+        that reads mask predictions), else only its drafts (none: one token, as AR)."""
+        params = seq.params
+        if params.mode == "verify":
+            uses_masks = params.draft != "lookup"
+        else:
+            uses_masks = params.mode == "threshold" and (seq.tau(default_tau) < 1.0 or params.draft == "both")
+        return len(seq.uncached) + (seq.block_size - 1 if uses_masks else len(seq.drafts))

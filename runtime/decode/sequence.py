@@ -3,9 +3,9 @@
 A sequence is prefilling while prompt tokens other than the last remain uncached; then
 every step feeds its ``uncached`` real tokens (the last prompt token first, later the tokens
 accepted in the previous step), the verify-mode ``drafts``, and mask tokens up to the
-window W (DESIGN.md §3). Verify-mode drafts are chosen before each step from the request's
-draft source: a prompt-lookup proposal over prompt + generated ids (:mod:`runtime.decode.lookup`)
-and/or the previous step's mask predictions.
+window W (DESIGN.md §3). Drafts (verify mode, or threshold mode with a lookup source) are
+chosen before each step from the request's draft source: a prompt-lookup proposal over
+prompt + generated ids (:mod:`runtime.decode.lookup`) and/or the previous step's mask predictions.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ class Sequence:
         slot: its KV-cache slot (= batch row) while running, else None.
         num_prefilled: prompt tokens whose KV is committed.
         uncached: real tokens whose KV is not cached yet, fed first in the next step.
-        drafts: verify mode: this step's draft ids, fed after ``uncached`` (:meth:`prepare_drafts`).
-        mask_drafts: verify mode: the previous step's predictions at its masks after the last
-            token it yielded (empty unless every draft of that step was kept).
+        drafts: this step's draft ids, fed after ``uncached`` (:meth:`prepare_drafts`).
+        mask_drafts: the previous step's predictions at its masks after the last token it
+            yielded (empty unless every draft of that step was kept).
         lookup: n-gram index of prompt + generated ids when the draft source uses lookup, else None.
         rng: random generator (sampling only).
         result: tokens and counters so far.
@@ -81,8 +81,8 @@ class Sequence:
         return "length" if self.num_remaining == 0 else None
 
     def tau(self, default_tau: float) -> float:
-        """The threshold this row uses now: 1 in ar mode, else its own tau or the engine's live default."""
-        if self.params.mode == "ar":
+        """The threshold this row uses now: 1 in ar and verify mode, else its own tau or the engine's live default."""
+        if self.params.mode in ("ar", "verify"):
             return 1.0
         return default_tau if self.params.tau is None else self.params.tau
 
@@ -105,7 +105,7 @@ class Sequence:
             self.lookup.extend(token_ids)
 
     def prepare_drafts(self) -> None:
-        """Verify mode: set this step's ``drafts``, at most min(B, tokens left) - 1 of them.
+        """Set this step's ``drafts`` (rows whose params use drafts), at most min(B, tokens left) - 1.
 
         A lookup proposal when the draft source uses lookup and one exists; otherwise the
         previous step's mask predictions when the source uses masks; otherwise none.

@@ -92,12 +92,14 @@ def test_token_id_prompt_and_multi_token_steps(tiny_server, runtime_parts):
     assert mars["tpf"] == pytest.approx(expected.tpf) and mars["tpf"] > 1.0
 
 
+@pytest.mark.parametrize("mode", ["verify", "threshold"])
 @pytest.mark.parametrize("draft", ["lookup", "both"])
-def test_verify_with_lookup_drafts_is_the_greedy_output(tiny_server, runtime_parts, draft):
+def test_lookup_drafts_give_the_greedy_output(tiny_server, runtime_parts, mode, draft):
+    """Verify mode, and threshold mode at tau 1, with lookup drafts: exactly greedy AR, fewer forwards."""
     tokenizer, decoder = runtime_parts
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     expected = decoder.generate(prompt_ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
-    text, _, mars, _ = chat(tiny_server, PROMPTS[0], extra_body={"mode": "verify", "draft": draft})
+    text, _, mars, _ = chat(tiny_server, PROMPTS[0], extra_body={"mode": mode, "draft": draft, "tau": 1.0})
     assert mars["token_ids"] == expected.token_ids and text == tokenizer.decode(expected.token_ids)
     assert mars["num_forwards"] < expected.num_forwards  # the random model loops: drafts are kept
 
@@ -142,7 +144,8 @@ BAD_REQUESTS = [
     ("chat", {"n": 2}, "n"),
     ("chat", {"mode": "fast"}, "mode"),
     ("chat", {"mode": "verify", "draft": "ngram"}, "draft"),
-    ("chat", {"draft": "lookup"}, "draft"),                         # lookup drafts need verify mode
+    ("chat", {"mode": "ar", "draft": "lookup"}, "draft"),           # ar mode feeds no drafts
+    ("chat", {"draft": "lookup", "temperature": 0.7}, "draft"),     # lookup drafts are greedy only
     ("chat", {"tau": -0.5}, "tau"),
     ("chat", {"temperature": 7}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),

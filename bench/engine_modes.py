@@ -6,9 +6,10 @@
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
 prompts (GSM8K test questions and HumanEval prompts from ../shared/data, alternating) go
-through the engine in AR mode (the baseline), threshold mode at each tau, and verify mode
-with each draft source (masks, lookup, both), each at every per-request block size
-(default: the bundle's B).
+through the engine in AR mode (the baseline), threshold mode at each tau, verify mode
+with each draft source (masks, lookup, both), and threshold mode with lookup drafts at each
+tau and at tau 1 (where it must equal AR), each at every per-request block size (default:
+the bundle's B).
 Wall-clock covers prefill and decode of all requests (continuous batching admits them as
 slots free). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
 """
@@ -24,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from mars_export.evaluation.tasks import load_gsm8k, load_humaneval
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
-from runtime.params import DRAFTS, DecodeParams
-from runtime.tokenizer import Tokenizer
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DRAFTS, DecodeParams
+from runtime.evaluation.tasks import load_gsm8k, load_humaneval
+from runtime.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -66,6 +67,8 @@ def run(args) -> list[dict]:
                      for tau in args.taus]
         settings += [DecodeParams(mode="verify", draft=draft, block_size=block_size, max_new_tokens=args.max_new_tokens)
                      for draft in DRAFTS]
+        settings += [DecodeParams(tau=tau, draft="lookup", block_size=block_size, max_new_tokens=args.max_new_tokens)
+                     for tau in [*args.taus, 1.0]]
     rows = []
     for scheme in args.schemes:
         for batch_size in args.batch_sizes:
@@ -128,7 +131,7 @@ def _label(row: dict) -> str:
     if row["mode"] == "ar":
         return "ar"
     mode = f"threshold tau={row['tau']}" if row["mode"] == "threshold" else row["mode"]
-    if row["mode"] == "verify" and row["draft"] != "masks":
+    if row["draft"] != "masks":
         mode += f" + {row['draft']}"
     return f"{mode} B={row['block_size']}"
 

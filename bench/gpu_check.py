@@ -58,7 +58,7 @@ def identity(model, tokenizer, decoder, config, prompts, max_new: int) -> dict:
 
     from mars_export.parity import chat_prompt_ids
     from mars_export.reference import greedy_generate
-    from runtime.decoding import DecodeParams
+    from runtime.decode.decoder import DecodeParams
     rows, stops = [], frozenset(config.eos_token_ids)
     near_tie_limit = 2 * max(b["max_abs_logit_diff"] for b in [config.parity, *config.parity.get("backends", {}).values()])
     for kind, text in prompts:
@@ -85,7 +85,7 @@ def identity(model, tokenizer, decoder, config, prompts, max_new: int) -> dict:
 def speed(tokenizer, decoder, prompts, max_new: int, taus=(1.0, 0.9, 0.7)) -> dict:
     """Interleaved runs per prompt (warm-up first); tokens/s over decode time, TPF."""
     from mars_export.parity import chat_prompt_ids
-    from runtime.decoding import DecodeParams
+    from runtime.decode.decoder import DecodeParams
     ids_list = [chat_prompt_ids(tokenizer, text) for _, text in prompts]
     decoder.generate(ids_list[0], DecodeParams(tau=1.0, max_new_tokens=16))  # warm-up: first-run allocations
     totals = {tau: {"tokens": 0, "forwards": 0, "seconds": 0.0} for tau in taus}
@@ -109,8 +109,8 @@ def check(bundle: Path, model_spec: str, prompts, max_new: int) -> dict:
 
     from mars_export.model_source import load_model
     from runtime.bundle import load_config
-    from runtime.decoding import Decoder
-    from runtime.trt_backend import TrtBackend
+    from runtime.decode.decoder import Decoder
+    from runtime.backends.trt import TrtBackend
     config = load_config(bundle)
     loaded = load_model(model_spec)
     model = loaded.model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
@@ -125,7 +125,7 @@ def environment() -> dict:
     try:
         import tensorrt
         env["tensorrt"] = tensorrt.__version__
-        from runtime.trt_backend import _Cuda
+        from runtime.backends.trt import _Cuda
         cuda = _Cuda()
         props = cuda._check(cuda.rt.cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
         env["gpu"] = props.name.decode() if isinstance(props.name, bytes) else str(props.name)

@@ -8,7 +8,7 @@ and runs two phases against the same process, without a restart:
 
 1. ``fixed``: ``--clients`` streaming clients for ``--duration`` seconds, every request
    with ``tau = 1``. Each response must equal its solo run at tau = 1 (the runtime
-   :class:`~runtime.decoding.Decoder` on the same prompt, computed first in this process),
+   :class:`~runtime.decode.decoder.Decoder` on the same prompt, computed first in this process),
    and its streamed text must equal ``Tokenizer.decode`` of its ids. Counts failed and
    lost requests (a stream that ends without its final chunk is lost); samples the
    server's RSS.
@@ -39,10 +39,11 @@ from pathlib import Path
 import httpx
 import openai
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "samples" / "prompts" / "demo_prompts.json"

@@ -70,9 +70,9 @@ class Chunk:
 
 def prepare_prompts(args) -> None:
     """Project venv: write the prompt ids (bundle chat template) and the run settings to prompts.json."""
-    from mars_export.evaluation.tasks import load_gsm8k, load_humaneval
+    from runtime.evaluation.tasks import load_gsm8k, load_humaneval
     from runtime.bundle import load_config
-    from runtime.tokenizer import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
 
     half = (args.num_prompts + 1) // 2
     items = [x for pair in zip(load_gsm8k(DATA / "gsm8k/test.jsonl", half),
@@ -215,9 +215,9 @@ def bench_variant(engine: str, variant: str, generate, settings: dict, batch_siz
 def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
     """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify with each draft source."""
     from runtime.bundle import load_config
-    from runtime.engine import Engine, EngineConfig
-    from runtime.onnx_backend import OnnxBackend
-    from runtime.params import DRAFTS, DecodeParams
+    from runtime.decode.engine import Engine, EngineConfig
+    from runtime.backends.onnx import OnnxBackend
+    from runtime.decode.params import DRAFTS, DecodeParams
 
     bundle = model or settings["bundle"]
     config = load_config(bundle)
@@ -474,7 +474,7 @@ def compare_to_reference(rows: list[dict]) -> None:
 
     Runs in the project venv (``report``); the peer venvs never import mars_export.
     """
-    from mars_export.evaluation.scoring import common_prefix
+    from runtime.evaluation.scoring import common_prefix
     ref = next((r["outputs"] for r in rows if r["engine"] == "ours" and r.get("variant") == "ar"
                 and r["batch_size"] == 1 and r["status"] == OK), None)
     for row in rows:

@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,10 @@ from support import real_prompts
 
 from mars_export.parity import _graph_logits
 from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleConfig, load_config
-from runtime.decoding import causal_window_mask
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.batch import window_mask
+from runtime.text.tokenizer import Tokenizer
 
 PRECISIONS = ("int8", "int4")
 
@@ -64,13 +65,12 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="quantized-step-"))
     try:
         shutil.copy(args.bundle / config.onnx_file, scratch / "float32.onnx")
-        configs = {"float32": BundleConfig(**{**config.__dict__, "onnx_file": "float32.onnx"})}
+        configs = {"float32": replace(config, onnx_file="float32.onnx")}
         summaries = {}
         for precision in PRECISIONS:
             summaries[precision] = quantize_step_graph(scratch / "float32.onnx", scratch / f"{precision}.onnx",
                                                        precision)
-            configs[precision] = BundleConfig(**{**config.__dict__, "onnx_file": f"{precision}.onnx",
-                                                 "weight_dtype": precision})
+            configs[precision] = replace(config, onnx_file=f"{precision}.onnx", weight_dtype=precision)
         backends = {name: OnnxBackend(scratch, cfg, num_threads=args.threads) for name, cfg in configs.items()}
         results = {name: {"file_mb": round((scratch / cfg.onnx_file).stat().st_size / 1e6, 1)}
                    for name, cfg in configs.items()}
@@ -118,7 +118,7 @@ def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, re
             for _ in range(config.num_layers)]
     ids = rng.integers(0, config.vocab_size, (1, window))  # [1, W]
     positions = np.arange(past_len, past_len + window)[None]  # [1, W]
-    mask = causal_window_mask(past_len, window)  # [1, 1, W, P + W]
+    mask = window_mask(np.array([past_len]), past_len, window)  # [1, 1, W, P + W]
     times = {name: [] for name in backends}
     for i in range(repeats + 3):
         for name, backend in backends.items():

@@ -23,10 +23,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mars_export.model_source import default_checkpoint
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).resolve().parents[1] / "samples" / "prompts" / "demo_prompts.json"
 

@@ -48,10 +48,9 @@ import onnxruntime as ort
 from onnx import helper
 
 from runtime import bundle
-from runtime.batch import run_batch, window_mask
-from runtime.decoding import causal_window_mask
-from runtime.kv_cache import KVCache
-from runtime.onnx_backend import OnnxBackend
+from runtime.backends.onnx import OnnxBackend
+from runtime.decode.batch import run_batch, window_mask
+from runtime.decode.kv_cache import KVCache
 
 GB = 1e9
 GIB = 2**30
@@ -210,7 +209,7 @@ def prefill_single(backend, config, ids: np.ndarray) -> None:
     """All T ids [T] in one forward: W = T, mask [1, 1, T, T], past [1, H, 0, D]."""
     num_tokens = len(ids)
     empty = np.zeros((1, config.num_kv_heads, 0, config.head_dim), config.dtype)  # [1, H, 0, D]
-    backend.step(ids[None], np.arange(num_tokens, dtype=np.int64)[None], causal_window_mask(0, num_tokens),
+    backend.step(ids[None], np.arange(num_tokens, dtype=np.int64)[None], window_mask(np.array([0]), 0, num_tokens),
                  [(empty, empty)] * config.num_layers)
 
 

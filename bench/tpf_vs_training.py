@@ -21,11 +21,11 @@ from pathlib import Path
 
 from peft import PeftModel
 
-from mars_export.evaluation.scoring import common_prefix
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder
-from runtime.decoding import DecodeParams
+from runtime.decode.params import DecodeParams
+from runtime.evaluation.scoring import common_prefix
 
 
 def checkpoints(run_dir: Path, every: int) -> list[tuple[int, Path | None]]:

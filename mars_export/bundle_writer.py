@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import onnxruntime as ort
@@ -26,7 +27,7 @@ from runtime.bundle import (
     BundleConfig,
     BundleError,
 )
-from runtime.onnx_backend import PROVIDERS, OnnxBackend
+from runtime.backends.onnx import PROVIDERS, OnnxBackend
 
 
 def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str = "float32") -> BundleConfig:
@@ -75,7 +76,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
     config = prepare_config(loaded, block_size, window, dtype)
-    config = BundleConfig(**{**config.__dict__, "weight_dtype": weight_dtype})
+    config = replace(config, weight_dtype=weight_dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -93,9 +94,9 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         if trt_options is not None:
             from runtime.trt_build import build_engine
             build_engine(tmp / ONNX_FILE, tmp / ENGINE_FILE, config, trt_options)
-            config = BundleConfig(**{**config.__dict__, "engine_file": ENGINE_FILE})
+            config = replace(config, engine_file=ENGINE_FILE)
         parity = _measure_gpu(loaded, tmp, config, prompts, parity)
-        config = BundleConfig(**{**config.__dict__, "parity": parity})
+        config = replace(config, parity=parity)
         (tmp / CONFIG_FILE).write_text(config.to_json())
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -116,7 +117,7 @@ def _measure_gpu(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, pr
         others["onnxruntime-cuda"] = measure_parity(loaded.model, OnnxBackend(bundle_dir, config, "cuda"),
                                                     config, prompts)
     if config.engine_file is not None:
-        from runtime.trt_backend import TrtBackend
+        from runtime.backends.trt import TrtBackend
         others["tensorrt"] = measure_parity(loaded.model, TrtBackend(bundle_dir, config), config, prompts)
     for name, result in others.items():
         check_parity({**result, "backend": name}, parity["tolerance"])

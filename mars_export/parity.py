@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from runtime.bundle import BundleConfig
-from runtime.decoding import causal_window_mask
+from runtime.decode.batch import window_mask
 
 
 class ParityError(RuntimeError):
@@ -69,7 +69,7 @@ def _graph_logits(backend, config: BundleConfig, ids: list[int]) -> np.ndarray:
     for start in range(0, len(padded), window):
         tokens = np.array([padded[start:start + window]], dtype=np.int64)  # [1, W]
         positions = np.arange(start, start + window, dtype=np.int64)[None]  # [1, W]
-        logits, presents = backend.step(tokens, positions, causal_window_mask(start, window), past)
+        logits, presents = backend.step(tokens, positions, window_mask(np.array([start]), start, window), past)
         past = [(np.concatenate([k, nk], axis=2), np.concatenate([v, nv], axis=2))  # [1, H, P + W, D]
                 for (k, v), (nk, nv) in zip(past, presents)]
         chunks.append(logits[0])

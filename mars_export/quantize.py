@@ -19,17 +19,19 @@ keeps the float32 table (it reads only W rows per step).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from mars_export.evaluation.scoring import common_prefix
 from mars_export.parity import ParityError, measure_parity
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import LOGITS, BundleConfig
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.evaluation.scoring import common_prefix
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
@@ -133,7 +135,7 @@ def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig) -> tuple[Bundl
     graph = bundle_dir / config.onnx_file
     reference = graph.rename(bundle_dir / REFERENCE_FILE)
     summary = quantize_step_graph(reference, graph, config.weight_dtype)
-    return BundleConfig(**{**config.__dict__, "onnx_file": REFERENCE_FILE, "weight_dtype": None}), summary
+    return replace(config, onnx_file=REFERENCE_FILE, weight_dtype=None), summary
 
 
 def measure_greedy_agreement(reference, backend, config: BundleConfig, prompts: list[list[int]],

@@ -4,9 +4,10 @@
 - :class:`ReferenceDecoder`: MARS threshold decoding with a KV cache (MARS, arXiv
   2604.07023, §3; DESIGN.md §3), written independently of the runtime's numpy decoder
   but with the same names, the same window protocol and the same results type
-  (:class:`runtime.decoding.GenerationResult`), so a test can compare them id for id.
+  (:class:`runtime.decode.params.GenerationResult`), so a test can compare them id for id.
 
-Dimension letters: W window, V vocabulary, P cached positions, r pending real tokens.
+Dimension letters (the glossary in :mod:`runtime`): W window, V vocabulary, P cached positions,
+r uncached real tokens, M predictions of one step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from runtime.decoding import DecodeParams, GenerationResult
+from runtime.decode.params import DecodeParams, GenerationResult
 
 
 @torch.no_grad()
@@ -42,12 +43,12 @@ def greedy_generate(model: PreTrainedModel, prompt_ids: list[int], max_new_token
 
 
 def confidence(logits: torch.Tensor, metric: str) -> torch.Tensor:
-    """Confidence of each row's argmax in [0, 1]; [T, V] -> [T] (same metrics as the runtime)."""
+    """Confidence of each row's argmax in [0, 1]; [M, V] -> [M] (same metrics as the runtime)."""
     probs = torch.softmax(logits.float(), dim=-1)
     if metric == "probability":
         return probs.max(dim=-1).values
     if metric == "margin":
-        top2 = probs.topk(2, dim=-1).values  # [T, 2], sorted
+        top2 = probs.topk(2, dim=-1).values  # [M, 2], sorted
         return top2[:, 0] - top2[:, 1]
     entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
     return 1.0 - entropy / torch.log(torch.tensor(float(probs.shape[-1])))
@@ -71,7 +72,7 @@ class ReferenceDecoder:
     Args:
         model: the causal LM (float32, eval).
         block_size: B, most tokens accepted per step.
-        window: W tokens per decode forward (pending real tokens, then masks).
+        window: W tokens per decode forward (uncached real tokens, then masks).
         mask_token_id: the MARS mask token.
         eos_token_ids: default stop ids.
     """
@@ -84,7 +85,7 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], params: DecodeParams) -> GenerationResult:
-        """Same contract as :meth:`runtime.decoding.Decoder.generate`."""
+        """Same contract as :meth:`runtime.decode.decoder.Decoder.generate`."""
         block_size = params.block_size or self.block_size
         stop_ids = params.stop_ids if params.stop_ids is not None else frozenset(self.eos_token_ids)
         result, start = GenerationResult(), time.perf_counter()
@@ -93,16 +94,16 @@ class ReferenceDecoder:
             self.model(torch.tensor([prompt_ids[:-1]]), cache=cache, use_cache=True)
             result.num_prefill_forwards = 1
         result.prefill_seconds = time.perf_counter() - start
-        pending = [prompt_ids[-1]]
+        uncached = [prompt_ids[-1]]
         while result.finish_reason != "stop" and result.num_tokens < params.max_new_tokens:
             past_len = cache.get_seq_length()
-            window_ids = pending + [self.mask_token_id] * (self.window - len(pending))  # [W]
+            window_ids = uncached + [self.mask_token_id] * (self.window - len(uncached))  # [W]
             positions = torch.arange(past_len, past_len + self.window)[None]  # [1, W]
             logits = self.model(torch.tensor([window_ids]), position_ids=positions, cache=cache,
-                                use_cache=True).logits[0, len(pending) - 1:]  # [W - r + 1, V]
+                                use_cache=True).logits[0, len(uncached) - 1:]  # [W - r + 1, V]
             logits[:, self.mask_token_id] = torch.finfo(logits.dtype).min  # never generate the mask token
-            if len(pending) < self.window:
-                cache.crop(len(pending) - self.window)  # drop the KV of the W - r masks
+            if len(uncached) < self.window:
+                cache.crop(len(uncached) - self.window)  # drop the KV of the W - r masks
             predicted = logits.argmax(dim=-1)
             budget = min(block_size, params.max_new_tokens - result.num_tokens)
             accepted = predicted[:count_accepted(predicted, confidence(logits, params.metric), params.tau,
@@ -110,6 +111,6 @@ class ReferenceDecoder:
             result.token_ids.extend(accepted)
             result.num_forwards += 1
             result.finish_reason = "stop" if accepted[-1] in stop_ids else result.finish_reason
-            pending = accepted
+            uncached = accepted
         result.seconds = time.perf_counter() - start
         return result

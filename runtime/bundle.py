@@ -3,17 +3,17 @@
 This module is the one place where the I/O names of the step graph live; the exporter
 (`mars_export`) and every runtime backend import them from here.
 
-Step graph I/O (B batch, W window, P past length, H KV heads, D head dim, V vocab; B, P
+Step graph I/O (n batch rows, W window, P past length, H KV heads, D head dim, V vocab; n, P
 and, in exports since 2026-11-30, W are dynamic axes):
-    inputs   input_ids                  int64 [B, W]
-             position_ids               int64 [B, W]
-             attention_mask             bool  [B, 1, W, P + W]   True = query may see key;
+    inputs   input_ids                  int64 [n, W]
+             position_ids               int64 [n, W]
+             attention_mask             bool  [n, 1, W, P + W]   True = query may see key;
                                         keys are the P cached entries, then the W new ones
-             past_key_values.{i}.key    dtype [B, H, P, D]       (i = layer index)
-             past_key_values.{i}.value  dtype [B, H, P, D]
-    outputs  logits                     float32 [B, W, V]        (float32 in fp16 exports too)
-             present.{i}.key            dtype [B, H, W, D]       ONLY the W new entries
-             present.{i}.value          dtype [B, H, W, D]
+             past_key_values.{i}.key    dtype [n, H, P, D]       (i = layer index)
+             past_key_values.{i}.value  dtype [n, H, P, D]
+    outputs  logits                     float32 [n, W, V]        (float32 in fp16 exports too)
+             present.{i}.key            dtype [n, H, W, D]       ONLY the W new entries
+             present.{i}.value          dtype [n, H, W, D]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ CONFIG_FILE = "mars_config.json"
 ONNX_FILE = "model.onnx"
 ENGINE_FILE = "engine.plan"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -39,6 +41,11 @@ WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
 
 class BundleError(ValueError):
     """A bundle is missing a file, malformed, or of another format version."""
+
+
+def external_data_file(onnx_file: str) -> str:
+    """The file holding an ONNX graph's weights when they are saved apart from it (graphs over 2 GB)."""
+    return onnx_file + ".data"
 
 
 def past_names(layer: int) -> tuple[str, str]:

@@ -11,12 +11,13 @@ import argparse
 import json
 import sys
 
-from runtime.acceptance import METRICS
+from runtime.backends.onnx import PROVIDERS, OnnxBackend
 from runtime.bundle import BundleError, load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.params import DRAFTS, MODES
-from runtime.onnx_backend import PROVIDERS, OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.acceptance import METRICS
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.decode.params import DRAFTS, MODES
+from runtime.text.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,8 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="threshold", choices=MODES,
                    help="threshold (MARS), ar (one token per step) or verify (lossless drafts); default threshold")
     p.add_argument("--draft", default="masks", choices=DRAFTS,
-                   help="verify mode's draft source: masks (the last step's mask predictions), lookup (tokens "
-                        "that followed the latest earlier match of the context's last n-gram) or both; default masks")
+                   help="draft source of verify and threshold mode: masks (verify: the last step's mask "
+                        "predictions; threshold: none), lookup (tokens that followed the latest earlier match of "
+                        "the context's last n-gram) or both; drafts are kept while they equal the argmax, then "
+                        "threshold mode accepts masks by tau; default masks")
     p.add_argument("--metric", default="probability", choices=METRICS, help="confidence metric (default probability)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; so is anything below 1e-5); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")

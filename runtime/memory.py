@@ -5,12 +5,12 @@
 ``config.json`` (or a directory holding one; weights = parameter count × bytes per
 parameter, no weights file needed).
 
-Dimension letters: L layers, Hkv KV heads, D head dim, d hidden size, I MLP width,
-V vocabulary, T context (tokens), B batch.
+Dimension letters: L layers, H KV heads, D head dim, d hidden size, I MLP width,
+V vocabulary, C context (tokens), n batch rows (the glossary in :mod:`runtime`).
 
-    KV bytes = 2 (key and value) · L · Hkv · D · T · B · bytes per element
+    KV bytes = 2 (key and value) · L · H · D · C · n · bytes per element
 
-What is NOT counted: activations and the logits buffer (B · W · V · 4 bytes per decode
+What is NOT counted: activations and the logits buffer (n · W · V · 4 bytes per decode
 step, prefill_chunk · V · 4 per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
 runtime's workspace, the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so
 measure what your image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
@@ -63,7 +63,7 @@ class ModelMemory:
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: int, batch: int,
                    bytes_per_element: int) -> int:
-    """2 · L · Hkv · D · T · B · bytes."""
+    """2 · L · H · D · C · n · bytes."""
     return 2 * num_layers * num_kv_heads * head_dim * context * batch * bytes_per_element
 
 
@@ -115,10 +115,9 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str) -> ModelMemory
 
 def from_bundle(bundle_dir: Path, kv_dtype: str | None) -> ModelMemory:
     """Sizing of an exported bundle: its weights are the bytes of its ONNX file(s)."""
-    from runtime.bundle import load_config
+    from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
-    onnx = bundle_dir / config.onnx_file
-    files = [onnx, onnx.with_name(onnx.name + ".data")]  # the exporter's external-data file, when over 2 GB
+    files = [bundle_dir / config.onnx_file, bundle_dir / external_data_file(config.onnx_file)]
     weights = sum(f.stat().st_size for f in files if f.is_file())
     note = f"{config.onnx_file} on disk ({config.dtype})"
     if config.engine_file and (bundle_dir / config.engine_file).is_file():

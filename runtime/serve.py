@@ -18,15 +18,16 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from runtime.backends.loading import load_backend
+from runtime.backends.onnx import PROVIDERS
 from runtime.bundle import BundleError
-from runtime.engine import SCHEMES, Engine, EngineConfig
-from runtime.loading import load_backend
-from runtime.onnx_backend import PROVIDERS
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, make_app
-from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.engine_thread import EngineThread
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 API_KEY_ENV = "MARS_API_KEY"
 
@@ -80,10 +81,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
     metrics = ServerMetrics(args.max_batch_size)
     engine = Engine(backend, config, engine_config)
-    ctx = ServerContext(engine_loop=EngineLoop(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
+    ctx = ServerContext(engine_thread=EngineThread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
-                        max_seq_len=engine.cache.max_len,
-                        window=config.window, vocab_size=config.vocab_size, limits=limits, api_key=args.api_key)
+                        limits=limits, api_key=args.api_key)
     return make_app(ctx)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime import bundle
@@ -90,7 +90,7 @@ def profile_limits(profile_shape) -> tuple[int, int]:
 
     Returns:
         (max batch B, max past P): the largest dimensions 0 and 2 of the first layer's past
-        key ``[B, H, P, D]``; the engine must never feed more (:class:`runtime.engine.Engine`).
+        key ``[B, H, P, D]``; the engine must never feed more (:class:`runtime.decode.engine.Engine`).
     """
     largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [B, H, P, D]
     return int(largest[0]), int(largest[2])
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BundleError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    updated = BundleConfig(**{**config.__dict__, "engine_file": bundle.ENGINE_FILE})
+    updated = replace(config, engine_file=bundle.ENGINE_FILE)
     (Path(args.bundle) / bundle.CONFIG_FILE).write_text(updated.to_json())
     print(f"wrote {Path(args.bundle) / bundle.ENGINE_FILE}")
     return 0

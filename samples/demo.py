@@ -12,10 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).parent / "prompts" / "demo_prompts.json"
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import sys
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]
 TAUS = (1.0, 0.5)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.acceptance import confidence, count_accepted
-from runtime.decoding import DecodeParams, causal_window_mask
-from runtime.kv_cache import KVCache
+from runtime.decode.acceptance import confidence, count_accepted
+from runtime.decode.batch import window_mask
+from runtime.decode.kv_cache import KVCache
+from runtime.decode.params import DecodeParams
 
 STOP = frozenset({2})
 
@@ -58,12 +59,12 @@ def test_tau_above_one_is_allowed():
     assert DecodeParams(tau=1.5).tau == 1.5
 
 
-def test_causal_window_mask():
-    mask = causal_window_mask(past_len=2, window=3)
+def test_window_mask_with_an_exact_past():
+    mask = window_mask(np.array([2]), 2, 3)
     assert mask.shape == (1, 1, 3, 5) and mask.dtype == bool
     expected = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=bool)
     np.testing.assert_array_equal(mask[0, 0], expected)
-    assert causal_window_mask(0, 2)[0, 0].tolist() == [[True, False], [True, True]]
+    assert window_mask(np.array([0]), 0, 2)[0, 0].tolist() == [[True, False], [True, True]]
 
 
 def test_kv_cache_commits_only_real_positions():

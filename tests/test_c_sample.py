@@ -3,8 +3,8 @@
 The binary is built once per session with CMake in a temporary directory; the ONNX Runtime
 C headers are fetched by samples/c/fetch_headers.sh (Debian 13's libonnxruntime-dev). If
 they cannot be downloaded (exit 3: no network, no apt-get) the tests skip and say why; any
-other build failure fails. The reference is ``runtime.decoding.Decoder`` on
-``runtime.onnx_backend.OnnxBackend`` with the same prompt ids, tau, block size and thread
+other build failure fails. The reference is ``runtime.decode.decoder.Decoder`` on
+``runtime.backends.onnx.OnnxBackend`` with the same prompt ids, tau, block size and thread
 count; ids, decode forwards, prefill forwards and finish reason must all be equal.
 """
 
@@ -20,10 +20,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 from support import RUNTIME_PYTHON, fix_window, real_prompts
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "c"

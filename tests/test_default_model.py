@@ -12,11 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_export.model_source import default_checkpoint
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 from support import real_prompts
 
@@ -79,7 +80,8 @@ def test_tau_one_equals_generate_on_ten_prompts_each(default_bundle, hf_model):
 
 @pytest.mark.parametrize("scheme, mode, draft", [("continuous", "ar", "masks"), ("block", "ar", "masks"),
                                                  ("continuous", "verify", "masks"), ("continuous", "verify", "lookup"),
-                                                 ("block", "verify", "both")])
+                                                 ("block", "verify", "both"), ("continuous", "threshold", "lookup"),
+                                                 ("block", "threshold", "both")])
 def test_batch_rows_and_verify_mode_equal_generate(default_bundle, greedy_pairs, scheme, mode, draft):
     config = load_config(default_bundle)
     engine = Engine(OnnxBackend(default_bundle, config), config, EngineConfig(max_batch_size=4, scheme=scheme))

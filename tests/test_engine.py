@@ -10,10 +10,11 @@ from support import real_prompts
 from transformers import AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, step_feeds
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import Engine, EngineConfig
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
 from runtime.trt_build import TrtBuildOptions, profile_limits, profile_shapes
 
 MAX_NEW = 24
@@ -138,6 +139,22 @@ def test_verify_mode_with_lookup_drafts_equals_greedy_ar(tiny, scheme, draft, ba
     assert [r.token_ids for r in results] == greedy
     tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
     assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f}): the test would not exercise them"
+
+
+@pytest.mark.parametrize("scheme", ["continuous", "block"])
+@pytest.mark.parametrize("draft", ["lookup", "both"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_threshold_mode_with_lookup_drafts_at_tau_one_equals_greedy_ar(tiny, scheme, draft, batch_size):
+    """Threshold mode takes lookup drafts too (DESIGN.md §3): kept drafts are exact, so at
+    tau = 1 the output is greedy AR, in fewer forwards on these models' looping outputs."""
+    backend, config, prompts = tiny
+    greedy = solo(tiny, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
+    engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size, scheme=scheme))
+    results = engine.generate(prompts, DecodeParams(tau=1.0, draft=draft, max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == greedy
+    if scheme == "continuous" or batch_size == 1:  # a block-scheme batch also counts the re-runs of waiting rows
+        tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
+        assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f}): the test would not exercise them"
 
 
 def test_lookup_rows_feed_only_their_drafts(tiny):

@@ -89,7 +89,8 @@ def test_bad_tau(bundle, capsys, tau, message):
 @pytest.mark.parametrize("extra, message", [
     (["--threads", "-1"], "num_threads must be in 0..256"),
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
-    (["--draft", "lookup"], "draft 'lookup' needs mode 'verify'"),
+    (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
+    (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
 ])
 def test_bad_runtime_arguments(bundle, capsys, extra, message):
     code, _, err = run_generate(bundle, capsys, *extra)

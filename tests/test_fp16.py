@@ -22,9 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_export import cli as export_cli
 from mars_export.parity import chat_prompt_ids
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, past_names
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 
 ARCHS = ["qwen2", "qwen3"]
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from runtime.onnx_backend import require_provider
+from runtime.backends.onnx import require_provider
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -45,7 +45,7 @@ def test_cpu_provider_is_in_the_cpu_extra():
 
 
 def test_runtime_without_onnxruntime_says_which_extra_to_install():
-    script = 'import sys; sys.modules["onnxruntime"] = None; import runtime.onnx_backend'
+    script = 'import sys; sys.modules["onnxruntime"] = None; import runtime.backends.onnx'
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode != 0
     assert "the runtime needs onnxruntime" in done.stderr and "mars-edge[cpu]" in done.stderr, done.stderr

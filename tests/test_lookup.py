@@ -1,4 +1,4 @@
-"""Tier 1, hand-made token lists: prompt-lookup drafts (runtime.lookup) and how a sequence picks its drafts."""
+"""Tier 1, hand-made token lists: prompt-lookup drafts (runtime.decode.lookup) and how a sequence picks its drafts."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from runtime.lookup import NgramIndex
-from runtime.params import DecodeParams
-from runtime.sequence import Sequence
+from runtime.decode.lookup import NgramIndex
+from runtime.decode.params import DecodeParams
+from runtime.decode.sequence import Sequence
 
 
 def scan_propose(context: list[int], max_drafts: int, max_n: int, min_n: int) -> list[int]:
-    """The rule of runtime.lookup by brute force: rescan the whole context for each n."""
+    """The rule of runtime.decode.lookup by brute force: rescan the whole context for each n."""
     length = len(context)
     for n in range(min(max_n, length), min_n - 1, -1):
         suffix = context[length - n:]
@@ -95,8 +95,9 @@ def test_sequence_drafts_stop_at_the_token_budget():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"mode": "verify", "draft": "ngram"}, "unknown draft source 'ngram'"),
-    ({"mode": "threshold", "draft": "lookup"}, "draft 'lookup' needs mode 'verify'"),
-    ({"mode": "ar", "draft": "both"}, "draft 'both' needs mode 'verify'"),
+    ({"mode": "ar", "draft": "lookup"}, "draft 'lookup' needs mode 'verify' or 'threshold'"),
+    ({"mode": "ar", "draft": "both"}, "draft 'both' needs mode 'verify' or 'threshold'"),
+    ({"mode": "threshold", "draft": "lookup", "temperature": 0.7}, "draft 'lookup' is greedy only"),
 ])
 def test_decode_params_reject_bad_draft_sources(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -11,7 +11,7 @@ from support import RUNTIME_PYTHON
 SCRIPT = """
 import json, sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
-import runtime, runtime.generate, runtime.decoding, runtime.onnx_backend, runtime.tokenizer
+import runtime, runtime.generate, runtime.decode.decoder, runtime.backends.onnx, runtime.text.tokenizer
 sys.argv = ["generate", sys.argv[1], "--prompt", "hi", "--chat", "--max-new-tokens", "5", "--tau", "0.5", "--json"]
 code = runtime.generate.main()
 heavy = sorted(m for m in ("torch", "transformers") if sys.modules.get(m) is not None)

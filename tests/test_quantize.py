@@ -17,9 +17,10 @@ from support import export
 from mars_export import cli as export_cli
 from mars_export import quantize
 from runtime import generate
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
 
 CASES = [("llama", "int4"), ("qwen3", "int8")]
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from mars_export import cli as export_cli
-from mars_export.evaluation import cli as eval_cli
 from mars_export.quantize import MIN_TOP1_AGREEMENT
 from mars_export.training import cli as train_cli
 from runtime import generate, serve
+from runtime.evaluation import cli as eval_cli
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 PARSERS = {  # synopsis start -> the parser of that command

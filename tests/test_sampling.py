@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.acceptance import count_verified
-from runtime.batch import window_mask
-from runtime.params import DecodeParams
-from runtime.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence
+from runtime.decode.acceptance import accept, count_verified
+from runtime.decode.batch import window_mask
+from runtime.decode.params import DecodeParams
+from runtime.decode.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
+from runtime.decode.scheduler import Scheduler
+from runtime.decode.sequence import Sequence
 
 LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))  # [1, 4]
 
@@ -55,16 +55,32 @@ def test_count_verified(drafts, predicted, max_accept, expected):
     assert count_verified(drafts, np.array(predicted), max_accept, frozenset({2})) == expected
 
 
+@pytest.mark.parametrize("drafts, predicted, confidences, tau, tokens, committed, mask_drafts", [
+    ([], [7, 1, 3, 4], [0, .9, .9, .1], 0.5, [7, 1, 3], 2, [4]),                 # no drafts: plain threshold
+    ([7, 8], [7, 8, 9, 1, 3], [0, 0, 0, .9, .1], 0.5, [7, 8, 9, 1], 4, [3]),    # drafts kept, then a mask by tau
+    ([7, 5], [7, 8, 9, 1, 3], [0, 0, 0, .9, .9], 0.5, [7, 8], 3, []),           # a wrong draft: its correction ends it
+    ([7, 8], [7, 8, 9, 1, 3], [0, 0, 0, .9, .9], 1.0, [7, 8, 9], 4, [1, 3]),    # tau 1 (verify): the exact token only
+    ([7, 2], [7, 2, 9, 1, 3], [0, 0, 0, .9, .9], 0.5, [7, 2], 3, []),           # an end token: nothing after it
+])
+def test_accept_keeps_drafts_then_masks_by_tau(drafts, predicted, confidences, tau, tokens, committed, mask_drafts):
+    args = (np.array(predicted), np.array(confidences, np.float32), tau, drafts, 4, frozenset({2}), 2, 4)
+    accepted = accept(*args, is_block=False)
+    assert (accepted.tokens, accepted.num_committed, accepted.mask_drafts) == (tokens, committed, mask_drafts)
+    assert accept(*args, is_block=True).num_committed == 0  # an open block commits nothing
+
+
 def test_scheduler_admits_fifo_into_the_lowest_free_slots():
     seqs = [Sequence(str(i), [1, 2], DecodeParams(), 4, frozenset({0})) for i in range(4)]
-    scheduler = Scheduler(num_slots=3)
+    scheduler = Scheduler(num_slots=3, window=4, scheme="block")
     for seq in seqs:
         scheduler.add(seq)
-    assert [s.request_id for s in scheduler.schedule()] == ["0", "1", "2"] and scheduler.num_rows == 3
+    assert [s.request_id for s in scheduler.schedule(1.0).rows] == ["0", "1", "2"] and scheduler.num_rows == 3
     scheduler.finish(seqs[0])
     assert scheduler.num_rows == 3  # slot 0 free: an idle row inside the batch
-    assert scheduler.schedule(can_admit=False) == seqs[1:3]
-    assert [s.slot for s in scheduler.schedule()] == [0, 1, 2] and seqs[3].slot == 0
+    seqs[1].uncached = [5, 6]  # inside a block: the block scheme admits only at a block boundary
+    assert scheduler.schedule(1.0).rows == seqs[1:3]
+    seqs[1].uncached = [6]
+    assert [s.slot for s in scheduler.schedule(1.0).rows] == [0, 1, 2] and seqs[3].slot == 0
     scheduler.finish(seqs[2])
     assert scheduler.num_rows == 2 and scheduler.find("2") is None and scheduler.find("3") is seqs[3]
 

@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder, greedy_generate
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams
-from runtime.engine import EngineConfig
-from runtime.onnx_backend import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import EngineConfig
+from runtime.decode.params import DecodeParams
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 WINDOWS = [4, 8]
@@ -101,7 +102,9 @@ def test_fixed_window_bundle_prefills_w_tokens_per_forward(tiny_bundle, tmp_path
     for params in (DecodeParams(tau=1.0, max_new_tokens=MAX_NEW), DecodeParams(tau=0.5, max_new_tokens=MAX_NEW),
                    DecodeParams(tau=0.5, block_size=2, max_new_tokens=MAX_NEW),
                    DecodeParams(mode="verify", block_size=3, max_new_tokens=MAX_NEW),
-                   DecodeParams(mode="verify", draft="lookup", max_new_tokens=MAX_NEW)):
+                   DecodeParams(mode="verify", draft="lookup", max_new_tokens=MAX_NEW),
+                   DecodeParams(tau=1.0, draft="lookup", max_new_tokens=MAX_NEW),
+                   DecodeParams(tau=0.5, draft="both", max_new_tokens=MAX_NEW)):
         result = Decoder(backend, config).generate(ids, params)  # every step W wide
         narrow = decoder.generate(ids, params)  # steps as wide as the row needs: 1, block_size
         assert (result.token_ids, result.num_forwards) == (narrow.token_ids, narrow.num_forwards), params

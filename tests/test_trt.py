@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ def gpu_missing_reason() -> str | None:
     """Why the GPU tests cannot run here, or None when they can."""
     try:
         trt_build.require_tensorrt()
-        from runtime.trt_backend import _Cuda
+        from runtime.backends.trt import _Cuda
         _Cuda()
     except RuntimeError as e:
         return f"needs TensorRT, cuda-python and an NVIDIA GPU: {e}"
@@ -77,7 +78,7 @@ def test_trtexec_line(tiny_bundle, capsys):
 
 def test_backend_module_imports_without_tensorrt_or_torch():
     script = ("import sys; sys.modules['torch'] = None; sys.modules['tensorrt'] = None; "
-              "import runtime.trt_backend, runtime.trt_build, runtime.memory; print('ok')")
+              "import runtime.backends.trt, runtime.trt_build, runtime.memory; print('ok')")
     done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
@@ -88,8 +89,8 @@ def test_missing_tensorrt_names_the_fix(tiny_bundle, tmp_path, capsys):
     bundle = shutil.copytree(original, tmp_path / "bundle")
     (bundle / "engine.plan").write_bytes(b"not built here")
     config = load_config(bundle)
-    config = type(config)(**{**config.__dict__, "engine_file": "engine.plan"})
-    from runtime.trt_backend import TrtBackend
+    config = replace(config, engine_file="engine.plan")
+    from runtime.backends.trt import TrtBackend
     with pytest.raises(RuntimeError, match=r"pip install 'mars-edge\[trt\]'"):
         TrtBackend(bundle, config)
     code = export_cli.main(["default", "-o", str(tmp_path / "b"), "--trt"])  # fails before loading any model
@@ -100,7 +101,7 @@ def test_missing_tensorrt_names_the_fix(tiny_bundle, tmp_path, capsys):
 def test_backend_without_engine_is_refused(tiny_bundle):
     _, bundle = tiny_bundle("llama", 4)
     from runtime.bundle import BundleError
-    from runtime.trt_backend import TrtBackend
+    from runtime.backends.trt import TrtBackend
     with pytest.raises(BundleError, match="has no TensorRT engine; build one with python -m runtime.trt_build"):
         TrtBackend(bundle, load_config(bundle))
 
@@ -108,8 +109,8 @@ def test_backend_without_engine_is_refused(tiny_bundle):
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_tiny_engine_matches_onnxruntime(tiny_bundle, tmp_path):
     """Build a tiny engine (batch 1..2, past 0..60) and compare logits and KV with onnxruntime."""
-    from runtime.onnx_backend import OnnxBackend
-    from runtime.trt_backend import TrtBackend
+    from runtime.backends.onnx import OnnxBackend
+    from runtime.backends.trt import TrtBackend
     _, original = tiny_bundle("qwen2", 4)
     bundle = shutil.copytree(original, tmp_path / "bundle")
     assert trt_build.main([str(bundle), "--max-batch", "2", "--max-context", "64", "--opt-context", "32"]) == 0

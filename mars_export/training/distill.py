@@ -3,7 +3,7 @@
 MARS (arXiv 2604.07023) fine-tunes on instruction data; training on the model's own
 greedy answers keeps the multi-token predictions close to what the AR model would say.
 
-:func:`distill` generates through this project's batched engine (:class:`runtime.engine.Engine`,
+:func:`distill` generates through this project's batched engine (:class:`runtime.decode.engine.Engine`,
 continuous batching, tau = 1, so exactly greedy AR) over an ONNX bundle of the model: the
 bundle given, or one exported into a temporary directory. :func:`generate_greedy` is the
 transformers ``generate`` path, kept for machines without onnxruntime (the GPU script,
@@ -119,10 +119,10 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens}, {batch_size}")
-    from runtime.engine import Engine, EngineConfig
-    from runtime.loading import load_backend
-    from runtime.params import DecodeParams
-    from runtime.tokenizer import Tokenizer
+    from runtime.decode.engine import Engine, EngineConfig
+    from runtime.backends.loading import load_backend
+    from runtime.decode.params import DecodeParams
+    from runtime.text.tokenizer import Tokenizer
 
     prompts = read_prompts(prompts_paths, max_prompts)
     with open_bundle(model_spec, mask_token) as bundle_dir:

@@ -7,7 +7,7 @@ Routes:
     GET  /metrics                                     Prometheus text format
     GET  /admin/tau, POST /admin/tau {"tau": x}       read / set the base tau live
 
-Each generation request becomes a :class:`~runtime.serving.generation.Generation`; the
+Each generation request becomes a :class:`~runtime.serving.request_stream.RequestStream`; the
 streamed and the non-streamed response both consume its text deltas.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -23,14 +22,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from runtime.decoding import DecodeParams
+from runtime.decode.engine import check_prompt_ids
+from runtime.decode.params import DecodeParams, ParamError
 from runtime.serving import protocol
-from runtime.serving.engine_loop import EngineLoop
+from runtime.serving.engine_thread import EngineThread
 from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_utf8_json
-from runtime.serving.generation import Generation
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import ChatRequest, CompletionRequest, TauRequest
-from runtime.tokenizer import Tokenizer
+from runtime.serving.request_stream import RequestStream
+from runtime.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,12 @@ class ServerLimits:
 
 @dataclass
 class ServerContext:
-    """What the routes need. ``max_seq_len`` is the engine's per-slot capacity in tokens."""
+    """What the routes need; the context budget and the vocabulary check are the engine's."""
 
-    engine_loop: EngineLoop
+    engine_thread: EngineThread
     tokenizer: Tokenizer
     metrics: ServerMetrics
     model_name: str
-    max_seq_len: int
-    window: int
-    vocab_size: int
     limits: ServerLimits = ServerLimits()
     api_key: str | None = None
 
@@ -77,9 +74,9 @@ def make_app(ctx: ServerContext) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx.engine_loop.start()
+        ctx.engine_thread.start()
         yield
-        ctx.engine_loop.stop()
+        ctx.engine_thread.stop()
 
     app = FastAPI(title="mars-edge", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -105,10 +102,10 @@ def make_app(ctx: ServerContext) -> FastAPI:
                 raise APIError(400, str(e), param="prompt") from e
         else:
             prompt_ids = list(body.prompt)
-            bad = [t for t in prompt_ids if not 0 <= t < ctx.vocab_size]
-            if bad:
-                raise APIError(400, f"prompt: token ids must be in 0..{ctx.vocab_size - 1}, got {bad[:5]}",
-                               param="prompt", code="invalid_value")
+            try:
+                check_prompt_ids(prompt_ids, ctx.engine_thread.engine.config.vocab_size)
+            except ParamError as e:
+                raise APIError(400, str(e), param="prompt", code="invalid_value") from e
         return await _generate(ctx, body, prompt_ids, "prompt", request, chat=False)
 
     @app.get("/v1/models", dependencies=auth)
@@ -117,7 +114,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        loop = ctx.engine_loop
+        loop = ctx.engine_thread
         body = {"status": "ok" if loop.is_alive else "engine stopped", "model": ctx.model_name,
                 "queue_depth": loop.queue_depth, "active_slots": loop.num_running,
                 "default_tau": loop.default_tau, "base_tau": loop.base_tau}
@@ -134,7 +131,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
     @app.post("/admin/tau", dependencies=json_body)
     async def set_tau(body: TauRequest):
         try:
-            await asyncio.to_thread(ctx.engine_loop.set_base_tau, body.tau)
+            await asyncio.to_thread(ctx.engine_thread.set_base_tau, body.tau)
         except ValueError as e:
             raise APIError(400, str(e), param="tau", code="invalid_value") from e
         return _tau_state(ctx) | {"base_tau": body.tau}
@@ -148,7 +145,7 @@ def _count_error(ctx: ServerContext, request: Request, status: int) -> None:
 
 
 def _tau_state(ctx: ServerContext) -> dict:
-    loop, policy = ctx.engine_loop, ctx.engine_loop.policy
+    loop, policy = ctx.engine_thread, ctx.engine_thread.policy
     return {"base_tau": loop.base_tau, "default_tau": loop.default_tau, "tau_min": policy.tau_min,
             "tau_max": policy.tau_max, "queue_low": policy.queue_low, "queue_high": policy.queue_high}
 
@@ -159,9 +156,9 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
     try:
         params = DecodeParams(tau=body.tau, mode=body.mode, draft=body.draft, max_new_tokens=max_new,
                               temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
-    except ValueError as e:
-        raise APIError(400, str(e), param=_field_named_in(str(e)), code="invalid_value") from e
-    gen = Generation(ctx.engine_loop, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
+    except ParamError as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from e
+    gen = RequestStream(ctx.engine_thread, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
     try:
         await gen.start()
     except ValueError as e:
@@ -182,32 +179,28 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
                 gen.finish_reason, usage, gen.mars_info(body.return_token_ids))
 
 
-def _field_named_in(message: str) -> str | None:
-    """The request field a DecodeParams error names first (its messages start with the field)."""
-    found = [(m.start(), name) for name in ("tau", "mode", "draft", "temperature", "top_p", "top_k", "seed")
-             if (m := re.search(rf"\b{name}\b", message))]
-    return min(found)[1] if found else None
-
-
 def _check_budget(ctx: ServerContext, prompt_ids: list[int], requested: int | None, prompt_field: str) -> int:
     """The max_new_tokens to run with; 400 if the prompt or max_tokens does not fit."""
-    limits, num_prompt = ctx.limits, len(prompt_ids)
-    max_prompt = min(limits.max_prompt_tokens or ctx.max_seq_len, ctx.max_seq_len - ctx.window - 1)
+    limits, num_prompt, engine = ctx.limits, len(prompt_ids), ctx.engine_thread.engine
+    max_prompt = engine.room(0) - 1  # at least one token left to generate
+    if limits.max_prompt_tokens is not None:
+        max_prompt = min(max_prompt, limits.max_prompt_tokens)
     if num_prompt > max_prompt:
         raise APIError(400, f"{prompt_field}: the prompt has {num_prompt} tokens; this server accepts at most "
                             f"{max_prompt}", param=prompt_field, code="context_length_exceeded")
     if requested is not None and requested > limits.max_tokens:
         raise APIError(400, f"max_tokens must be in 1..{limits.max_tokens} (the server's --max-tokens-limit), "
                             f"got {requested}", param="max_tokens", code="invalid_value")
-    room = ctx.max_seq_len - ctx.window - num_prompt
+    room = engine.room(num_prompt)
     if requested is not None and requested > room:
-        raise APIError(400, f"the prompt ({num_prompt} tokens) + max_tokens ({requested}) + window ({ctx.window}) "
-                            f"exceeds the context of {ctx.max_seq_len} tokens; lower max_tokens to {room} or "
+        raise APIError(400, f"the prompt ({num_prompt} tokens) + max_tokens ({requested}) + window "
+                            f"({engine.config.window}) exceeds the context of {engine.cache.max_len} tokens; "
+                            f"lower max_tokens to {room} or "
                             "shorten the prompt", param="max_tokens", code="context_length_exceeded")
     return requested if requested is not None else min(limits.default_max_tokens, room)
 
 
-async def _collect(gen: Generation, request: Request) -> str | None:
+async def _collect(gen: RequestStream, request: Request) -> str | None:
     """All text deltas joined; None (and the request aborted) if the client disconnects first."""
     parts: list[str] = []
 
@@ -234,7 +227,7 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _stream(ctx: ServerContext, gen: Generation, body, chat: bool):
+async def _stream(ctx: ServerContext, gen: RequestStream, body, chat: bool):
     """Server-sent events: one chunk per text delta, a final chunk with the finish reason, [DONE]."""
     rid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
     model = ctx.model_name

@@ -12,8 +12,9 @@ never exceeds ``t``: the policy only lowers tau. As the queue drains it climbs b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from runtime.decode.params import ParamError, check_tau
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class LoadPolicy:
     queue_high: int = 16
 
     def __post_init__(self):
-        if not (math.isfinite(self.tau_min) and math.isfinite(self.tau_max) and 0 <= self.tau_min <= self.tau_max):
+        if not (_is_tau(self.tau_min) and _is_tau(self.tau_max) and self.tau_min <= self.tau_max):
             raise ValueError(f"need finite 0 <= tau_min <= tau_max, got tau_min={self.tau_min}, "
                              f"tau_max={self.tau_max}")
         if not 0 <= self.queue_low < self.queue_high:
@@ -44,10 +45,10 @@ class LoadPolicy:
         """Validate a base tau (from the command line or the admin call) and return it.
 
         Raises:
-            ValueError: not a finite number in [tau_min, tau_max].
+            ParamError: (field ``tau``) not a tau (:func:`runtime.decode.params.check_tau`) in [tau_min, tau_max].
         """
-        if not isinstance(tau, (int, float)) or not math.isfinite(tau) or not self.tau_min <= tau <= self.tau_max:
-            raise ValueError(f"tau must be a number in [{self.tau_min}, {self.tau_max}] (the server's --tau-min "
+        if not _is_tau(tau) or not self.tau_min <= tau <= self.tau_max:
+            raise ParamError("tau", f"tau must be a number in [{self.tau_min}, {self.tau_max}] (the server's --tau-min "
                              f"and --tau-max), got {tau}")
         return float(tau)
 
@@ -57,3 +58,12 @@ class LoadPolicy:
             return base_tau
         load = min(1.0, (queue_depth - self.queue_low) / (self.queue_high - self.queue_low))  # in (0, 1]
         return max(self.tau_min, round(base_tau - load * (base_tau - self.tau_min), 2))
+
+
+def _is_tau(value) -> bool:
+    """Whether ``value`` passes :func:`runtime.decode.params.check_tau` (the one tau check)."""
+    try:
+        check_tau(value)
+    except ParamError:
+        return False
+    return True

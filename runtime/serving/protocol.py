@@ -8,8 +8,9 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
   request follows the server's live default tau (which the load policy may lower).
 - ``mode``: ``threshold`` (MARS, default), ``ar`` (one token per step) or ``verify``
   (lossless drafts, greedy only).
-- ``draft``: verify mode's draft source: ``masks`` (default), ``lookup`` (prompt lookup
-  over the prompt and the generated text) or ``both``; other modes take ``masks`` only.
+- ``draft``: the draft source of verify and threshold mode: ``masks`` (default), ``lookup``
+  (prompt lookup over the prompt and the generated text) or ``both``; ``ar`` mode takes
+  ``masks`` only, and lookup drafts are greedy only.
 - ``top_k``: sampling filter (0 = off).
 - ``return_token_ids``: add the generated ids to the response's ``mars`` object.
 
@@ -51,7 +52,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # MARS extras
-    tau: float | None = Field(None, ge=0.0)
+    tau: float | None = None  # checked by DecodeParams (runtime.decode.params.check_tau)
     mode: Literal["threshold", "ar", "verify"] = "threshold"
     draft: Literal["masks", "lookup", "both"] = "masks"
     top_k: int = Field(0, ge=0)

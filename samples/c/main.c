@@ -4,7 +4,7 @@
  *
  * Reads whitespace-separated prompt token ids (FILE, or stdin for "-", the default),
  * prints the generated ids on stdout as one line, and one JSON object with the counts on
- * stderr. Same semantics, step by step, as runtime/decoding.py (Decoder.generate):
+ * stderr. Same semantics, step by step, as runtime/decode/decoder.py (Decoder.generate):
  *   - prefill: prompt[:-1] through the step graph, W tokens at a time (padded with the
  *     pad id); the last prompt token is the first decode step's pending token;
  *   - decode step: the r pending real tokens, then W - r mask tokens; the logits at rows
@@ -219,7 +219,7 @@ int main(int argc, char **argv) {
     int num_prompt;
     int64_t *prompt = read_prompt_ids(args.ids_path, cfg.vocab_size, &num_prompt);
     CHECK(require(num_prompt > 0, "the prompt is empty: give at least one token id"));
-    long needed = (long)num_prompt + args.max_new_tokens + cfg.window;  /* the cache capacity S, as runtime/decoding.py */
+    long needed = (long)num_prompt + args.max_new_tokens + cfg.window;  /* the cache capacity S, as runtime/decode/decoder.py */
     CHECK(require(needed <= cfg.max_context, "prompt (%d tokens) + max_new_tokens (%d) + window (%d) = %ld exceeds "
                   "the model's max context %d; shorten the prompt or lower --max-new-tokens", num_prompt,
                   args.max_new_tokens, cfg.window, needed, cfg.max_context));

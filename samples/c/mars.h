@@ -2,7 +2,7 @@
  *
  * MARS: "Enabling Autoregressive Models Multi-Token Generation", arXiv 2604.07023.
  * Semantics: ../../../shared/DESIGN.md §3 (decoding) and §5 (export contract); the
- * Python reference this program must match is runtime/decoding.py.
+ * Python reference this program must match is runtime/decode/decoder.py.
  *
  * Dimension letters (as in runtime/bundle.py): L layers, H KV heads, D head dim,
  * W window, V vocabulary, P committed (cached) positions, S cache capacity.

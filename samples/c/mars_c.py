@@ -3,7 +3,7 @@
     python samples/c/mars_c.py BUNDLE --prompt TEXT [--chat] [--tau T] [--block-size N]
                                [--max-new-tokens N] [--threads N] [--binary PATH] [--json]
 
-The prompt is encoded with the bundle's tokenizer (``runtime.tokenizer.Tokenizer``; with
+The prompt is encoded with the bundle's tokenizer (``runtime.text.tokenizer.Tokenizer``; with
 ``--chat`` as one user message through the chat template), the ids go to the binary on
 stdin, the generated ids come back on its stdout and the counts as one JSON object on
 the last line of its stderr. Prints the text, or with ``--json`` one object shaped like
@@ -34,7 +34,7 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
         binary: path of ``mars_c``.
         bundle: bundle directory.
         prompt_ids: prompt token ids.
-        tau, max_new_tokens, block_size: as in ``runtime.decoding.DecodeParams`` (probability metric).
+        tau, max_new_tokens, block_size: as in ``runtime.decode.params.DecodeParams`` (probability metric).
         num_threads: onnxruntime intra-op threads, 0 = onnxruntime's choice.
         timeout: seconds before the binary is killed (None: no limit).
 
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from runtime.bundle import BundleError
-    from runtime.tokenizer import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
 
     args = parse_args(argv)
     if not Path(args.binary).is_file():

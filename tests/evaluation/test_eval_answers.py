@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars_export.evaluation.answers import extract_answer, is_correct, parse_gold, parse_numbers
+from runtime.evaluation.answers import extract_answer, is_correct, parse_gold, parse_numbers
 
 
 @pytest.mark.parametrize("text, expected", [

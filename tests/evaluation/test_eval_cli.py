@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from mars_export.evaluation.answers import extract_answer, is_correct
-from mars_export.evaluation.cli import main
-from mars_export.evaluation.code_extraction import prepare_completion
+from runtime.evaluation.answers import extract_answer, is_correct
+from runtime.evaluation.cli import main
+from runtime.evaluation.code_extraction import prepare_completion
 
 GSM8K = [
     {"question": "Tom has 2 apples and buys 3 more. How many apples does he have?", "answer": "2 + 3 = 5\n#### 5"},
@@ -127,7 +127,7 @@ def test_bad_files_give_one_error_line(bundle, data, tmp_path, capsys):
 
 def test_mars_eval_imports_without_torch():
     script = ("import sys; sys.modules['torch'] = None\n"
-              "import mars_export.evaluation.cli\n"
+              "import runtime.evaluation.cli\n"
               "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if sys.modules.get(m) is not None))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from mars_export.evaluation.code_extraction import extract_code, keep_definitions, prepare_completion
+from runtime.evaluation.code_extraction import extract_code, keep_definitions, prepare_completion
 
 PROMPT = 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum of xs."""\n'
 

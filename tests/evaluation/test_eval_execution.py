@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mars_export.evaluation.execution import CheckResult, HarnessError, check_completion, verify_harness
+from runtime.evaluation.execution import CheckResult, HarnessError, check_completion, verify_harness
 
 PROBLEM = {
     "task_id": "Test/0",

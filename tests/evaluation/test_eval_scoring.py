@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mars_export.evaluation.runner import plan_block_sizes, plan_taus
-from mars_export.evaluation.scoring import common_prefix, score_agreement
-from mars_export.evaluation.summary import summarize
+from runtime.evaluation.runner import plan_block_sizes, plan_taus
+from runtime.evaluation.scoring import common_prefix, score_agreement
+from runtime.evaluation.summary import summarize
 
 
 def record(tau, item_id, ids, forwards, decode_seconds, block_size=4, task="gsm8k", **scores):

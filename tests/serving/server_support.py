@@ -142,7 +142,7 @@ def serve(*argv: str, prepare=None):
     """
     args = parse_args([*argv, "--port", "0", "--threads", "1", "--log-level", "warning"])
     app = build_app(args)
-    engine = app.state.ctx.engine_loop.engine
+    engine = app.state.ctx.engine_thread.engine
     gate = engine.backend = GatedBackend(engine.backend)
     if prepare is not None:
         prepare(app)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from runtime.backends.loading import load_backend
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError
-from runtime.loading import load_backend
-from runtime.onnx_backend import OnnxBackend
 from runtime.serve import main
 
 
@@ -26,7 +26,7 @@ def test_engine_plan_without_tensorrt_is_a_clear_error(tiny_bundle, tmp_path, mo
     (copy / "engine.plan").write_bytes(b"not an engine")
     with pytest.raises(ValueError, match="TensorRT"):  # not installed here; elsewhere: not an engine
         load_backend(copy / "engine.plan")
-    monkeypatch.setitem(sys.modules, "runtime.trt_backend", None)  # as in an install without the module
+    monkeypatch.setitem(sys.modules, "runtime.backends.trt", None)  # as in an install without the module
     with pytest.raises(ValueError, match="needs TensorRT"):
         load_backend(copy / "engine.plan")
 

@@ -16,10 +16,11 @@ import openai
 import pytest
 from server_support import DEADLINE_S, serve, wait_until
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import DecodeParams, Decoder
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "def add(a, b):", "Hi"]
 MAX_NEW = 40
@@ -91,12 +92,14 @@ def test_token_id_prompt_and_multi_token_steps(tiny_server, runtime_parts):
     assert mars["tpf"] == pytest.approx(expected.tpf) and mars["tpf"] > 1.0
 
 
+@pytest.mark.parametrize("mode", ["verify", "threshold"])
 @pytest.mark.parametrize("draft", ["lookup", "both"])
-def test_verify_with_lookup_drafts_is_the_greedy_output(tiny_server, runtime_parts, draft):
+def test_lookup_drafts_give_the_greedy_output(tiny_server, runtime_parts, mode, draft):
+    """Verify mode, and threshold mode at tau 1, with lookup drafts: exactly greedy AR, fewer forwards."""
     tokenizer, decoder = runtime_parts
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     expected = decoder.generate(prompt_ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW))
-    text, _, mars, _ = chat(tiny_server, PROMPTS[0], extra_body={"mode": "verify", "draft": draft})
+    text, _, mars, _ = chat(tiny_server, PROMPTS[0], extra_body={"mode": mode, "draft": draft, "tau": 1.0})
     assert mars["token_ids"] == expected.token_ids and text == tokenizer.decode(expected.token_ids)
     assert mars["num_forwards"] < expected.num_forwards  # the random model loops: drafts are kept
 
@@ -141,7 +144,8 @@ BAD_REQUESTS = [
     ("chat", {"n": 2}, "n"),
     ("chat", {"mode": "fast"}, "mode"),
     ("chat", {"mode": "verify", "draft": "ngram"}, "draft"),
-    ("chat", {"draft": "lookup"}, "draft"),                         # lookup drafts need verify mode
+    ("chat", {"mode": "ar", "draft": "lookup"}, "draft"),           # ar mode feeds no drafts
+    ("chat", {"draft": "lookup", "temperature": 0.7}, "draft"),     # lookup drafts are greedy only
     ("chat", {"tau": -0.5}, "tau"),
     ("chat", {"temperature": 7}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),
@@ -245,7 +249,7 @@ def test_admin_tau_and_load_policy_move_the_default_live(tiny_server, monkeypatc
     assert tiny_server.metric("mars_default_tau") == 0.8
     tiny_server.http.post("/admin/tau", json={"tau": 1.0})
 
-    loop, submitted = tiny_server.app.state.ctx.engine_loop, threading.Semaphore(0)
+    loop, submitted = tiny_server.app.state.ctx.engine_thread, threading.Semaphore(0)
     monkeypatch.setattr(loop, "submit", lambda submission, submit=loop.submit: (submit(submission),
                                                                                 submitted.release()))
     with futures.ThreadPoolExecutor(9) as pool:
@@ -309,7 +313,7 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(tiny_bundle):
     _, bundle = tiny_bundle("llama", 4)
 
     def inject(app):
-        engine = app.state.ctx.engine_loop.engine
+        engine = app.state.ctx.engine_thread.engine
         engine.backend = FailingBackend(engine.backend, fail_at=3)
 
     with serve(str(bundle), prepare=inject) as server:

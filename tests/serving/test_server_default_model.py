@@ -11,11 +11,12 @@ import pytest
 from server_support import serve
 from support import real_prompts
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import DecodeParams, Decoder
-from runtime.detokenize import Detokenizer
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+from runtime.text.detokenize import Detokenizer
+from runtime.text.tokenizer import Tokenizer
 
 MAX_NEW = 64
 MULTIBYTE_PROMPTS = ["Write 'thank you' in Chinese, Japanese and Korean, then add three emoji.",

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mars_export.training.cli import main
 from mars_export.training.data import record_prompt_messages
 from mars_export.training.distill import generate_greedy
-from runtime.engine import Engine, EngineConfig
-from runtime.loading import load_backend
-from runtime.params import DecodeParams
-from runtime.tokenizer import Tokenizer
+from runtime.backends.loading import load_backend
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = ["hi", "What is 7 times 8?", "a much longer question about the number of apples in the basket",
            "ok", "Name three colours.", "x" * 60, "Why?", "Sum 1..10", "two words", "Write a haiku about rain.",

@@ -2,7 +2,7 @@
 
 PATH may be the bundle directory, its ONNX step graph (``model.onnx``), or the TensorRT
 engine inside it (``engine.plan``). The directory and the ONNX file run on onnxruntime;
-the engine runs on TensorRT's own Python API (:mod:`runtime.trt_backend`, imported only
+the engine runs on TensorRT's own Python API (:mod:`runtime.backends.trt`, imported only
 when asked for, as it needs TensorRT and a GPU).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import ENGINE_FILE, BundleConfig, BundleError, load_config
-from runtime.onnx_backend import OnnxBackend
 
 
 def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) -> tuple[object, BundleConfig, Path]:
@@ -51,7 +51,7 @@ def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) 
 def _trt_backend(path: Path, config: BundleConfig):
     hint = "install mars-edge[trt] on a machine with an NVIDIA GPU, or serve the bundle directory (onnxruntime)"
     try:
-        from runtime.trt_backend import TrtBackend
+        from runtime.backends.trt import TrtBackend
     except ImportError as e:
         raise ValueError(f"{path} needs TensorRT, which cannot be imported here ({e}); {hint}") from e
     try:

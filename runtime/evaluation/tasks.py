@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mars_export.evaluation.answers import parse_gold
+from runtime.evaluation.answers import parse_gold
 
 GSM8K = "gsm8k"
 HUMANEVAL = "humaneval"

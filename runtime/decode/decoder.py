@@ -1,6 +1,6 @@
 """MARS decoding of one sequence, torch-free (MARS, arXiv 2604.07023, §3; DESIGN.md §3).
 
-:class:`Decoder` runs one prompt through :class:`runtime.engine.Engine` with a single slot;
+:class:`Decoder` runs one prompt through :class:`runtime.decode.engine.Engine` with a single slot;
 batches, verify mode and sampling are the engine's.
 
 Dimension letters: W window, V vocabulary, P committed (cached) positions.
@@ -9,7 +9,7 @@ One decode step feeds the r committed tokens whose KV is not cached yet, followe
 W - r mask tokens, at consecutive positions P .. P+W-1 under a causal mask. The output at
 the last real token is the greedy AR prediction; the output at the j-th mask predicts
 the token j places later. So a step offers W - r + 1 predictions and accepts between 1
-and min(B, W - r + 1) of them (:func:`runtime.acceptance.count_accepted`). Only the KV of
+and min(B, W - r + 1) of them (:func:`runtime.decode.acceptance.count_accepted`). Only the KV of
 the r real tokens is committed.
 
 Prefill puts every prompt token but the last into the cache (up to 256 tokens per
@@ -26,20 +26,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from runtime.bundle import BundleConfig
-from runtime.engine import Engine, EngineConfig
-from runtime.params import DecodeParams, GenerationResult
-
-__all__ = ["DecodeParams", "Decoder", "GenerationResult", "causal_window_mask"]
-
-
-def causal_window_mask(past_len: int, window: int) -> np.ndarray:
-    """bool [1, 1, W, P + W]: query i sees the P cached keys and new keys 0..i (exact-length past)."""
-    keys = np.arange(past_len + window)
-    queries = past_len + np.arange(window)
-    return (keys[None, :] <= queries[:, None])[None, None]
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams, GenerationResult
 
 
 class Decoder:
@@ -47,7 +36,7 @@ class Decoder:
 
     Args:
         backend: object with ``step(input_ids, position_ids, attention_mask, past)`` and
-            ``is_window_dynamic`` as in :class:`runtime.onnx_backend.OnnxBackend`.
+            ``is_window_dynamic`` as in :class:`runtime.backends.onnx.OnnxBackend`.
         config: the bundle config.
     """
 

@@ -1,11 +1,11 @@
 """One request seen from the event loop: engine outputs in, final text deltas out.
 
-The engine thread delivers items to the request's asyncio queue; :meth:`Generation.deltas`
+The engine thread delivers items to the request's asyncio queue; :meth:`RequestStream.deltas`
 turns token ids into text (never splitting a character), cuts at stop strings, and ends
 with the finish reason. The streamed response sends each delta as it comes; the
 non-streamed response joins the same deltas, so the two texts are equal by construction.
 
-Leaving :meth:`Generation.deltas` before the end (client gone, stop string found) aborts
+Leaving :meth:`RequestStream.deltas` before the end (client gone, stop string found) aborts
 the request in the engine, which frees its KV slot at the engine's next turn.
 """
 
@@ -15,18 +15,18 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
-from runtime.decoding import DecodeParams
-from runtime.detokenize import TextStream
-from runtime.serving.engine_loop import ADMITTED, EngineLoop, Submission
+from runtime.decode.params import DecodeParams, tokens_per_forward
+from runtime.serving.engine_thread import ADMITTED, EngineThread, Submission
 from runtime.serving.metrics import ServerMetrics
-from runtime.tokenizer import Tokenizer
+from runtime.text.detokenize import TextStream
+from runtime.text.tokenizer import Tokenizer
 
 
-class Generation:
+class RequestStream:
     """A request in flight.
 
     Args:
-        engine_loop: the engine thread.
+        engine_thread: the engine thread.
         tokenizer: the bundle's tokenizer.
         metrics: where the outcome is counted.
         prompt_ids: the prompt's ids.
@@ -34,14 +34,14 @@ class Generation:
         stops: stop strings.
     """
 
-    def __init__(self, engine_loop: EngineLoop, tokenizer: Tokenizer, metrics: ServerMetrics,
+    def __init__(self, engine_thread: EngineThread, tokenizer: Tokenizer, metrics: ServerMetrics,
                  prompt_ids: list[int], params: DecodeParams, stops: list[str]):
         self.request_id = uuid.uuid4().hex
         self.prompt_ids = prompt_ids
         self.text = TextStream(tokenizer, stops)
         self.finish_reason: str | None = None
         self.num_forwards = 0
-        self._engine_loop, self._metrics, self._params = engine_loop, metrics, params
+        self._engine_thread, self._metrics, self._params = engine_thread, metrics, params
         self._queue: asyncio.Queue = asyncio.Queue()
         self._is_open = False  # submitted to the engine and not finished there
 
@@ -57,7 +57,7 @@ class Generation:
             loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
         self._is_open = True
-        self._engine_loop.submit(Submission(self.request_id, self.prompt_ids, self._params, deliver))
+        self._engine_thread.submit(Submission(self.request_id, self.prompt_ids, self._params, deliver))
         try:
             item = await self._queue.get()
         except asyncio.CancelledError:
@@ -100,7 +100,7 @@ class Generation:
         """Abort the request in the engine unless it already finished there (idempotent)."""
         if self._is_open:
             self._is_open = False
-            self._engine_loop.abort(self.request_id)
+            self._engine_thread.abort(self.request_id)
             if self.finish_reason is None:
                 self._metrics.record_outcome("aborted")
 
@@ -111,5 +111,5 @@ class Generation:
 
     def mars_info(self, return_token_ids: bool) -> dict:
         """The MARS extras of the response: decode forwards, TPF, and the ids if asked."""
-        info = {"num_forwards": self.num_forwards, "tpf": self.num_tokens / max(self.num_forwards, 1)}
+        info = {"num_forwards": self.num_forwards, "tpf": tokens_per_forward(self.num_tokens, self.num_forwards)}
         return info | ({"token_ids": list(self.text.detokenizer.token_ids)} if return_token_ids else {})

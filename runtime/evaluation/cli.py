@@ -16,25 +16,22 @@ the bundle's own tau = 1 output, GSM8K accuracy and HumanEval pass@1 (greedy, on
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
+from runtime.backends.onnx import PROVIDERS
 from runtime.bundle import BundleError, load_config
-from runtime.decoding import DecodeParams
-from runtime.onnx_backend import PROVIDERS
-from runtime.tokenizer import Tokenizer
-
-from mars_export.evaluation import tasks
-from mars_export.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
-from mars_export.evaluation.plot import plot_tpf_quality
-from mars_export.evaluation.report import format_table, write_csv, write_json
-from mars_export.evaluation.runner import DEFAULT_TAUS, encode_prompts, plan_block_sizes, plan_taus, run_bundle
-from mars_export.evaluation.scoring import score_all
-from mars_export.evaluation.summary import summarize
-
+from runtime.decode.params import DecodeParams, ParamError, check_tau
+from runtime.evaluation import tasks
+from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
+from runtime.evaluation.plot import plot_tpf_quality
+from runtime.evaluation.report import format_table, write_csv, write_json
+from runtime.evaluation.runner import DEFAULT_TAUS, encode_prompts, plan_block_sizes, plan_taus, run_bundle
+from runtime.evaluation.scoring import score_all
+from runtime.evaluation.summary import summarize
+from runtime.text.tokenizer import Tokenizer
 
 DESCRIPTION = ("Speed/quality of MARS bundles on the torch-free runtime: TPF, tokens/s, agreement with greedy AR, "
                "GSM8K accuracy and HumanEval pass@1 per (bundle, block size, tau).")
@@ -80,8 +77,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.gsm8k is None and args.humaneval is None:
         raise UsageError("give at least one of --gsm8k FILE and --humaneval FILE")
     for tau in args.taus:
-        if math.isnan(tau) or tau < 0:
-            raise UsageError(f"every tau must be a number >= 0, got {tau} (tau >= 1 is greedy AR)")
+        try:
+            check_tau(tau)
+        except ParamError as e:
+            raise UsageError(f"every tau must be a number >= 0, got {tau} (tau >= 1 is greedy AR)") from e
     bounds = [("--num-prompts", args.num_prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
               ("--threads", args.threads, 0), *(("--block-sizes", b, 1) for b in args.block_sizes or [])]
     for name, value, low in bounds:

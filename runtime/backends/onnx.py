@@ -79,14 +79,14 @@ class OnnxBackend:
         """Run one forward over a window.
 
         Args:
-            input_ids: int64 [B, W]; W is the bundle's window, or any length >= 1 when
+            input_ids: int64 [n, W]; W is the bundle's window, or any length >= 1 when
                 ``is_window_dynamic`` (prefill).
-            position_ids: int64 [B, W].
-            attention_mask: bool [B, 1, W, P + W].
-            past: per layer (key, value), each [B, H, P, D] in the bundle dtype.
+            position_ids: int64 [n, W].
+            attention_mask: bool [n, 1, W, P + W].
+            past: per layer (key, value), each [n, H, P, D] in the bundle dtype.
 
         Returns:
-            logits float32 [B, W, V], and per layer the new (key, value) [B, H, W, D].
+            logits float32 [n, W, V], and per layer the new (key, value) [n, H, W, D].
         """
         logits, *kv = self.session.run(None, bundle.step_feeds(input_ids, position_ids, attention_mask, past))
         return logits, list(zip(kv[0::2], kv[1::2]))

@@ -3,9 +3,9 @@
 A sequence is prefilling while prompt tokens other than the last remain uncached; then
 every step feeds its ``uncached`` real tokens (the last prompt token first, later the tokens
 accepted in the previous step), the verify-mode ``drafts``, and mask tokens up to the
-window W (DESIGN.md §3). Verify-mode drafts are chosen before each step from the request's
-draft source: a prompt-lookup proposal over prompt + generated ids (:mod:`runtime.lookup`)
-and/or the previous step's mask predictions.
+window W (DESIGN.md §3). Drafts (verify mode, or threshold mode with a lookup source) are
+chosen before each step from the request's draft source: a prompt-lookup proposal over
+prompt + generated ids (:mod:`runtime.decode.lookup`) and/or the previous step's mask predictions.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.lookup import NgramIndex
-from runtime.params import DecodeParams, GenerationResult
-from runtime.sampling import is_greedy
+from runtime.decode.lookup import NgramIndex
+from runtime.decode.params import DecodeParams, GenerationResult
+from runtime.decode.sampling import is_greedy
 
 
 @dataclass
@@ -32,12 +32,10 @@ class Sequence:
         slot: its KV-cache slot (= batch row) while running, else None.
         num_prefilled: prompt tokens whose KV is committed.
         uncached: real tokens whose KV is not cached yet, fed first in the next step.
-        drafts: verify mode: this step's draft ids, fed after ``uncached`` (:meth:`prepare_drafts`).
-        mask_drafts: verify mode: the previous step's predictions at its masks after the last
-            token it yielded (empty unless every draft of that step was kept).
+        drafts: this step's draft ids, fed after ``uncached`` (:meth:`prepare_drafts`).
+        mask_drafts: the previous step's predictions at its masks after the last token it
+            yielded (empty unless every draft of that step was kept).
         lookup: n-gram index of prompt + generated ids when the draft source uses lookup, else None.
-        is_block_ready: block scheme: its window held W real tokens in the last forward and
-            its block is full, so that forward's KV of the block is exact.
         rng: random generator (sampling only).
         result: tokens and counters so far.
         start_time: ``time.perf_counter()`` at admission.
@@ -54,7 +52,6 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     mask_drafts: list[int] = field(default_factory=list)
     lookup: NgramIndex | None = None
-    is_block_ready: bool = False
     rng: np.random.Generator | None = None
     result: GenerationResult = field(default_factory=GenerationResult)
     start_time: float = 0.0
@@ -75,9 +72,31 @@ class Sequence:
         """Tokens it may still generate."""
         return self.params.max_new_tokens - self.result.num_tokens
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish rule: ``stop`` after an end token, ``length`` once max_new_tokens are out, else None."""
+        tokens = self.result.token_ids
+        if tokens and tokens[-1] in self.stop_ids:
+            return "stop"
+        return "length" if self.num_remaining == 0 else None
+
+    def tau(self, default_tau: float) -> float:
+        """The threshold this row uses now: 1 in ar and verify mode, else its own tau or the engine's live default."""
+        if self.params.mode in ("ar", "verify"):
+            return 1.0
+        return default_tau if self.params.tau is None else self.params.tau
+
     def prefill_chunk(self, window: int) -> list[int]:
         """The next at most W prompt tokens to prefill (never the last prompt token)."""
         return self.prompt_ids[self.num_prefilled:min(self.num_prefilled + window, len(self.prompt_ids) - 1)]
+
+    def step_ids(self, width: int, mask_token_id: int, pad_token_id: int) -> list[int]:
+        """The ``width`` ids this row feeds: a prefill chunk then padding, or uncached + drafts + masks."""
+        if self.is_prefilling:
+            chunk = self.prefill_chunk(width)
+            return chunk + [pad_token_id] * (width - len(chunk))
+        real = self.uncached[:width] + self.drafts[:width - min(len(self.uncached), width)]
+        return real + [mask_token_id] * (width - len(real))
 
     def add_tokens(self, token_ids: list[int]) -> None:
         """Record tokens a step yielded (and index them for lookup drafts)."""
@@ -86,7 +105,7 @@ class Sequence:
             self.lookup.extend(token_ids)
 
     def prepare_drafts(self) -> None:
-        """Verify mode: set this step's ``drafts``, at most min(B, tokens left) - 1 of them.
+        """Set this step's ``drafts`` (rows whose params use drafts), at most min(B, tokens left) - 1.
 
         A lookup proposal when the draft source uses lookup and one exists; otherwise the
         previous step's mask predictions when the source uses masks; otherwise none.

@@ -11,10 +11,10 @@ Fields added to each record:
 
 from __future__ import annotations
 
-from mars_export.evaluation.answers import extract_answer, is_correct
-from mars_export.evaluation.code_extraction import prepare_completion
-from mars_export.evaluation.execution import check_completion
-from mars_export.evaluation.tasks import GSM8K, HUMANEVAL, EvalItem
+from runtime.evaluation.answers import extract_answer, is_correct
+from runtime.evaluation.code_extraction import prepare_completion
+from runtime.evaluation.execution import check_completion
+from runtime.evaluation.tasks import GSM8K, HUMANEVAL, EvalItem
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -47,7 +47,7 @@ def score_gsm8k(record: dict, item: EvalItem) -> None:
 def score_humaneval(record: dict, item: EvalItem, cache: dict, timeout: float, check=check_completion) -> None:
     """Add ``completion``, ``passed`` and ``exec_result`` to a HumanEval record, in place.
 
-    ``cache`` maps (task_id, completion) to a :class:`~mars_export.evaluation.execution.CheckResult`
+    ``cache`` maps (task_id, completion) to a :class:`~runtime.evaluation.execution.CheckResult`
     so identical completions (common across taus) are executed once.
     """
     completion = prepare_completion(record["text"], item.problem["entry_point"])

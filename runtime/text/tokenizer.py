@@ -15,10 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from runtime.bundle import TOKENIZER_FILE, BundleError
-
-TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+from runtime.bundle import TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, BundleError
 
 
 class Tokenizer:

@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decoding import Decoder, DecodeParams, GenerationResult
-from runtime.onnx_backend import OnnxBackend
-from runtime.tokenizer import Tokenizer
-
-from mars_export.evaluation.tasks import EvalItem
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams, GenerationResult
+from runtime.evaluation.tasks import EvalItem
+from runtime.text.tokenizer import Tokenizer
 
 DEFAULT_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 DEFAULT_BLOCK_SIZES = (4, 8)

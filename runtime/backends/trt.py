@@ -1,6 +1,6 @@
 """Run a bundle's ``engine.plan`` with TensorRT's Python API and cuda-python (no torch).
 
-Same contract as :class:`runtime.onnx_backend.OnnxBackend`: :meth:`TrtBackend.step` takes
+Same contract as :class:`runtime.backends.onnx.OnnxBackend`: :meth:`TrtBackend.step` takes
 numpy inputs and the past KV and returns float32 logits and the W new KV entries per
 layer, so the same decoder, acceptance loop and cache manager drive either backend.
 
@@ -112,7 +112,7 @@ class TrtBackend:
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        """Run one forward over a window; same shapes and dtypes as :meth:`runtime.onnx_backend.OnnxBackend.step`."""
+        """Run one forward over a window; same shapes and dtypes as :meth:`runtime.backends.onnx.OnnxBackend.step`."""
         feeds = bundle.step_feeds(input_ids, position_ids, attention_mask, past)
         for name, array in feeds.items():
             array = np.ascontiguousarray(array, dtype=self.dtypes[name])

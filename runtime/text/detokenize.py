@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 
 class Detokenizer:

@@ -1,4 +1,4 @@
-"""The engine thread: the only code that touches the :class:`~runtime.engine.Engine`.
+"""The engine thread: the only code that touches the :class:`~runtime.decode.engine.Engine`.
 
 The engine is not thread-safe, so one thread owns it. Request handlers talk to that
 thread through a thread-safe command queue (submit, abort, set the base tau), and the
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.decoding import DecodeParams
+from runtime.decode.params import DecodeParams
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
 
@@ -38,7 +38,7 @@ class Submission:
         prompt_ids: the prompt's token ids.
         params: decoding parameters.
         deliver: called on the engine thread with :data:`ADMITTED`, then each
-            :class:`~runtime.engine.StepOutput`; or once with a ``ValueError`` (rejected)
+            :class:`~runtime.decode.engine.StepOutput`; or once with a ``ValueError`` (rejected)
             or a ``RuntimeError`` (the engine failed).
     """
 
@@ -48,11 +48,11 @@ class Submission:
     deliver: Callable[[object], None]
 
 
-class EngineLoop:
+class EngineThread:
     """Owns the engine and its thread.
 
     Args:
-        engine: the :class:`~runtime.engine.Engine`.
+        engine: the :class:`~runtime.decode.engine.Engine`.
         policy: the load policy.
         metrics: the server's metrics.
         base_tau: the starting base tau (validated against the policy's bounds).
@@ -63,7 +63,6 @@ class EngineLoop:
         self.policy = policy
         self.metrics = metrics
         self.base_tau = policy.check_base(base_tau)
-        self.default_tau = self.base_tau
         self.queue_depth = 0
         self.num_running = 0
         self._commands: queue.Queue = queue.Queue()
@@ -79,6 +78,11 @@ class EngineLoop:
         """Stop the thread after the current step; unfinished requests get an error."""
         self._commands.put(None)
         self._thread.join()
+
+    @property
+    def default_tau(self) -> float:
+        """The engine's live default tau (stored there only; a float read is safe from any thread)."""
+        return self.engine.default_tau
 
     @property
     def is_alive(self) -> bool:
@@ -159,9 +163,7 @@ class EngineLoop:
     def _apply_policy(self) -> None:
         self.queue_depth, self.num_running = self.engine.num_waiting, self.engine.num_running
         tau = self.policy.default_tau(self.base_tau, self.queue_depth)
-        if tau != self.engine.default_tau:
-            self.engine.default_tau = tau
-        self.default_tau = tau
+        self.engine.default_tau = tau
         self.metrics.record_load(self.queue_depth, self.num_running, tau, self.base_tau)
 
     def _step(self) -> None:

@@ -11,8 +11,8 @@ import random
 import pytest
 from tiny_models import make_tokenizer
 
-from runtime.detokenize import Detokenizer, StopMatcher, TextStream
-from runtime.tokenizer import Tokenizer
+from runtime.text.detokenize import Detokenizer, StopMatcher, TextStream
+from runtime.text.tokenizer import Tokenizer
 
 ADVERSARIAL = ["héllo wörld", "你好，世界", "日本語のテキスト", "😀🤖 ok", "🇫🇷👩‍👩‍👧", "e\u0301 ñ ß Ω", "mixed ascii 和 emoji 🎉!"]
 

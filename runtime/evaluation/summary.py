@@ -16,7 +16,7 @@ Row fields:
 
 from __future__ import annotations
 
-from mars_export.evaluation.tasks import GSM8K, HUMANEVAL
+from runtime.evaluation.tasks import GSM8K, HUMANEVAL
 
 FIELDS = ("bundle", "block_size", "tau", "num_prompts", "num_gsm8k", "num_humaneval", "num_tokens", "num_forwards",
           "tpf", "decode_seconds", "tokens_per_second", "speedup_vs_ar", "agreement_exact", "agreement_prefix",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.kv_cache import KVCache
+from runtime.decode.kv_cache import KVCache
 
 
 def window_mask(lengths: np.ndarray, capacity: int, window: int) -> np.ndarray:

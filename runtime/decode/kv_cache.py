@@ -15,8 +15,8 @@ Memory traffic of the cache manager per step:
     positions whose input was a real token; KV of mask and padding positions is dropped);
     :meth:`commit_slot` writes ``2 * L * H * D * T`` for a T-token prefill chunk.
   - :meth:`reserve`: the capacity S doubles (or halves) only when the longest row needs it,
-    copying the committed prefix once; over a generation of T positions this totals less
-    than ``2 * T`` positions per row, i.e. O(1) per generated token.
+    copying the committed prefix once; over a generation of C positions this totals less
+    than ``2 * C`` positions per row, i.e. O(1) per generated token.
 The graph itself reads the whole ``[n, H, S, D]`` past each step, so S is kept within 2x
 of the longest row (4x after rows shrink, before :meth:`reserve` shrinks it).
 """

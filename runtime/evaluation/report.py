@@ -7,7 +7,7 @@ import csv
 import json
 from pathlib import Path
 
-from mars_export.evaluation.summary import FIELDS
+from runtime.evaluation.summary import FIELDS
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.csv"
@@ -28,7 +28,7 @@ def write_json(out_dir: Path, settings: dict, records: list[dict], summary: list
 
 
 def write_csv(out_dir: Path, summary: list[dict]) -> Path:
-    """``summary.csv``: one line per summary row, columns :data:`~mars_export.evaluation.summary.FIELDS`;
+    """``summary.csv``: one line per summary row, columns :data:`~runtime.evaluation.summary.FIELDS`;
     empty cells where a metric does not apply."""
     path = out_dir / SUMMARY_FILE
     with path.open("w", newline="") as f:

@@ -1,6 +1,6 @@
 """Token selection for each prediction of a step: greedy, or sampled with temperature, top-k, top-p.
 
-Dimension letters: T predictions in one step, V vocabulary.
+Dimension letters: M predictions one step offers a row, V vocabulary.
 
 Meaning of tau under sampling (our choice; the paper decodes greedily): every prediction
 j of a step is drawn from its own filtered distribution (temperature, then top-k, then
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.acceptance import probability_confidence, softmax
+from runtime.decode.acceptance import probability_confidence, softmax
 
 MIN_TEMPERATURE = 1e-5  # below it, greedy (the same epsilon as vLLM's sampler)
 
@@ -35,17 +35,17 @@ def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, met
     """Pick one token per row and its confidence.
 
     Args:
-        logits: float32 [T, V].
+        logits: float32 [M, V].
         temperature: below :data:`MIN_TEMPERATURE` (0 included) greedy (argmax, confidence of
             the plain softmax); else logits are divided by it.
         top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest set whose
             probability reaches top_p (1.0 = all).
-        metric: confidence metric (:data:`runtime.acceptance.METRICS`).
+        metric: confidence metric (:data:`runtime.decode.acceptance.METRICS`).
         rng: the request's generator; required unless greedy.
         with_confidence: False skips the softmax of greedy rows (confidences are then 0).
 
     Returns:
-        ids int64 [T], confidences float32 [T].
+        ids int64 [M], confidences float32 [M].
     """
     if is_greedy(temperature) and not with_confidence:
         return logits.argmax(axis=-1), np.zeros(len(logits), np.float32)
@@ -57,14 +57,14 @@ def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, met
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Probabilities [T, V] after temperature, top-k and top-p (renormalized)."""
-    with np.errstate(over="ignore"):  # the suppressed mask logit (float32 min) / T < 1 overflows to -inf: p = 0
+    """Probabilities [M, V] after temperature, top-k and top-p (renormalized)."""
+    with np.errstate(over="ignore"):  # the suppressed mask logit (float32 min) / temperature < 1 overflows to -inf: p = 0
         probs = softmax(logits / np.float32(temperature))
     if 0 < top_k < probs.shape[-1]:
-        kth = np.partition(probs, -top_k, axis=-1)[:, -top_k, None]  # [T, 1]
+        kth = np.partition(probs, -top_k, axis=-1)[:, -top_k, None]  # [M, 1]
         probs = np.where(probs >= kth, probs, 0.0)
     if top_p < 1.0:
-        order = np.argsort(-probs, axis=-1)  # [T, V]
+        order = np.argsort(-probs, axis=-1)  # [M, V]
         sorted_probs = np.take_along_axis(probs, order, axis=-1)
         before = np.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the strictly more likely tokens
         keep_sorted = before < top_p * sorted_probs.sum(axis=-1, keepdims=True)
@@ -75,8 +75,8 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One draw per row of probs [T, V] by inverse CDF; int64 [T]."""
-    cdf = np.cumsum(probs, axis=-1)  # [T, V]
-    draws = rng.random(len(probs)) * cdf[:, -1]  # [T]
+    """One draw per row of probs [M, V] by inverse CDF; int64 [M]."""
+    cdf = np.cumsum(probs, axis=-1)  # [M, V]
+    draws = rng.random(len(probs)) * cdf[:, -1]  # [M]
     ids = (cdf <= draws[:, None]).sum(axis=-1)  # first index whose CDF passes the draw
     return np.minimum(ids, probs.shape[-1] - 1).astype(np.int64)

@@ -173,6 +173,7 @@ def test_window_comes_from_the_profile_not_the_dynamic_shape(engine_bundle, stan
     config = load_config(engine_bundle)
     backend = TrtBackend(engine_bundle, config)
     assert tuple(backend.engine.get_tensor_shape("input_ids")) == (-1, -1)  # [B, W], both dynamic
+    assert tuple(backend.context.get_tensor_shape("logits"))[:2] == (-1, -1)  # [B, W, V]: unknown before inputs
     with pytest.raises(BundleError, match="takes windows of 4..4 tokens but mars_config.json says 8"):
         TrtBackend(engine_bundle, replace(config, window=8, block_size=4))
 

@@ -227,15 +227,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": environment(), "model": args.model,
               "block_size": args.block, "max_new_tokens": args.max_new_tokens, "dry_run": args.dry_run, "runs": {}}
-    try:
-        prompts = load_prompts(args.prompts, args.num_prompts)
-        refs = references(args.model, args.mask_token, prompts, args.max_new_tokens)
-        report["references"] = [{"kind": r["kind"], "num_prompt_tokens": len(r["prompt_ids"]),
-                                 "num_tokens": len(r["token_ids"])} for r in refs["rows"]]
-    except (ValueError, RuntimeError, ImportError, OSError) as e:
-        report["environment"]["missing"].append(f"the prompts and the model {args.model!r}: {e}")
-        refs = None
     missing = report["environment"]["missing"]
+    refs = None
+    if args.dry_run or not missing:  # a full run stops at once when the GPU part cannot run
+        try:
+            prompts = load_prompts(args.prompts, args.num_prompts)
+            refs = references(args.model, args.mask_token, prompts, args.max_new_tokens)
+            report["references"] = [{"kind": r["kind"], "num_prompt_tokens": len(r["prompt_ids"]),
+                                     "num_tokens": len(r["token_ids"])} for r in refs["rows"]]
+        except (ValueError, RuntimeError, ImportError, OSError) as e:
+            missing.append(f"the prompts and the model {args.model!r}: {e}")
     if args.dry_run:
         ok = refs is not None  # the CPU part ran; what the GPU part lacks is listed, not fatal
     else:

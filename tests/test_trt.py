@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -307,3 +308,22 @@ def test_server_takes_its_limits_from_the_engine(engine_bundle, standin, capsys)
         assert serve.main([str(engine_bundle / "engine.plan"), option, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+
+
+def test_gpu_check_full_run_on_the_standin(tiny_bundle, tmp_path, standin):
+    """bench/gpu_check.py past its dry run, in process: export --fp16/--fp32 --trt (engine built,
+    parity on the TensorRT backend), tau = 1 identity against the CPU references, speed."""
+    from support import load_script
+    ckpt, _ = tiny_bundle("qwen2", 4)
+    gpu_check = load_script(Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py")
+    out = tmp_path / "gpu_check.json"
+    code = gpu_check.main(["--model", str(ckpt), "--mask-token", "<mask>", "--fp32", "--num-prompts", "2",
+                           "--max-new-tokens", "8", "--work", str(tmp_path / "bundles"), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["environment"]["missing"] == [] and report["environment"]["gpu"].startswith("TensorRT contract")
+    assert code == (0 if report["passed"] else 1)
+    for name in ("fp16", "fp32"):
+        run = report["runs"][name]
+        assert run["export"]["exit_code"] == 0 and "tensorrt" in run["parity"]["backends"]
+        assert run["identity_tau1"]["total"] == 2 and run["speed"]["tau=1.0"]["tpf"] == 1.0
+    assert report["runs"]["fp32"]["identity_tau1"]["identical"] == 2  # same math as the fp32 reference

@@ -149,7 +149,7 @@ def standin(monkeypatch):
     """TensorRT and cuda-python replaced by the contract stand-in for this test; byte counters reset."""
     import trt_standin
     trt_standin.install(monkeypatch)
-    trt_standin.STATS.clear()
+    trt_standin.cuda.STATS.clear()
     return trt_standin
 
 
@@ -223,16 +223,16 @@ def test_refused_address_and_close(engine_bundle, standin):
     """A refused set_tensor_address raises; close frees every buffer and destroys the stream."""
     from runtime.trt_backend import TrtBackend
     config = load_config(engine_bundle)
-    allocated = set(standin.MEMORY.blocks)
+    allocated = set(standin.cuda.MEMORY.blocks)
     backend = TrtBackend(engine_bundle, config)
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 60, np.float32)
     ids = np.zeros((1, 4), np.int64)  # [B, W]
     backend.step(ids, ids, np.ones((1, 1, 4, cache.capacity + 4), bool), cache.past(1))
-    assert set(standin.MEMORY.blocks) > allocated
+    assert set(standin.cuda.MEMORY.blocks) > allocated
     stream = backend.stream
     cache.close()
     backend.close()
-    assert set(standin.MEMORY.blocks) == allocated and standin.STREAMS[int(stream)].is_destroyed
+    assert set(standin.cuda.MEMORY.blocks) == allocated and standin.cuda.STREAMS[int(stream)].is_destroyed
     backend = TrtBackend(engine_bundle, config)
     backend.context.set_tensor_address = lambda name, ptr: False  # as TensorRT answers a name it does not know
     empty = [(np.zeros((1, config.num_kv_heads, 0, config.head_dim), np.float32),) * 2] * config.num_layers
@@ -281,17 +281,17 @@ def test_step_traffic_matches_the_bytes_moved(engine_bundle, standin):
     host_past = [(np.zeros((2, config.num_kv_heads, cache.capacity, config.head_dim), np.float32),) * 2
                  ] * config.num_layers
     for past, is_device in [(host_past, False), (cache.past(2), True)]:
-        standin.STATS.clear()
+        standin.cuda.STATS.clear()
         _, presents = backend.step(ids, ids, mask, past)
         want = step_traffic(config, 2, cache.capacity, is_device)
-        assert standin.STATS["h2d"] == want["host_to_device"] and standin.STATS["d2h"] == want["device_to_host"]
-        assert standin.STATS["d2d"] == 0  # the step itself copies nothing device-side
-    assert standin.STATS["h2d_pageable"] == standin.STATS["d2h_pageable"] == 0  # pinned staging only
+        assert standin.cuda.STATS["h2d"] == want["host_to_device"] and standin.cuda.STATS["d2h"] == want["device_to_host"]
+        assert standin.cuda.STATS["d2d"] == 0  # the step itself copies nothing device-side
+    assert standin.cuda.STATS["h2d_pageable"] == standin.cuda.STATS["d2h_pageable"] == 0  # pinned staging only
     cache.commit(presents, [4, 4])  # every new entry of both rows: the bound step_traffic gives
     backend.cuda.synchronize(backend.stream)  # the commit is queued on the stream, like the forward
-    assert standin.STATS["d2d"] == want["device_to_device"]
-    key = standin.read_device(cache.keys[0].ptr, cache.keys[0].shape, np.float32)  # [N, H, S, D]
-    new = standin.read_device(presents[0][0].ptr, presents[0][0].shape, np.float32)  # [n, H, W, D]
+    assert standin.cuda.STATS["d2d"] == want["device_to_device"]
+    key = standin.cuda.read_device(cache.keys[0].ptr, cache.keys[0].shape, np.float32)  # [N, H, S, D]
+    new = standin.cuda.read_device(presents[0][0].ptr, presents[0][0].shape, np.float32)  # [n, H, W, D]
     np.testing.assert_array_equal(key[:, :, :4], new)
     assert not np.isnan(key).any()  # zero-filled: masked positions hold finite numbers
 

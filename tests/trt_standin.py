@@ -1,22 +1,19 @@
-"""TensorRT and CUDA runtime stand-ins for CPU tests: only the documented behaviour our code relies on.
+"""TensorRT's Python API stood in for CPU tests: only the documented behaviour our code relies on.
 
-``install(monkeypatch)`` puts two modules in ``sys.modules``: ``tensorrt`` (the Python API
-subset :mod:`runtime.trt_build` and :mod:`runtime.trt_backend` call) and
-``cuda.bindings.runtime`` (cuda-python's runtime calls of :mod:`runtime.cuda_runtime`). The
-code under test is the real code; only these two libraries are stood in for.
+``install(monkeypatch)`` puts two modules in ``sys.modules``: ``tensorrt`` (this module's
+subset of the Python API that :mod:`runtime.trt_build` and :mod:`runtime.trt_backend` call)
+and ``cuda.bindings.runtime`` (:mod:`cuda_standin`, cuda-python's runtime calls of
+:mod:`runtime.cuda_runtime`). The code under test is the real code; only these two
+libraries are stood in for.
 
 Each behaviour cites where it is documented:
   [H]  NVIDIA TensorRT include/NvInferRuntime.h (ICudaEngine, IExecutionContext, IOptimizationProfile)
   [HB] NVIDIA TensorRT include/NvInfer.h (BuilderFlag)
   [PY] TensorRT Python API reference (tensorrt.Builder, IBuilderConfig, ICudaEngine, IExecutionContext)
-  [CU] CUDA runtime API reference (cudaMalloc, cudaMemcpyAsync, cudaMemcpy2DAsync, streams)
 
-The math is real: the "engine" runs the same ONNX file on onnxruntime (CPU, one thread).
-"Device memory" is host memory the stand-in allocates and tracks, so a host pointer where
-a device pointer belongs (or the reverse) is caught, and so is an address outside its
-allocation. Stream work is queued and runs at ``cudaStreamSynchronize``, as on a GPU, so a
-host buffer read or written after its asynchronous copy was queued shows up as wrong data.
-The counters in :data:`STATS` give the bytes each copy direction moved.
+The math is real: the "engine" runs the same ONNX file on onnxruntime (CPU, one thread),
+reading its inputs from and writing its outputs to the stand-in's device memory when the
+stream runs.
 """
 
 from __future__ import annotations
@@ -26,202 +23,16 @@ import enum
 import json
 import sys
 import types
-from collections import Counter
 from pathlib import Path
 
+import cuda_standin as cuda
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 MAGIC = b"TRT-STANDIN-PLAN\n"
-ALIGNMENT = 256  # [CU] cudaMalloc: "The allocated memory is suitably aligned for any kind of variable"; [H]
-#                  setTensorAddress: "The pointer must have at least 256-byte alignment."
-STATS: Counter = Counter()  # bytes by copy kind ("h2d", "d2h", "d2d", "h2d_pageable", "d2h_pageable")
 
 
-# ----------------------------------------------------------------------------------------------- CUDA runtime
-class cudaError_t(enum.IntEnum):  # noqa: N801 (cuda-python's names)
-    cudaSuccess = 0
-    cudaErrorInvalidValue = 1
-    cudaErrorMemoryAllocation = 2
-
-
-class cudaMemcpyKind(enum.IntEnum):  # noqa: N801
-    cudaMemcpyHostToHost = 0
-    cudaMemcpyHostToDevice = 1
-    cudaMemcpyDeviceToHost = 2
-    cudaMemcpyDeviceToDevice = 3
-
-
-class _Memory:
-    """Live allocations: base address -> (backing array, "device" or "pinned")."""
-
-    def __init__(self):
-        self.blocks: dict[int, tuple[np.ndarray, int, str]] = {}  # base -> (backing, size, kind)
-
-    def allocate(self, size: int, kind: str) -> int:
-        backing = np.empty(size + ALIGNMENT, np.uint8)
-        # [CU] device memory is uninitialized: NaN bytes model that (0 * NaN is NaN, so unmasked reads show)
-        backing[:] = 0xFF
-        base = (backing.ctypes.data + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        self.blocks[base] = (backing, size, kind)
-        return base
-
-    def release(self, ptr: int, kind: str) -> bool:
-        block = self.blocks.get(ptr)
-        if block is None or block[2] != kind:
-            return False
-        del self.blocks[ptr]
-        return True
-
-    def kind_of(self, ptr: int, nbytes: int) -> str | None:
-        """"device" or "pinned" when [ptr, ptr + nbytes) lies inside one allocation; None for other host memory;
-        "out of bounds" when it starts inside one allocation and runs past its end."""
-        for base, (_, size, kind) in self.blocks.items():
-            if base <= ptr < base + max(size, 1):
-                return kind if ptr + nbytes <= base + size else "out of bounds"
-        return None
-
-
-MEMORY = _Memory()
-
-
-class _Stream:
-    """[CU] Work queued on a stream runs in order; the host sees its results after cudaStreamSynchronize."""
-
-    handles = 0
-
-    def __init__(self):
-        _Stream.handles += 1
-        self.handle, self.queue, self.is_destroyed = 0x5000 + _Stream.handles, [], False
-
-    def __int__(self):
-        return self.handle
-
-    def run(self) -> None:
-        while self.queue:
-            self.queue.pop(0)()
-
-
-STREAMS: dict[int, _Stream] = {}
-
-
-def _stream(stream) -> _Stream | None:
-    found = STREAMS.get(int(stream))
-    return found if found is not None and not found.is_destroyed else None
-
-
-def cudaGetDeviceCount():  # noqa: N802
-    return cudaError_t.cudaSuccess, 1
-
-
-def cudaGetDeviceProperties(device: int):  # noqa: N802
-    return cudaError_t.cudaSuccess, types.SimpleNamespace(name=b"TensorRT contract stand-in (CPU)")
-
-
-def cudaMalloc(size: int):  # noqa: N802
-    return cudaError_t.cudaSuccess, MEMORY.allocate(size, "device")
-
-
-def _finish_all() -> None:
-    """[CU] cudaFree / cudaFreeHost synchronize with the device: queued work completes first."""
-    for stream in STREAMS.values():
-        stream.run()
-
-
-def cudaFree(ptr: int):  # noqa: N802
-    _finish_all()
-    return (cudaError_t.cudaSuccess if MEMORY.release(ptr, "device") else cudaError_t.cudaErrorInvalidValue,)
-
-
-def cudaMallocHost(size: int):  # noqa: N802 [CU] page-locked host memory, directly readable by the host
-    return cudaError_t.cudaSuccess, MEMORY.allocate(size, "pinned")
-
-
-def cudaFreeHost(ptr: int):  # noqa: N802
-    _finish_all()
-    return (cudaError_t.cudaSuccess if MEMORY.release(ptr, "pinned") else cudaError_t.cudaErrorInvalidValue,)
-
-
-def cudaStreamCreate():  # noqa: N802
-    stream = _Stream()
-    STREAMS[stream.handle] = stream
-    return cudaError_t.cudaSuccess, stream
-
-
-def cudaStreamDestroy(stream):  # noqa: N802
-    found = _stream(stream)
-    if found is None:
-        return (cudaError_t.cudaErrorInvalidValue,)
-    found.run()  # [CU] work already queued completes before the stream's resources are released
-    found.is_destroyed = True
-    return (cudaError_t.cudaSuccess,)
-
-
-def cudaStreamSynchronize(stream):  # noqa: N802
-    found = _stream(stream)
-    if found is None:
-        return (cudaError_t.cudaErrorInvalidValue,)
-    found.run()
-    return (cudaError_t.cudaSuccess,)
-
-
-_DIRECTIONS = {cudaMemcpyKind.cudaMemcpyHostToDevice: ("device", "host", "h2d"),
-               cudaMemcpyKind.cudaMemcpyDeviceToHost: ("host", "device", "d2h"),
-               cudaMemcpyKind.cudaMemcpyDeviceToDevice: ("device", "device", "d2d")}
-
-
-def _side(ptr: int, nbytes: int) -> str | None:
-    kind = MEMORY.kind_of(ptr, nbytes)
-    return {"device": "device", "pinned": "host", None: "host"}.get(kind)
-
-
-def cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):  # noqa: N802
-    """[CU] height rows of width bytes, rows dpitch / spitch bytes apart; width must not exceed either
-    pitch; pointers must match the direction of ``kind``."""
-    if not all(type(x) is int for x in (dst, dpitch, src, spitch, width, height)):
-        # cuda-python takes addresses and sizes as Python ints; another object (a numpy integer
-        # included) would go down its buffer-protocol path and be read as a host buffer
-        return (cudaError_t.cudaErrorInvalidValue,)
-    found, direction = _stream(stream), _DIRECTIONS.get(kind)
-    if found is None or direction is None or width > dpitch or width > spitch or height < 1:
-        return (cudaError_t.cudaErrorInvalidValue,)
-    dst_side, src_side = _side(dst, (height - 1) * dpitch + width), _side(src, (height - 1) * spitch + width)
-    if (dst_side, src_side) != direction[:2]:
-        return (cudaError_t.cudaErrorInvalidValue,)
-    name = direction[2]
-    if name != "d2d" and MEMORY.kind_of(dst if name == "d2h" else src, 1) is None:
-        STATS[f"{name}_pageable"] += width * height
-    STATS[name] += width * height
-
-    def copy():
-        for row in range(height):
-            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
-
-    found.queue.append(copy)
-    return (cudaError_t.cudaSuccess,)
-
-
-def cudaMemcpyAsync(dst, src, count, kind, stream):  # noqa: N802
-    return cudaMemcpy2DAsync(dst, count, src, count, count, 1, kind, stream)
-
-
-def cudaMemsetAsync(ptr, value, count, stream):  # noqa: N802
-    found = _stream(stream)
-    if found is None or type(ptr) is not int or _side(ptr, count) != "device":
-        return (cudaError_t.cudaErrorInvalidValue,)
-    found.queue.append(lambda: ctypes.memset(ptr, value, count))
-    return (cudaError_t.cudaSuccess,)
-
-
-def read_device(ptr: int, shape, dtype) -> np.ndarray:
-    """Test helper: a copy of device memory at ``ptr`` as an array (synchronize first)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    assert MEMORY.kind_of(ptr, nbytes) == "device", "not a device range"
-    return np.frombuffer(ctypes.string_at(ptr, nbytes), dtype).reshape(shape).copy()
-
-
-# ----------------------------------------------------------------------------------------------- TensorRT
 class DataType(enum.IntEnum):  # [PY] tensorrt.DataType
     FLOAT = 0
     HALF = 1
@@ -485,20 +296,20 @@ class IExecutionContext:
         """[H] enqueueV3: queue the forward on the stream; True if enqueued. "each input must have a
         non-null address and each output must have a non-null address" (empty tensors included);
         [H] setTensorAddress: device buffers "of sufficient size and alignment", 256-byte aligned."""
-        stream = _stream(stream_handle)
+        stream = cuda.find_stream(stream_handle)
         shapes = {n: self.get_tensor_shape(n) for n in self.engine.names}
         if stream is None or any(-1 in s for s in shapes.values()):
             return False
         dtypes = {n: np.dtype(nptype(self.engine.get_tensor_dtype(n))) for n in self.engine.names}
         for name in self.engine.names:
             ptr, nbytes = self.addresses.get(name, 0), int(np.prod(shapes[name])) * dtypes[name].itemsize
-            if not ptr or ptr % ALIGNMENT or MEMORY.kind_of(ptr, nbytes) != "device":
+            if not ptr or ptr % cuda.ALIGNMENT or cuda.MEMORY.kind_of(ptr, nbytes) != "device":
                 return False
         addresses = dict(self.addresses)
         inputs = [n for n in self.engine.names if self.engine.get_tensor_mode(n) == TensorIOMode.INPUT]
 
         def forward():
-            feeds = {n: read_device(addresses[n], shapes[n], dtypes[n]) for n in inputs}
+            feeds = {n: cuda.read_device(addresses[n], shapes[n], dtypes[n]) for n in inputs}
             outputs = self.engine.session.run(None, feeds)
             for out, value in zip(self.engine.session.get_outputs(), outputs):
                 assert value.shape == shapes[out.name], (out.name, value.shape, shapes[out.name])
@@ -519,8 +330,7 @@ def _module(name: str, **attributes) -> types.ModuleType:
 def install(monkeypatch) -> None:
     """Make ``import tensorrt`` and ``from cuda.bindings import runtime`` find the stand-ins (test scope)."""
     here = sys.modules[__name__].__dict__
-    cuda_names = [n for n in here if n.startswith("cuda")]
-    runtime = _module("cuda.bindings.runtime", **{n: here[n] for n in cuda_names})
+    runtime = _module("cuda.bindings.runtime", **{n: getattr(cuda, n) for n in dir(cuda) if n.startswith("cuda")})
     bindings = _module("cuda.bindings", runtime=runtime)
     trt_names = ["DataType", "nptype", "TensorIOMode", "BuilderFlag", "NetworkDefinitionCreationFlag",
                  "MemoryPoolType", "Logger", "OnnxParser", "Builder", "Runtime", "ICudaEngine", "IExecutionContext"]

@@ -30,6 +30,7 @@ from runtime.serving.metrics import ServerMetrics
 from runtime.text.tokenizer import Tokenizer
 
 API_KEY_ENV = "MARS_API_KEY"
+DEFAULT_MAX_BATCH = 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,9 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"require 'Authorization: Bearer KEY' on /v1 and /admin (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-batch-size", type=int, default=8, help="KV slots: most sequences decoding at once")
+    g.add_argument("--max-batch-size", type=int, default=None,
+                   help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
+                        "engine's largest batch when smaller)")
     g.add_argument("--scheme", default="continuous", choices=SCHEMES, help="batch scheme (default continuous)")
-    g.add_argument("--max-seq-len", type=int, default=None, help="tokens per slot (default: the model's context)")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile)")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
     g = p.add_argument_group("tau and the load policy")
@@ -71,7 +75,6 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     Raises:
         BundleError, ValueError: bad path, bundle, or option value (the message says which).
     """
-    engine_config = EngineConfig(args.max_batch_size, args.scheme, args.max_seq_len)
     policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
                         tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
                         queue_low=args.queue_low, queue_high=args.queue_high)
@@ -79,8 +82,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                           args.default_max_tokens)
     policy.check_base(args.tau)
     backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
-    metrics = ServerMetrics(args.max_batch_size)
-    engine = Engine(backend, config, engine_config)
+    # The limits come from the engine: a setting past its profile is refused (Engine), the default fits it.
+    max_batch_size = args.max_batch_size if args.max_batch_size is not None else \
+        min(DEFAULT_MAX_BATCH, backend.max_batch or DEFAULT_MAX_BATCH)
+    engine = Engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))
+    metrics = ServerMetrics(max_batch_size)
     ctx = ServerContext(engine_thread=EngineThread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
                         limits=limits, api_key=args.api_key)

@@ -13,7 +13,8 @@ last axis = P + W where P is the KV inputs' third axis.
 
 Networks are strongly typed (TensorRT 11 allows nothing else; TensorRT 10 gets the flag):
 the engine computes in the precision the ONNX graph states, so an fp16 engine comes from
-an ``mars-export --fp16`` bundle, not from a builder flag.
+an ``mars-export --fp16`` bundle, not from a builder flag. A float32 graph's engine is
+built with TF32 off, so it meets the fp32 export's parity tolerance.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def trtexec_command(config: BundleConfig, options: TrtBuildOptions, onnx_path: s
     def flag(which: int) -> str:
         return ",".join(f"{name}:{'x'.join(map(str, dims[which]))}" for name, dims in shapes.items())
 
-    parts = [f"trtexec --onnx={onnx_path} --saveEngine={engine_path} --stronglyTyped",
+    no_tf32 = " --noTF32" if config.dtype == "float32" else ""  # as build_engine
+    parts = [f"trtexec --onnx={onnx_path} --saveEngine={engine_path} --stronglyTyped{no_tf32}",
              f"--minShapes={flag(0)}", f"--optShapes={flag(1)}", f"--maxShapes={flag(2)}"]
     if options.workspace_mib:
         parts.append(f"--memPoolSize=workspace:{options.workspace_mib}")  # MiB
@@ -126,7 +128,8 @@ def require_tensorrt():
 
 def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleConfig,
                  options: TrtBuildOptions) -> None:
-    """Parse ``onnx_path``, build a strongly typed engine with one profile, write ``engine_path``.
+    """Parse ``onnx_path``, build a strongly typed engine with one profile (TF32 off for
+    float32 graphs), write ``engine_path``.
 
     Raises:
         RuntimeError: TensorRT missing, the parser rejected the graph (its errors are
@@ -142,6 +145,11 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleC
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
     builder_config = builder.create_builder_config()
+    if config.dtype == "float32":
+        # TF32 (on by default) rounds float32 matmul inputs to 10-bit mantissas, past the fp32 parity
+        # tolerance. The flag is a math mode, not a type choice: TensorRT 11, strongly typed only,
+        # still has it (NvInfer.h, BuilderFlag::kTF32), so a strongly typed network may clear it.
+        builder_config.clear_flag(trt.BuilderFlag.TF32)
     if options.workspace_mib:
         builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
     profile = builder.create_optimization_profile()

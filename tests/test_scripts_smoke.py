@@ -8,7 +8,8 @@ read a LoRA run of the default model, so one mars-train step on it is made once.
 elsewhere: scripts/test.sh and scripts/setup.sh are what CI runs (.ci/run);
 ``mars-export default-mars --block 4`` (the export demo.sh does when no BUNDLE is given) is
 the ``default_mars_bundle`` fixture.
-bench/gpu_check.py runs only where TensorRT and a GPU are.
+bench/gpu_check.py runs in full only where TensorRT and a GPU are; its --dry-run (everything
+before the first GPU call) runs here.
 """
 
 from __future__ import annotations
@@ -174,6 +175,21 @@ def test_ship_adapter(lora_run, tmp_path):
     info = json.loads((tmp_path / "mars_adapter.json").read_text())
     assert info["block_size"] == 4 and info["optimizer_steps"] == 1
     assert (tmp_path / "adapter_model.safetensors").stat().st_size > 0 and (tmp_path / "adapter_config.json").exists()
+
+
+def test_gpu_check_dry_run(smoke_model, tmp_path):
+    """Everything up to the first GPU call: environment, the package's prompts, CPU references;
+    what the GPU part lacks here (TensorRT at least) is listed with its install line."""
+    ckpt, _ = smoke_model
+    out = tmp_path / "gpu_check.json"
+    printed = json.loads(python("bench/gpu_check.py", "--dry-run", "--model", ckpt, "--mask-token", "<mask>",
+                                "--num-prompts", "2", "--max-new-tokens", "4", "--out", out))
+    report = json.loads(out.read_text())
+    assert printed["passed"] and report["passed"] and report["dry_run"] and report["runs"] == {}
+    assert [r["num_tokens"] for r in report["references"]] == [4, 4]
+    assert report["references"][0]["kind"].startswith("GSM8K")  # mars_export/data/parity_prompts.json
+    if GPU_MISSING is not None:
+        assert any("mars-edge[trt]" in line for line in report["environment"]["missing"])
 
 
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")

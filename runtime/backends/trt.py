@@ -1,14 +1,24 @@
 """Run a bundle's ``engine.plan`` with TensorRT's Python API and cuda-python (no torch).
 
 Same contract as :class:`runtime.backends.onnx.OnnxBackend`: :meth:`TrtBackend.step` takes
-numpy inputs and the past KV and returns float32 logits and the W new KV entries per
+the window inputs and the past KV and returns float32 logits and the W new KV entries per
 layer, so the same decoder, acceptance loop and cache manager drive either backend.
 
-Dimension letters: B batch, W window, P past length, H KV heads, D head dim, V vocab.
-Each step copies the inputs to the GPU, runs the engine on one CUDA stream and copies
-the outputs back (the KV cache lives on the host, as with onnxruntime). Device buffers
-are kept per tensor and grown when a step needs more; empty tensors (P = 0) still get a
-non-null buffer, which TensorRT requires.
+Dimension letters (runtime/__init__.py): n batch rows, W window, P past length (the cache
+capacity S when the whole buffer is fed), H KV heads, D head dim, V vocab, L layers.
+
+Where the KV cache lives (DESIGN.md §4):
+  - device-resident (:meth:`TrtBackend.make_cache`, what :class:`runtime.decode.engine.Engine`
+    uses): the past is bound straight from the cache's device buffers and the present
+    outputs stay on the device, where the cache commits the accepted entries itself. Per
+    step the host sends ids, positions and the attention mask and receives the logits,
+    through pinned staging buffers;
+  - host arrays (the parity check, any caller with numpy past): the past is copied to the
+    device and the present copied back, as with onnxruntime.
+:func:`step_traffic` counts the bytes each way per step, from these code paths.
+
+Device buffers are kept per tensor and grown (doubling) when a step needs more; empty
+tensors (P = 0) still get a non-null buffer, which TensorRT requires.
 
 Importing this module needs neither TensorRT nor a GPU; constructing a backend does, and
 says how to get them when they are missing.
@@ -22,55 +32,49 @@ import numpy as np
 
 from runtime import bundle
 from runtime.bundle import BundleConfig, BundleError
-from runtime.trt_build import INSTALL_HINT, profile_limits, require_tensorrt
+from runtime.backends.cuda_runtime import CudaRuntime, DeviceTensor
+from runtime.backends.device_kv_cache import DeviceKVCache
+from runtime.trt_build import profile_limits, require_tensorrt
+
+ALIGNMENT = 256  # bytes; TensorRT wants every tensor address so aligned (NvInferRuntime.h, setTensorAddress)
+WINDOW_INPUTS = (bundle.INPUT_IDS, bundle.POSITION_IDS, bundle.ATTENTION_MASK)
 
 
-def _cuda_runtime():
-    """The CUDA runtime bindings of cuda-python (``cuda.bindings.runtime``, or ``cuda.cudart`` before 12.6)."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        try:
-            from cuda import cudart as runtime
-        except ImportError as e:
-            raise RuntimeError(f"cuda-python is not available ({e}); {INSTALL_HINT}") from e
-    return runtime
+def expected_dtypes(config: BundleConfig) -> dict[str, np.dtype]:
+    """The dtype of every step-graph tensor (:mod:`runtime.bundle`): int64 ids and positions,
+    bool mask, float32 logits, KV in the bundle dtype."""
+    names = bundle.input_names(config.num_layers) + bundle.output_names(config.num_layers)
+    dtypes = {name: np.dtype(config.dtype) for name in names}
+    dtypes.update({bundle.INPUT_IDS: np.dtype(np.int64), bundle.POSITION_IDS: np.dtype(np.int64),
+                   bundle.ATTENTION_MASK: np.dtype(np.bool_), bundle.LOGITS: np.dtype(np.float32)})
+    return dtypes
 
 
-class _Cuda:
-    """The few CUDA runtime calls the backend makes, each checked."""
+def step_traffic(config: BundleConfig, num_rows: int, past_len: int, is_device_cache: bool) -> dict[str, int]:
+    """Bytes one :meth:`TrtBackend.step` moves, by direction, on its two code paths.
 
-    def __init__(self):
-        self.rt = _cuda_runtime()
-        count = self._check(self.rt.cudaGetDeviceCount(), "cudaGetDeviceCount")
-        if count < 1:
-            raise RuntimeError(f"no CUDA device found; the TensorRT backend needs an NVIDIA GPU ({INSTALL_HINT})")
+    Args:
+        config: the bundle (layers, KV heads, head dim, vocab, dtype, window W).
+        num_rows: n, the batch rows of the step.
+        past_len: S, the past length fed (the cache capacity).
+        is_device_cache: True for the device-resident cache (:meth:`TrtBackend.make_cache`),
+            False for host numpy past.
 
-    def _check(self, result, what: str):
-        err, *values = result if isinstance(result, tuple) else (result,)
-        if err != self.rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"{what} failed: {err}")
-        return values[0] if len(values) == 1 else values
-
-    def malloc(self, nbytes: int) -> int:
-        return int(self._check(self.rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
-
-    def free(self, ptr: int) -> None:
-        self._check(self.rt.cudaFree(ptr), "cudaFree")
-
-    def stream(self):
-        return self._check(self.rt.cudaStreamCreate(), "cudaStreamCreate")
-
-    def to_device(self, ptr: int, array: np.ndarray, stream) -> None:
-        kind = self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        self._check(self.rt.cudaMemcpyAsync(ptr, array.ctypes.data, array.nbytes, kind, stream), "cudaMemcpyAsync H2D")
-
-    def to_host(self, array: np.ndarray, ptr: int, stream) -> None:
-        kind = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        self._check(self.rt.cudaMemcpyAsync(array.ctypes.data, ptr, array.nbytes, kind, stream), "cudaMemcpyAsync D2H")
-
-    def synchronize(self, stream) -> None:
-        self._check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+    Returns:
+        ``host_to_device`` (window inputs, plus the whole past on the host path),
+        ``device_to_host`` (logits, plus every present on the host path) and
+        ``device_to_device`` (the device path's cache commit, at most W entries per row;
+        the host path's commit is a host copy). Bytes.
+    """
+    n, w, kv_item = num_rows, config.window, np.dtype(config.dtype).itemsize
+    window_inputs = n * w * 8 * 2 + n * w * (past_len + w)  # int64 ids and positions, bool mask [n, 1, W, P + W]
+    logits = n * w * config.vocab_size * 4  # float32 [n, W, V]
+    per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_item  # key + value, all layers
+    if is_device_cache:
+        return {"host_to_device": window_inputs, "device_to_host": logits,
+                "device_to_device": n * w * per_position}
+    return {"host_to_device": window_inputs + n * past_len * per_position,
+            "device_to_host": logits + n * w * per_position, "device_to_device": 0}
 
 
 class TrtBackend:
@@ -80,9 +84,15 @@ class TrtBackend:
         bundle_dir: the bundle directory.
         config: its :class:`~runtime.bundle.BundleConfig` (``engine_file`` must be set).
 
+    Attributes:
+        max_batch, max_past: the largest batch and past length of the engine's optimization
+            profile; no step may feed more.
+        kv_dtype: the engine's KV dtype (the bundle's).
+
     Raises:
         BundleError: the bundle has no engine, the file is missing or not a TensorRT
-            engine for this GPU / TensorRT version, or its I/O names do not match.
+            engine for this GPU / TensorRT version, or its I/O names, dtypes or window do
+            not match the config.
         RuntimeError: TensorRT, cuda-python or a GPU is missing (the message names the fix).
     """
 
@@ -94,74 +104,175 @@ class TrtBackend:
         if not path.is_file():
             raise BundleError(f"{path} not found; build it with python -m runtime.trt_build {bundle_dir}")
         trt = require_tensorrt()
-        self.cuda = _Cuda()
+        self.cuda = CudaRuntime()
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
             raise BundleError(f"cannot load {path}: not a TensorRT engine built by this TensorRT version for this GPU; "
                               f"rebuild it with python -m runtime.trt_build {bundle_dir}")
         self.context = self.engine.create_execution_context()
-        self.stream = self.cuda.stream()
         self.num_layers = config.num_layers
+        self.dtypes = expected_dtypes(config)
+        _check_io(self.engine, config, path, trt)
         self.kv_dtype = np.dtype(config.dtype)
-        self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, capacity in bytes)
         self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
-        self._check_io(config, path, trt)
         # The engine feeds no larger batch nor past (KV cache capacity) than the profile accepts.
         self.max_batch, self.max_past = profile_limits(lambda name: self.engine.get_tensor_profile_shape(name, 0))
+        self.buffers: dict[str, DeviceTensor] = {}  # name -> device buffer (shape = (capacity in bytes,))
+        self.staging: dict[str, np.ndarray] = {}  # name -> pinned host buffer (uint8)
+        self.stream = self.cuda.stream()
+
+    def make_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype,
+                   num_slots: int = 1) -> DeviceKVCache:
+        """A KV cache in this backend's device memory (same arguments as :class:`runtime.decode.kv_cache.KVCache`).
+
+        Raises:
+            ValueError: ``dtype`` is not the engine's KV dtype.
+        """
+        if np.dtype(dtype) != self.kv_dtype:
+            raise ValueError(f"KV dtype {np.dtype(dtype)} differs from the engine's {self.kv_dtype}; "
+                             "use the bundle's dtype")
+        return DeviceKVCache(self.cuda, self.stream, num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-             past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        """Run one forward over a window; same shapes and dtypes as :meth:`runtime.backends.onnx.OnnxBackend.step`."""
+             past: list[tuple]) -> tuple[np.ndarray, list[tuple]]:
+        """Run one forward over a window.
+
+        Args:
+            input_ids, position_ids: int64 [n, W]; attention_mask: bool [n, 1, W, P + W].
+            past: per layer (key, value) [n, H, P, D] in the engine's KV dtype: numpy
+                arrays, or :class:`~runtime.backends.cuda_runtime.DeviceTensor` views of a
+                :meth:`make_cache` cache.
+
+        Returns:
+            logits float32 [n, W, V] (host), and per layer the new (key, value) [n, H, W, D]:
+            numpy arrays for a numpy past; for a device past, device views of this backend's
+            output buffers, valid until the next step.
+
+        Raises:
+            ValueError: a shape outside the engine's optimization profile, or a dtype other
+                than the engine's (nothing is converted silently).
+            RuntimeError: TensorRT refused an address or the forward.
+        """
+        is_device = isinstance(past[0][0], DeviceTensor)
         feeds = bundle.step_feeds(input_ids, position_ids, attention_mask, past)
-        for name, array in feeds.items():
-            array = np.ascontiguousarray(array, dtype=self.dtypes[name])
-            if not self.context.set_input_shape(name, array.shape):
-                raise ValueError(f"input {name} of shape {array.shape} is outside the engine's optimization profile; "
-                                 "rebuild the engine with a larger --max-batch / --max-context")
-            ptr = self._buffer(name, array.nbytes)
-            self.cuda.to_device(ptr, array, self.stream)
-            self.context.set_tensor_address(name, ptr)
-            feeds[name] = array  # keep the host copy alive until the stream is synchronized
-        outputs = {}
-        for name in bundle.output_names(self.num_layers):
-            outputs[name] = np.empty(tuple(self.context.get_tensor_shape(name)), self.dtypes[name])
-            self.context.set_tensor_address(name, self._buffer(name, outputs[name].nbytes))
+        sources = [self._bind_input(name, array) for name, array in feeds.items()]  # alive until synchronized
+        outputs = {name: self._bind_output(name) for name in bundle.output_names(self.num_layers)}
         if not self.context.execute_async_v3(int(self.stream)):
             raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
-        for name, array in outputs.items():
-            self.cuda.to_host(array, self.buffers[name][0], self.stream)
+        logits = self._pinned(bundle.LOGITS, outputs[bundle.LOGITS].shape, np.float32)  # [n, W, V]
+        self.cuda.to_host(logits, outputs[bundle.LOGITS].ptr, self.stream)
+        kv = [out if is_device else self._to_host(out) for out in list(outputs.values())[1:]]
         self.cuda.synchronize(self.stream)
-        kv = [outputs[name] for name in bundle.output_names(self.num_layers)[1:]]
-        return outputs[bundle.LOGITS], list(zip(kv[0::2], kv[1::2]))
+        del sources
+        return logits.copy(), list(zip(kv[0::2], kv[1::2]))  # the pinned logits buffer is reused next step
+
+    def _bind_input(self, name: str, array) -> np.ndarray | None:
+        """Set ``name``'s shape and address: a device view as it is, a host array copied to the device
+        (the window inputs through pinned staging). Returns the host array the copy reads, if any."""
+        if np.dtype(array.dtype) != self.dtypes[name]:
+            raise ValueError(f"input {name} is {np.dtype(array.dtype)} but the engine takes {self.dtypes[name]}")
+        if not self.context.set_input_shape(name, tuple(array.shape)):
+            raise ValueError(f"input {name} of shape {tuple(array.shape)} is outside the engine's optimization "
+                             "profile; rebuild the engine with a larger --max-batch / --max-context")
+        source = None
+        if isinstance(array, DeviceTensor):
+            if array.ptr % ALIGNMENT:
+                raise ValueError(f"input {name} is at a device address that is not {ALIGNMENT}-byte aligned, which "
+                                 "TensorRT requires; bind whole cache buffers (DeviceKVCache.past)")
+            ptr = array.ptr
+        else:
+            source = np.ascontiguousarray(array)
+            if name in WINDOW_INPUTS:
+                staged = self._pinned(name, source.shape, source.dtype)
+                staged[...] = source
+                source = staged
+            ptr = self._buffer(name, source.nbytes)
+            self.cuda.to_device(ptr, source, self.stream)
+        self._set_address(name, ptr)
+        return source
+
+    def _bind_output(self, name: str) -> DeviceTensor:
+        """The device buffer of output ``name``, sized from the shape TensorRT infers once all inputs are set."""
+        shape = tuple(self.context.get_tensor_shape(name))
+        if min(shape, default=0) < 0:
+            raise RuntimeError(f"TensorRT left output {name} with unknown dimensions {shape} after every input shape "
+                               "was set; the engine does not match this runtime's step graph, rebuild it")
+        dtype = self.dtypes[name]
+        out = DeviceTensor(self._buffer(name, int(np.prod(shape)) * dtype.itemsize), shape, dtype)
+        self._set_address(name, out.ptr)
+        return out
+
+    def _set_address(self, name: str, ptr: int) -> None:
+        if not self.context.set_tensor_address(name, ptr):
+            raise RuntimeError(f"TensorRT refused the address of {name}; the engine does not match this runtime's "
+                               "step graph, rebuild it")
+
+    def _pinned(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A ``shape`` view of ``name``'s pinned host buffer, grown (doubling) as needed."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        pinned = self.staging.get(name)
+        if pinned is None or pinned.nbytes < nbytes:
+            capacity = max(nbytes, 2 * pinned.nbytes if pinned is not None else 0)
+            if pinned is not None:
+                self.cuda.synchronize(self.stream)
+                self.cuda.free_pinned(pinned)
+            pinned = self.staging[name] = self.cuda.malloc_pinned(capacity)
+        return pinned[:nbytes].view(dtype).reshape(shape)
+
+    def _to_host(self, out: DeviceTensor) -> np.ndarray:
+        """A new host array that ``out`` is copied into (read it after synchronize)."""
+        host = np.empty(out.shape, out.dtype)
+        self.cuda.to_host(host, out.ptr, self.stream)
+        return host
 
     def _buffer(self, name: str, nbytes: int) -> int:
         """Device pointer of ``name``'s buffer, grown (doubling) to hold ``nbytes``."""
-        ptr, capacity = self.buffers.get(name, (0, 0))
-        if nbytes > capacity or not ptr:
-            if ptr:
+        buffer = self.buffers.get(name)
+        if buffer is None or nbytes > buffer.shape[0]:
+            capacity = max(nbytes, 2 * buffer.shape[0] if buffer else 0, 1)
+            if buffer is not None:
                 self.cuda.synchronize(self.stream)
-                self.cuda.free(ptr)
-            capacity = max(nbytes, 2 * capacity, 1)
-            ptr = self.cuda.malloc(capacity)
-            self.buffers[name] = (ptr, capacity)
-        return ptr
+                self.cuda.free(buffer.ptr)
+            buffer = self.buffers[name] = DeviceTensor(self.cuda.malloc(capacity), (capacity,), np.dtype(np.uint8))
+        return buffer.ptr
 
-    def _check_io(self, config: BundleConfig, path: Path, trt) -> None:
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        expected = bundle.input_names(config.num_layers) + bundle.output_names(config.num_layers)
-        if sorted(names) != sorted(expected):
-            raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
-                              f"past_key_values/present I/O, got {names[:4]}...; rebuild the engine")
-        self.dtypes = {name: np.dtype(trt.nptype(self.engine.get_tensor_dtype(name))) for name in names}
-        window = self.engine.get_tensor_shape(bundle.INPUT_IDS)[1]
-        if window != config.window:
-            raise BundleError(f"{path} has a window of {window} tokens but {bundle.CONFIG_FILE} says {config.window}; "
-                              "rebuild the engine")
+    def close(self) -> None:
+        """Free the device and pinned buffers and destroy the stream (the backend is unusable afterwards)."""
+        if getattr(self, "stream", None) is None:
+            return
+        self.cuda.synchronize(self.stream)
+        for buffer in self.buffers.values():
+            self.cuda.free(buffer.ptr)
+        for pinned in self.staging.values():
+            self.cuda.free_pinned(pinned)
+        self.cuda.destroy_stream(self.stream)
+        self.buffers, self.staging, self.stream = {}, {}, None
 
     def __del__(self):
-        for ptr, _ in getattr(self, "buffers", {}).values():
-            try:
-                self.cuda.free(ptr)
-            except RuntimeError:
-                pass  # the CUDA context may already be gone at interpreter exit
+        try:
+            self.close()
+        except (RuntimeError, ImportError):
+            pass  # the CUDA context (or cuda-python itself) may already be gone at interpreter exit
+
+
+def _check_io(engine, config: BundleConfig, path: Path, trt) -> None:
+    """Refuse an engine whose tensor names, dtypes or window differ from ``config``'s step graph.
+
+    The window is read from the optimization profile: the engine reports a dynamic axis as -1
+    in ``get_tensor_shape`` even when the profile fixes it (NvInferRuntime.h, ICudaEngine::getTensorShape).
+    """
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    expected = expected_dtypes(config)
+    if sorted(names) != sorted(expected):
+        raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
+                          f"past_key_values/present I/O, got {names[:4]}...; rebuild the engine")
+    for name, dtype in expected.items():
+        got = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+        if got != dtype:
+            raise BundleError(f"{path}: tensor {name} is {got} in the engine but {dtype} in a {config.dtype} bundle; "
+                              "rebuild the engine from this bundle's ONNX file")
+    smallest, _, largest = engine.get_tensor_profile_shape(bundle.INPUT_IDS, 0)  # [B, W] each
+    if not smallest[1] == largest[1] == config.window:
+        raise BundleError(f"{path} takes windows of {smallest[1]}..{largest[1]} tokens but {bundle.CONFIG_FILE} says "
+                          f"{config.window}; rebuild the engine")

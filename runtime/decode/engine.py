@@ -124,11 +124,14 @@ class Engine:
         backend: object with ``step(input_ids, position_ids, attention_mask, past)``,
             ``is_window_dynamic``, ``max_batch`` and ``max_past`` as
             :class:`runtime.backends.onnx.OnnxBackend`; no step feeds it a larger batch or past.
+            A backend may offer ``make_cache`` (``KVCache``'s arguments) to hold the KV cache
+            where it computes (:meth:`runtime.backends.trt.TrtBackend.make_cache`).
         config: the bundle config.
         engine_config: batch size, scheme and per-slot length.
 
     Raises:
-        ValueError: ``max_batch_size`` exceeds the backend's ``max_batch``.
+        ValueError: ``max_batch_size`` or ``max_seq_len`` exceeds what a bounded backend
+            (``max_batch`` not None: a TensorRT optimization profile) takes.
     """
 
     def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
@@ -136,10 +139,14 @@ class Engine:
         if backend.max_batch is not None and engine_config.max_batch_size > backend.max_batch:
             raise ValueError(f"max_batch_size {engine_config.max_batch_size} exceeds the backend's largest batch "
                              f"{backend.max_batch} (its optimization profile); lower it or rebuild the engine")
+        if backend.max_batch is not None and (engine_config.max_seq_len or 0) > backend.max_past:
+            raise ValueError(f"max_seq_len {engine_config.max_seq_len} exceeds the {backend.max_past} positions of "
+                             "past the backend takes (its optimization profile); lower it or rebuild the engine")
         # The past fed is the whole cache capacity, so the capacity stays within the backend's max_past.
         max_len = min(engine_config.max_seq_len or config.max_context, config.max_context, backend.max_past)
-        self.cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
-                             np.dtype(config.dtype), engine_config.max_batch_size)
+        make_cache = getattr(backend, "make_cache", KVCache)  # a GPU backend keeps the cache in device memory
+        self.cache = make_cache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
+                                np.dtype(config.dtype), engine_config.max_batch_size)
         self.is_window_dynamic = backend.is_window_dynamic  # T-token prefill, shorter AR steps
         self.prefill_chunk = engine_config.prefill_chunk if self.is_window_dynamic else 0
         self.scheduler = Scheduler(engine_config.max_batch_size, config.window, engine_config.scheme,

@@ -1,0 +1,105 @@
+"""KV cache in device memory for GPU backends (DESIGN.md §4): the past never crosses to the host.
+
+Dimension letters: L layers, N slots, H KV heads, S capacity, D head dim, W window, n rows.
+
+Same layout and bookkeeping as :class:`runtime.decode.kv_cache.KVCache` (it is a subclass: the
+lengths, :meth:`reserve`'s growth rule and :meth:`commit`'s overflow checks are that
+class's); only the storage differs. Per layer one key and one value buffer ``[N, H, S, D]``
+in device memory (one ``cudaMalloc`` each, so each is 256-byte aligned, as TensorRT wants
+its tensor addresses):
+  - :meth:`past` hands the backend :class:`~runtime.backends.cuda_runtime.DeviceTensor` views of
+    slots 0..n-1 (the first n * H * S * D elements: a leading-axis slice is contiguous),
+    which it binds as the graph's past inputs without a copy;
+  - :meth:`commit` takes the backend's present outputs as device tensors ``[n, H, W, D]``
+    and copies, for each row, its first ``count`` new entries after its length: one
+    device-to-device 2-D copy (H rows of ``count * D`` elements) per row and tensor;
+  - :meth:`reserve` reallocates (zero-filled: masked keys must hold finite numbers, as
+    0 * NaN is NaN) and copies the committed prefix device-to-device.
+Host<->device traffic of the cache: none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.backends.cuda_runtime import CudaRuntime, DeviceTensor
+from runtime.decode.kv_cache import KVCache
+
+
+class DeviceKVCache(KVCache):
+    """:class:`~runtime.decode.kv_cache.KVCache` over device buffers, on the backend's CUDA stream.
+
+    Args:
+        cuda: the backend's :class:`~runtime.backends.cuda_runtime.CudaRuntime`.
+        stream: the backend's stream; every copy is ordered on it with the forwards.
+        num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots: as ``KVCache``.
+
+    Raises:
+        RuntimeError: a CUDA call failed (out of device memory, for one).
+    """
+
+    def __init__(self, cuda: CudaRuntime, stream, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype, num_slots: int = 1):
+        self.cuda, self.stream = cuda, stream  # keys, values: L x DeviceTensor [N, H, S, D]
+        super().__init__(num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
+
+    def past(self, num_rows: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
+        """Device views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy)."""
+        return [(self._rows(k, 0, num_rows), self._rows(v, 0, num_rows)) for k, v in zip(self.keys, self.values)]
+
+    def past_of(self, slot: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
+        """Device views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` (no copy; 256-byte
+        aligned, as TensorRT wants, when H * S * D * itemsize is a multiple of 256)."""
+        return [(self._rows(k, slot, 1), self._rows(v, slot, 1)) for k, v in zip(self.keys, self.values)]
+
+    def close(self) -> None:
+        """Free the device buffers (the cache is unusable afterwards)."""
+        self.cuda.synchronize(self.stream)
+        for buffer in self.keys + self.values:
+            self.cuda.free(buffer.ptr)
+        self.keys, self.values = [], []
+
+    def __del__(self):
+        try:
+            if self.keys:
+                self.close()
+        except (RuntimeError, ImportError):
+            pass  # the CUDA context (or cuda-python itself) may already be gone at interpreter exit
+
+    def _rows(self, buffer: DeviceTensor, first: int, count: int) -> DeviceTensor:
+        """Slots ``first .. first + count - 1`` of a ``[N, H, S, D]`` buffer as ``[count, H, S, D]``."""
+        _, heads, capacity, dim = buffer.shape
+        offset = first * heads * capacity * dim * self.dtype.itemsize  # bytes
+        return DeviceTensor(buffer.ptr + offset, (count, heads, capacity, dim), self.dtype)
+
+    def _write(self, slot: int, presents: list[tuple[DeviceTensor, DeviceTensor]], row: int, count: int) -> None:
+        """Device-side copy of the first ``count`` new entries of ``presents`` row ``row`` after slot ``slot``'s length."""
+        start, item = int(self.lengths[slot]), self.dtype.itemsize
+        for pair, key, value in zip(presents, self.keys, self.values):
+            for new, buffer in zip(pair, (key, value)):
+                assert isinstance(new, DeviceTensor) and np.dtype(new.dtype) == self.dtype, "presents must be on the device"
+                _, heads, window, dim = new.shape  # [n, H, W, D]
+                capacity = buffer.shape[2]
+                src = new.ptr + row * heads * window * dim * item
+                dst = buffer.ptr + ((slot * heads) * capacity + start) * dim * item
+                self.cuda.copy_rows(dst, capacity * dim * item, src, window * dim * item, count * dim * item, heads,
+                                    self.stream)
+
+    def _allocate(self, capacity: int) -> None:
+        """Device buffers ``[N, H, capacity, D]``, zero-filled, holding the committed prefix of the old ones."""
+        shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
+        keep = min(capacity, self.capacity) if self.keys else 0
+        item, old = self.dtype.itemsize, self.keys + self.values
+        new = []
+        for _ in range(2 * self.num_layers):
+            buffer = DeviceTensor(self.cuda.malloc(int(np.prod(shape)) * item), shape, self.dtype)
+            self.cuda.memset(buffer.ptr, buffer.nbytes, self.stream)
+            new.append(buffer)
+        for src, dst in zip(old, new) if keep else ():  # rows are (slot, head) pairs: N * H rows of keep * D
+            self.cuda.copy_rows(dst.ptr, capacity * self.head_dim * item, src.ptr, src.shape[2] * self.head_dim * item,
+                                keep * self.head_dim * item, self.num_slots * self.num_kv_heads, self.stream)
+        if old:
+            self.cuda.synchronize(self.stream)  # the copies read the old buffers
+            for buffer in old:
+                self.cuda.free(buffer.ptr)
+        self.keys, self.values = new[:self.num_layers], new[self.num_layers:]

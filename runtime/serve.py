@@ -64,8 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
+def build_app(args: argparse.Namespace, make_loop=EngineLoop) -> FastAPI:
     """Load the bundle and build the app (the engine thread starts with the app's lifespan).
+
+    ``make_loop`` builds the engine loop from ``(engine, policy, metrics, base_tau)``:
+    :class:`EngineLoop`, or a subclass such as the Ray replicas' (runtime/serve_ray.py).
 
     Raises:
         BundleError, ValueError: bad path, bundle, or option value (the message says which).
@@ -80,7 +83,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
     metrics = ServerMetrics(args.max_batch_size)
     engine = Engine(backend, config, engine_config)
-    ctx = ServerContext(engine_loop=EngineLoop(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
+    ctx = ServerContext(engine_loop=make_loop(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
                         max_seq_len=engine.cache.max_len,
                         window=config.window, vocab_size=config.vocab_size, limits=limits, api_key=args.api_key)

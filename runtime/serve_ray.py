@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from functools import partial
 
@@ -256,9 +257,8 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     single.load_backend(args.path, args.provider, 1)  # fail here, not in every replica
     port = args.port or free_port(args.host)
     serve.start(http_options={"host": args.host, "port": port})
-    board_name = f"{APP_NAME}-fleet-board"
-    board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE,
-                                                        get_if_exists=True).remote()
+    board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
+    board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
     deployment = serve.deployment(MarsReplica).options(name="MarsReplica", **fleet.deployment_options())
     serve.run(deployment.bind(serve_argv, board_name), name=APP_NAME, route_prefix="/")
     return Deployed(f"http://{args.host}:{port}", board)

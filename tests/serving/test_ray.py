@@ -24,7 +24,10 @@ ray = pytest.importorskip("ray", reason="needs the serve-ray extra")
 from ray import serve  # noqa: E402
 
 from runtime.decoding import DecodeParams  # noqa: E402
-from runtime.serve_ray import NAMESPACE, FleetOptions, deploy  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from runtime.serve_ray import NAMESPACE, FleetBoard, FleetOptions, deploy, merge_metrics  # noqa: E402
+from runtime.serving.metrics import ServerMetrics  # noqa: E402
 
 NUM_REPLICAS = 2
 
@@ -68,6 +71,33 @@ def solo_ids(runtime_parts, text: str, chat_: bool) -> list[int]:
     tokenizer, decoder = runtime_parts
     ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if chat_ else tokenizer.encode(text)
     return decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW)).token_ids
+
+
+def test_fleet_board_publishes_each_base_tau_once_in_order():
+    board = FleetBoard()
+    assert board.report("a", {"pid": 1}) == (0, None)
+    assert board.publish_tau(0.7) == 1 and board.publish_tau(0.9) == 2
+    assert board.report("b", {"pid": 2}) == (2, 0.9)
+    assert board.replicas() == {"a": {"pid": 1}, "b": {"pid": 2}}
+
+
+def test_merge_metrics_labels_every_sample_with_its_replica():
+    busy, idle = ServerMetrics(2), ServerMetrics(2)
+    busy.record_step(6, 2, now=1.0)
+    busy.record_outcome("stop")
+    merged = merge_metrics({"r1": busy.render().decode(), "r2": idle.render().decode()}).decode()
+    samples = {(s.name, s.labels.get("outcome"), s.labels["replica"]): s.value
+               for family in text_string_to_metric_families(merged) for s in family.samples}
+    assert samples["mars_generated_tokens_total", None, "r1"] == 6 and samples["mars_generated_tokens_total", None, "r2"] == 0
+    assert samples["mars_requests_total", "stop", "r1"] == 1 and samples["mars_requests_total", "stop", "r2"] == 0
+    assert samples["mars_max_slots", None, "r2"] == 2
+
+
+def test_fleet_options_reject_bad_counts():
+    with pytest.raises(ValueError, match="--max-replicas"):
+        FleetOptions(replicas=2, max_replicas=1)
+    assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
+        {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0}
 
 
 def test_openai_client_chat_and_completions_streamed_and_not(fleet, runtime_parts):

@@ -264,8 +264,8 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     return Deployed(f"http://{args.host}:{port}", board)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    """The Ray options, and the rest (``python -m runtime.serve`` arguments)."""
+def make_parser() -> argparse.ArgumentParser:
+    """The parser of the Ray options (the rest go to ``python -m runtime.serve``'s)."""
     p = argparse.ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
                                 epilog="Every option of `python -m runtime.serve` also applies (to each replica).")
     p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
@@ -277,8 +277,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         "policy sees its whole range)")
     p.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start one on this machine)")
-    ray_args, serve_argv = p.parse_known_args(argv)
-    return ray_args, serve_argv
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The Ray options, and the rest (``python -m runtime.serve`` arguments)."""
+    return make_parser().parse_known_args(argv)
 
 
 def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> FleetOptions:

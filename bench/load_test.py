@@ -217,6 +217,7 @@ class LoadRun:
         stop.set()
         await sampler
         await self.http.aclose()
+        await self.client.close()  # in this event loop (--ray runs one loop per replica count)
 
     async def ramp(self, args) -> None:
         self.phase = "ramp"

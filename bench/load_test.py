@@ -321,7 +321,8 @@ def run_single(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[st
     result = {"fixed": fixed | rss_trace(run.samples, "fixed"), "ramp": ramp, "ramp_levels": levels,
               "tpf_by_default_tau": tpf_by_tau(run.samples),
               "checks": fixed_checks(fixed) | {
-                  "streamed_text_equals_decode": fixed["text_not_equal_to_decode"] == ramp["text_not_equal_to_decode"] == 0,
+                  "streamed_text_equals_decode":
+                      fixed["text_not_equal_to_decode"] == ramp["text_not_equal_to_decode"] == 0,
                   "tau_moved": min(l["min_default_tau"] for l in levels) < 1.0,
                   "tau_restored": run.samples[-1]["default_tau"] == 1.0},
               "timeline": run.samples, "requests": run.records}

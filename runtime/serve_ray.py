@@ -180,7 +180,8 @@ class MarsReplica:
 
     def __init__(self, serve_argv: list[str], board_name: str):
         board = ray.get_actor(board_name, namespace=NAMESPACE)
-        self.fastapi_app = single.build_app(single.parse_args(serve_argv), make_loop=partial(FleetEngineLoop, board=board))
+        args = single.parse_args(serve_argv)
+        self.fastapi_app = single.build_app(args, make_loop=partial(FleetEngineLoop, board=board))
         add_fleet_routes(self.fastapi_app, board)
         self.sync = FleetSync(self.fastapi_app.state.ctx, board, serve.get_replica_context().replica_id.unique_id)
         self.sync.start()

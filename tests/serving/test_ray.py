@@ -88,7 +88,8 @@ def test_merge_metrics_labels_every_sample_with_its_replica():
     merged = merge_metrics({"r1": busy.render().decode(), "r2": idle.render().decode()}).decode()
     samples = {(s.name, s.labels.get("outcome"), s.labels["replica"]): s.value
                for family in text_string_to_metric_families(merged) for s in family.samples}
-    assert samples["mars_generated_tokens_total", None, "r1"] == 6 and samples["mars_generated_tokens_total", None, "r2"] == 0
+    tokens = "mars_generated_tokens_total"
+    assert samples[tokens, None, "r1"] == 6 and samples[tokens, None, "r2"] == 0
     assert samples["mars_requests_total", "stop", "r1"] == 1 and samples["mars_requests_total", "stop", "r2"] == 0
     assert samples["mars_max_slots", None, "r2"] == 2
 

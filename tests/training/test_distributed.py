@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from test_training_cli import train, weights
 
-ARGS = ["--block-size", "2", "--lr", "1e-3", "--lr-scheduler", "constant", "--logging-steps", "1", "--max-length", "256"]
+ARGS = ["--block-size", "2", "--lr", "1e-3", "--lr-scheduler", "constant", "--logging-steps", "1",
+        "--max-length", "256"]  # as test_training_cli.train
 TIMEOUT_S = 600
 
 

@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         ray.shutdown()
         return 2
-    print(f"mars-edge on Ray Serve running on {deployed.url} ({fleet.replicas} replicas); Ctrl-C stops it", flush=True)
+    count = fleet.replicas if fleet.max_replicas is None else f"{fleet.replicas} to {fleet.max_replicas}"
+    print(f"mars-edge on Ray Serve running on {deployed.url} (replicas: {count}); Ctrl-C stops it", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -205,6 +205,8 @@ class FleetOptions:
         max_ongoing_requests: most requests one replica holds at once (running or in its
             engine's queue); more wait in Serve's proxy.
         num_cpus: Ray CPUs reserved per replica (fractions allowed).
+        upscale_delay_s: how long the load must stay above target before a replica is added
+            (Serve's default, 30 s).
     """
 
     replicas: int = 1
@@ -212,14 +214,16 @@ class FleetOptions:
     target_ongoing_requests: float = 8.0
     max_ongoing_requests: int = 24
     num_cpus: float = 1.0
+    upscale_delay_s: float = 30.0
 
     def __post_init__(self):
         if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
             raise ValueError(f"need --replicas >= 1 and --max-replicas >= --replicas, got {self.replicas}, "
                              f"{self.max_replicas}")
-        if self.target_ongoing_requests <= 0 or self.max_ongoing_requests < 1 or self.num_cpus < 0:
-            raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1 and "
-                             "--num-cpus-per-replica >= 0")
+        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or min(self.num_cpus,
+                                                                                     self.upscale_delay_s) < 0:
+            raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1, "
+                             "--num-cpus-per-replica >= 0 and --upscale-delay-s >= 0")
 
     def deployment_options(self) -> dict:
         """Keyword arguments of ``Deployment.options``."""
@@ -227,7 +231,8 @@ class FleetOptions:
         if self.max_replicas is None:
             return options | {"num_replicas": self.replicas}
         return options | {"autoscaling_config": {"min_replicas": self.replicas, "max_replicas": self.max_replicas,
-                                                 "target_ongoing_requests": self.target_ongoing_requests}}
+                                                 "target_ongoing_requests": self.target_ongoing_requests,
+                                                 "upscale_delay_s": self.upscale_delay_s}}
 
 
 def free_port(host: str) -> int:
@@ -248,7 +253,8 @@ class Deployed:
 def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     """Start Serve's proxy and the replicas on the connected Ray cluster.
 
-    Returns once every replica is up. ``serve_argv`` are ``python -m runtime.serve``
+    Returns once every replica is up. Serve must not run yet on the cluster (its proxy's
+    address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are ``python -m runtime.serve``
     arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one).
 
     Raises:
@@ -276,6 +282,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="most requests a replica holds (default: --max-batch-size + --queue-high, so the load "
                         "policy sees its whole range)")
+    p.add_argument("--upscale-delay-s", type=float, default=30.0,
+                   help="seconds above target before the autoscaler adds a replica (default 30)")
     p.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start one on this machine)")
     return p
@@ -290,7 +298,7 @@ def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> Fle
     return FleetOptions(ray_args.replicas, ray_args.max_replicas,
                         ray_args.target_ongoing_requests or args.max_batch_size,
                         ray_args.max_ongoing_requests or args.max_batch_size + args.queue_high,
-                        ray_args.num_cpus_per_replica)
+                        ray_args.num_cpus_per_replica, ray_args.upscale_delay_s)
 
 
 def main(argv: list[str] | None = None) -> int:

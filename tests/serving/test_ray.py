@@ -98,7 +98,7 @@ def test_fleet_options_reject_bad_counts():
     with pytest.raises(ValueError, match="--max-replicas"):
         FleetOptions(replicas=2, max_replicas=1)
     assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
-        {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0}
+        {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
 
 
 def test_openai_client_chat_and_completions_streamed_and_not(fleet, runtime_parts):
@@ -169,3 +169,34 @@ def test_killed_replica_restarts_and_requests_end_cleanly(fleet, runtime_parts):
     after = [chat(fleet, f"{PROMPTS[1]} [{i}]", extra_body={"tau": 1.0}) for i in range(4)]
     for i, (_, _, mars, _) in enumerate(after):
         assert mars["token_ids"] == solo_ids(runtime_parts, f"{PROMPTS[1]} [{i}]", True)
+
+
+def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):
+    """Last in the module: redeploys with 1 to 2 replicas, a target of 1 ongoing request and no
+    upscale delay; 4 clients keep requests running until Serve has started the second replica."""
+    serve.shutdown()
+    _, bundle = tiny_bundle("llama", 4)
+    deployed = deploy([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--log-level", "warning"],
+                      FleetOptions(replicas=1, max_replicas=2, target_ongoing_requests=1, num_cpus=0.5,
+                                   upscale_delay_s=0))
+    scaled = SimpleNamespace(http=httpx.Client(base_url=deployed.url, timeout=DEADLINE_S),
+                             client=openai.OpenAI(base_url=f"{deployed.url}/v1", api_key="none", max_retries=0,
+                                                  timeout=DEADLINE_S))
+    assert len(replicas(scaled)) == 1
+    stop = threading.Event()
+
+    def client(worker: int) -> None:
+        for i in range(500):  # bounded
+            if stop.is_set():
+                return
+            chat(scaled, f"{PROMPTS[2]} ({worker}.{i})", extra_body={"tau": 1.0})
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(client, w) for w in range(4)]
+        try:
+            wait_until(lambda: len(replicas(scaled)) == 2, "the autoscaler to add a replica")
+        finally:
+            stop.set()
+        for done in running:
+            done.result()
+    scaled.http.close()

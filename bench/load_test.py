@@ -18,6 +18,12 @@ and runs two phases against the same process, without a restart:
    queue depth and TPF (from the server's counters) so TPF can be seen rising as tau falls.
 
 Writes ``load_test.json`` to ``--out`` (default bench/results/).
+
+With ``--ray 1 2`` it runs against the Ray Serve deployment instead (``runtime/serve_ray.py``,
+the ``serve-ray`` extra; a local Ray on this machine, loopback only): for each replica
+count in turn, the warm-up and the ``fixed`` phase with the same checks, the load read from
+``/fleet/metrics`` (summed over replicas) and the RSS summed over the replicas' processes;
+then the tokens/s of each count relative to the first. Writes ``load_test_ray.json``.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ramp", type=int, nargs="*", default=[1, 16, 32, 16, 1], help="clients per ramp step")
     p.add_argument("--ramp-step", type=float, default=10.0, help="seconds per ramp step")
     p.add_argument("--max-prompt-chars", type=int, default=None, help="cut prompts (for small-context models)")
+    p.add_argument("--ray", type=int, nargs="*", default=None, metavar="REPLICAS",
+                   help="run the fixed phase against Ray Serve with each of these replica counts (e.g. 1 2)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
@@ -115,10 +123,30 @@ def parse_metrics(text: str) -> dict:
     return values
 
 
+async def probe_server(http: httpx.AsyncClient, pid: int) -> dict:
+    """Load and RSS of the single server (its /metrics and its process)."""
+    m = parse_metrics((await http.get("/metrics")).text)
+    return {"rss_mb": round(rss_mb(pid), 1), "queue_depth": m["mars_queue_depth"],
+            "active_slots": m["mars_active_slots"], "default_tau": m["mars_default_tau"],
+            "tokens": m["mars_generated_tokens_total"], "forwards": m["mars_decode_forwards_total"]}
+
+
+async def probe_fleet(http: httpx.AsyncClient) -> dict:
+    """Load and RSS of the Ray replicas: /fleet/metrics summed over replicas (tau: the lowest)."""
+    totals: dict[str, list[float]] = {}
+    for name, value in parse_metrics((await http.get("/fleet/metrics")).text).items():
+        totals.setdefault(name.split("{")[0], []).append(value)
+    pids = [r["pid"] for r in (await http.get("/fleet/replicas")).json().values()]
+    return {"rss_mb": round(sum(rss_mb(pid) for pid in pids), 1), "queue_depth": sum(totals["mars_queue_depth"]),
+            "active_slots": sum(totals["mars_active_slots"]), "default_tau": min(totals["mars_default_tau"]),
+            "tokens": sum(totals["mars_generated_tokens_total"]), "forwards": sum(totals["mars_decode_forwards_total"])}
+
+
 class LoadRun:
     """Clients, sampler and records of one server process."""
 
-    def __init__(self, url: str, pid: int, prompts, solo, tokenizer: Tokenizer, max_tokens: int):
+    def __init__(self, url: str, pid: int | None, prompts, solo, tokenizer: Tokenizer, max_tokens: int):
+        """``pid``: the single server's process; None for the Ray deployment (read from /fleet/*)."""
         self.client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         self.http = httpx.AsyncClient(base_url=url, timeout=30)
         self.pid, self.prompts, self.solo, self.tokenizer, self.max_tokens = pid, prompts, solo, tokenizer, max_tokens
@@ -167,12 +195,9 @@ class LoadRun:
 
     async def sampler(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            m = parse_metrics((await self.http.get("/metrics")).text)
+            probe = await (probe_fleet(self.http) if self.pid is None else probe_server(self.http, self.pid))
             self.samples.append({"t_s": round(time.monotonic() - self.t0, 2), "phase": self.phase,
-                                 "clients": self.level, "rss_mb": round(rss_mb(self.pid), 1),
-                                 "queue_depth": m["mars_queue_depth"], "active_slots": m["mars_active_slots"],
-                                 "default_tau": m["mars_default_tau"], "tokens": m["mars_generated_tokens_total"],
-                                 "forwards": m["mars_decode_forwards_total"]})
+                                 "clients": self.level} | probe)
             try:
                 await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
             except asyncio.TimeoutError:
@@ -186,6 +211,16 @@ class LoadRun:
         self.phase, self.level = "fixed", args.clients
         until = time.monotonic() + args.duration
         await asyncio.gather(*(self.worker(w, until, 1.0) for w in range(args.clients)))
+        if args.ray is None:
+            await self.ramp(args)
+        self.phase, self.level = "drained", 0
+        await asyncio.sleep(2 * SAMPLE_EVERY_S)
+        stop.set()
+        await sampler
+        await self.http.aclose()
+        await self.client.close()  # in this event loop (--ray runs one loop per replica count)
+
+    async def ramp(self, args) -> None:
         self.phase = "ramp"
         ramp_start = time.monotonic()
 
@@ -196,11 +231,6 @@ class LoadRun:
 
         until = ramp_start + args.ramp_step * len(args.ramp)
         await asyncio.gather(*(self.worker(w, until, None, active) for w in range(max(args.ramp))))
-        self.phase, self.level = "drained", 0
-        await asyncio.sleep(2 * SAMPLE_EVERY_S)
-        stop.set()
-        await sampler
-        await self.http.aclose()
 
 
 def summarize_phase(records, samples, phase: str) -> dict:
@@ -270,15 +300,15 @@ def ramp_levels(samples, ramp: list[int]) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(args.bundle)
-    prompts = chat_prompts(tokenizer, args.max_prompt_chars)
-    print(f"solo runs of {len(prompts)} prompts at tau=1 ...", flush=True)
-    solo = solo_runs(args.bundle, prompts, args.max_tokens)
-    load_before = os.getloadavg()
+def fixed_checks(fixed: dict) -> dict:
+    """The correctness checks of the fixed phase (tau = 1: every response equals its solo run)."""
+    return {"fixed_zero_failed_or_lost": fixed["failed"] == fixed["lost"] == 0,
+            "fixed_all_equal_solo": fixed["not_equal_to_solo"] == 0 and fixed["ok"] == fixed["requests"],
+            "fixed_rss_growth_mb": round(fixed["rss_mb_end"] - fixed["rss_mb_start"], 1)}
+
+
+def run_single(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[str]]:
+    """Both phases against one ``python -m runtime.serve`` process; (result, keys to print)."""
     proc, url = start_server(args, Path(tempfile.mkdtemp(prefix="mars-load-")) / "server.log")
     try:
         run = LoadRun(url, proc.pid, prompts, solo, tokenizer, args.max_tokens)
@@ -289,21 +319,67 @@ def main(argv=None) -> int:
     fixed = summarize_phase(run.records, run.samples, "fixed")
     ramp = summarize_phase(run.records, run.samples, "ramp")
     levels = ramp_levels(run.samples, args.ramp)
+    result = {"fixed": fixed | rss_trace(run.samples, "fixed"), "ramp": ramp, "ramp_levels": levels,
+              "tpf_by_default_tau": tpf_by_tau(run.samples),
+              "checks": fixed_checks(fixed) | {
+                  "streamed_text_equals_decode":
+                      fixed["text_not_equal_to_decode"] == ramp["text_not_equal_to_decode"] == 0,
+                  "tau_moved": min(l["min_default_tau"] for l in levels) < 1.0,
+                  "tau_restored": run.samples[-1]["default_tau"] == 1.0},
+              "timeline": run.samples, "requests": run.records}
+    return result, ["fixed", "ramp", "ramp_levels", "tpf_by_default_tau", "checks"]
+
+
+def run_ray(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[str]]:
+    """Warm-up and fixed phase against Ray Serve with each replica count of ``--ray``; (result, keys to print)."""
+    import ray
+    from ray import serve
+
+    from runtime.serve_ray import NAMESPACE, FleetOptions, deploy
+
+    ray.init(num_cpus=max(args.ray), namespace=NAMESPACE, _node_ip_address=HOST, include_dashboard=False,
+             log_to_driver=False)
+    rows = []
+    try:
+        for replicas in args.ray:
+            deployed = deploy([args.bundle, "--host", HOST, "--port", "0", "--max-batch-size", str(args.max_batch_size),
+                               "--threads", str(args.threads), "--tau-min", str(args.tau_min), "--queue-high",
+                               str(args.queue_high), "--log-level", "warning"],
+                              FleetOptions(replicas=replicas, num_cpus=1.0,
+                                           max_ongoing_requests=args.max_batch_size + args.queue_high))
+            run = LoadRun(deployed.url, None, prompts, solo, tokenizer, args.max_tokens)
+            asyncio.run(run.run(args))
+            serve.shutdown()
+            fixed = summarize_phase(run.records, run.samples, "fixed")
+            rows.append({"replicas": replicas, "fixed": fixed | rss_trace(run.samples, "fixed"),
+                         "checks": fixed_checks(fixed) | {"streamed_text_equals_decode":
+                                                          fixed["text_not_equal_to_decode"] == 0},
+                         "timeline": run.samples, "requests": run.records})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    first = rows[0]["fixed"]["tokens_per_second"]
+    table = [{"replicas": r["replicas"], "tokens_per_second": r["fixed"]["tokens_per_second"],
+              "ratio_to_first": r["fixed"]["tokens_per_second"] / first if first else None,
+              "latency_s_p50": r["fixed"]["latency_s_p50"], "checks": r["checks"]} for r in rows]
+    return {"replicas": table, "runs": rows}, ["replicas"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(args.bundle)
+    prompts = chat_prompts(tokenizer, args.max_prompt_chars)
+    print(f"solo runs of {len(prompts)} prompts at tau=1 ...", flush=True)
+    solo = solo_runs(args.bundle, prompts, args.max_tokens)
+    load_before = os.getloadavg()
+    result, shown = (run_single if args.ray is None else run_ray)(args, prompts, solo, tokenizer)
     result = {"bundle": args.bundle, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-              "settings": {k: v for k, v in vars(args).items() if k != "out"},
-              "fixed": fixed | rss_trace(run.samples, "fixed"), "ramp": ramp, "ramp_levels": levels,
-              "tpf_by_default_tau": tpf_by_tau(run.samples),
-              "checks": {"fixed_zero_failed_or_lost": fixed["failed"] == fixed["lost"] == 0,
-                         "fixed_all_equal_solo": fixed["not_equal_to_solo"] == 0 and fixed["ok"] == fixed["requests"],
-                         "streamed_text_equals_decode": fixed["text_not_equal_to_decode"] == ramp["text_not_equal_to_decode"] == 0,
-                         "fixed_rss_growth_mb": round(fixed["rss_mb_end"] - fixed["rss_mb_start"], 1),
-                         "tau_moved": min(l["min_default_tau"] for l in levels) < 1.0,
-                         "tau_restored": run.samples[-1]["default_tau"] == 1.0},
-              "timeline": run.samples, "requests": run.records}
-    (out / "load_test.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("fixed", "ramp", "ramp_levels", "tpf_by_default_tau", "checks")},
-                     indent=1))
+              "settings": {k: v for k, v in vars(args).items() if k != "out"}} | result
+    (out / ("load_test.json" if args.ray is None else "load_test_ray.json")).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in shown}, indent=1))
     return 0
 
 

@@ -69,8 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
+def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     """Load the bundle and build the app (the engine thread starts with the app's lifespan).
+
+    ``make_thread`` builds the engine thread from ``(engine, policy, metrics, base_tau)``:
+    :class:`EngineThread`, or a subclass such as the Ray replicas' (runtime/serve_ray.py).
 
     Raises:
         BundleError, ValueError: bad path, bundle, or option value (the message says which).
@@ -87,7 +90,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         min(DEFAULT_MAX_BATCH, backend.max_batch or DEFAULT_MAX_BATCH)
     engine = Engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))
     metrics = ServerMetrics(max_batch_size)
-    ctx = ServerContext(engine_thread=EngineThread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
+    ctx = ServerContext(engine_thread=make_thread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
                         limits=limits, api_key=args.api_key)
     return make_app(ctx)

@@ -16,7 +16,8 @@ Targets: JetPack 6 (Ubuntu 22.04, CPython 3.10, aarch64), ARM64 servers and Rasp
 manylinux_2_28 (RHEL 8, Debian 10, Ubuntu 20.04 and newer). Every target gets the runtime
 with [cpu] and [export] (the export side resolves on aarch64 too, though exports are made
 on a workstation); the x86-64 targets also get [gpu]: onnxruntime-gpu has no aarch64
-wheels on PyPI, Jetson takes NVIDIA's (samples/jetson/README.md). [trt] is not here:
+wheels on PyPI, Jetson takes NVIDIA's (samples/jetson/README.md). [serve-ray] resolves for
+an x86-64 and an ARM64 server (cp311-x86_64, cp312-aarch64). [trt] is not here:
 tensorrt-cu12 is a source package that fetches its libraries when built.
 """
 
@@ -37,7 +38,8 @@ TARGETS = {"cp310-aarch64": ("3.10", "aarch64"), "cp312-aarch64": ("3.12", "aarc
            "cp310-x86_64": ("3.10", "x86_64"), "cp311-x86_64": ("3.11", "x86_64"), "cp312-x86_64": ("3.12", "x86_64")}
 MANYLINUX = "manylinux_2_28"
 JOBS = [(target, ("cpu", "export")) for target in TARGETS] + \
-       [(target, ("gpu",)) for target, (_, arch) in TARGETS.items() if arch == "x86_64"]
+       [(target, ("gpu",)) for target, (_, arch) in TARGETS.items() if arch == "x86_64"] + \
+       [(target, ("cpu", "serve-ray")) for target in ("cp311-x86_64", "cp312-aarch64")]
 WORKERS = 4  # the resolves wait on the network most of the time
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 PARSERS = {  # synopsis start -> the parser of that command
     "mars-export MODEL": lambda: _parser_of(export_cli.parse_args),
     "python -m runtime.generate": lambda: _parser_of(generate.parse_args),
+    "python -m runtime.serve_ray": lambda: import_module("runtime.serve_ray").make_parser(),  # before its prefix
     "python -m runtime.serve": lambda: _parser_of(serve.parse_args),
     "mars-train MODEL": train_cli.make_train_parser,
     "mars-train distill": train_cli.make_distill_parser,

@@ -107,6 +107,16 @@ def test_load_test(smoke_model, tmp_path):
     assert {"fixed", "ramp", "checks"} <= set(json.loads((tmp_path / "load_test.json").read_text()))
 
 
+def test_load_test_against_ray_replicas(smoke_model, tmp_path):
+    """--ray 1 2: the fixed phase against 1 then 2 Ray Serve replicas, every response equal to its solo run."""
+    _, bundle = smoke_model
+    python("bench/load_test.py", bundle, "--clients", "2", "--duration", "2", "--max-tokens", "8",
+           "--max-batch-size", "2", "--threads", "1", "--queue-high", "2", "--ray", "1", "2", "--out", tmp_path)
+    rows = json.loads((tmp_path / "load_test_ray.json").read_text())["replicas"]
+    assert [r["replicas"] for r in rows] == [1, 2] and rows[0]["ratio_to_first"] == 1.0
+    assert all(r["checks"]["fixed_all_equal_solo"] and r["checks"]["streamed_text_equals_decode"] for r in rows), rows
+
+
 def test_bench_peers_ours_only(smoke_model, tmp_path):
     """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
     with every variant of ours, and the lossless ones equal our AR ids."""

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     trainer.train(resume_from_checkpoint=resume_from)
     save_final_model(trainer, config)
-    print(f"saved the MARS model to {config.output}")
+    if trainer.is_world_process_zero():  # once, not once per process under accelerate launch / torchrun
+        print(f"saved the MARS model to {config.output}")
     return 0
 
 

@@ -1,0 +1,331 @@
+"""Serve a MARS bundle with Ray Serve replicas: ``python -m runtime.serve_ray PATH --replicas N [options]``.
+
+Each replica is one Ray Serve replica that owns one :class:`~runtime.decode.engine.Engine` (its
+own batch, KV cache, load policy and live tau) behind the FastAPI app of
+``python -m runtime.serve``, mounted as the Serve ingress: the same OpenAI routes, streamed
+or not, ``/health``, ``/metrics`` and ``/admin/tau``. Serve's proxy routes each request to a
+replica by its ongoing requests, and with ``--max-replicas`` Serve's autoscaler adds and
+removes replicas to keep about ``--target-ongoing-requests`` per replica.
+
+The replicas share one small Ray actor, the *fleet board*: ``POST /admin/tau`` on any
+replica sets that replica's base tau and publishes it there, and every replica applies the
+newest published base tau within :data:`SYNC_S` (a replica that Ray restarts applies it as
+it starts). Each replica reports its load and its Prometheus metrics to the board, served
+by two routes that exist only here: ``GET /fleet/replicas`` (per replica: pid, queue depth,
+slots, base and default tau) and ``GET /fleet/metrics`` (every replica's metrics, labelled
+``replica="ID"``). Needs the ``serve-ray`` extra. Options after the Ray ones are those of
+``python -m runtime.serve`` (``--host``/``--port`` are the Serve proxy's; binds 127.0.0.1
+unless told).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from functools import partial
+
+import ray
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from runtime import serve as single
+from runtime.serving.engine_thread import EngineThread
+
+log = logging.getLogger(__name__)
+NAMESPACE = "mars-edge"  # Ray namespace of the fleet board
+APP_NAME = "mars"
+SYNC_S = 0.25  # how often each replica reports to the board and picks up the fleet's base tau
+STALE_S = 3.0  # a replica not heard from for this long is left out of /fleet/*
+_BOARD_TIMEOUT_S = 30.0
+
+
+class FleetBoard:
+    """State shared by the replicas (a Ray actor): the published base tau and each replica's report.
+
+    The base tau carries a version that grows with each publication, so a replica applies
+    each one once, in order; the newest one wins when two admin calls race.
+    """
+
+    def __init__(self):
+        self._version, self._tau = 0, None
+        self._reports: dict[str, tuple[float, dict]] = {}  # replica id -> (monotonic time, report)
+
+    def publish_tau(self, tau: float) -> int:
+        """Publish a base tau for every replica; returns its version."""
+        self._version, self._tau = self._version + 1, float(tau)
+        return self._version
+
+    def report(self, replica_id: str, report: dict) -> tuple[int, float | None]:
+        """Record one replica's report; returns the newest (version, base tau) (0, None if none yet)."""
+        self._reports[replica_id] = (time.monotonic(), report)
+        return self._version, self._tau
+
+    def replicas(self) -> dict[str, dict]:
+        """The reports of the replicas heard from within :data:`STALE_S`, by replica id."""
+        now = time.monotonic()
+        return {rid: report for rid, (seen, report) in sorted(self._reports.items()) if now - seen <= STALE_S}
+
+
+class FleetEngineThread(EngineThread):
+    """The engine thread of a replica: the admin call also publishes the base tau to the board."""
+
+    def __init__(self, *args, board, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.board = board
+
+    def set_base_tau(self, tau: float) -> float:
+        """Set the base tau here, then publish it so every replica applies it (within :data:`SYNC_S`).
+
+        Raises:
+            ValueError: outside the policy's [tau_min, tau_max].
+        """
+        tau = super().set_base_tau(tau)
+        ray.get(self.board.publish_tau.remote(tau), timeout=_BOARD_TIMEOUT_S)
+        return tau
+
+    def apply_fleet_tau(self, tau: float) -> float:
+        """Apply a base tau published by any replica (here only, without publishing it again)."""
+        return super().set_base_tau(tau)
+
+
+class FleetSync:
+    """A thread of each replica: every :data:`SYNC_S` it reports the replica to the board and
+    applies a newer published base tau."""
+
+    def __init__(self, ctx, board, replica_id: str):
+        self.ctx, self.board, self.replica_id = ctx, board, replica_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mars-fleet-sync", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10 * SYNC_S)
+
+    def report(self) -> dict:
+        loop = self.ctx.engine_thread
+        return {"pid": os.getpid(), "is_alive": loop.is_alive, "queue_depth": loop.queue_depth,
+                "active_slots": loop.num_running, "base_tau": loop.base_tau, "default_tau": loop.default_tau,
+                "metrics": self.ctx.metrics.render().decode()}
+
+    def _run(self) -> None:
+        seen = 0
+        while not self._stop.wait(SYNC_S):
+            if not self.ctx.engine_thread.is_alive:  # not started yet, or stopping
+                continue
+            try:
+                version, tau = ray.get(self.board.report.remote(self.replica_id, self.report()),
+                                       timeout=_BOARD_TIMEOUT_S)
+                if version > seen:
+                    self.ctx.engine_thread.apply_fleet_tau(tau)
+                    seen = version
+            except (ray.exceptions.RayError, ValueError) as e:  # the board is gone (shutdown) or a bad tau
+                log.warning("fleet sync of replica %s failed: %s", self.replica_id, e)
+
+
+def merge_metrics(texts: dict[str, str]) -> bytes:
+    """The Prometheus texts of several replicas as one, each sample labelled ``replica="ID"``."""
+    families: dict[str, Metric] = {}
+    for replica_id, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                merged.add_sample(sample.name, sample.labels | {"replica": replica_id}, sample.value)
+
+    class Collector:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(Collector())
+    return generate_latest(registry)
+
+
+def add_fleet_routes(app: FastAPI, board) -> None:
+    """``GET /fleet/replicas`` and ``GET /fleet/metrics`` (from the board's reports)."""
+
+    @app.get("/fleet/replicas")
+    async def replicas():
+        reports = await board.replicas.remote()
+        return {rid: {k: v for k, v in report.items() if k != "metrics"} for rid, report in reports.items()}
+
+    @app.get("/fleet/metrics")
+    async def fleet_metrics():
+        reports = await board.replicas.remote()
+        body = merge_metrics({rid: report["metrics"] for rid, report in reports.items()})
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@serve.ingress()
+class MarsReplica:
+    """One Serve replica: the app of ``python -m runtime.serve`` (one engine) for ``serve_argv``.
+
+    Raises (in the replica; Serve reports the deployment as failed):
+        BundleError, ValueError: bad path, bundle or option value.
+    """
+
+    def __init__(self, serve_argv: list[str], board_name: str):
+        board = ray.get_actor(board_name, namespace=NAMESPACE)
+        args = single.parse_args(serve_argv)
+        self.fastapi_app = single.build_app(args, make_thread=partial(FleetEngineThread, board=board))
+        add_fleet_routes(self.fastapi_app, board)
+        self.sync = FleetSync(self.fastapi_app.state.ctx, board, serve.get_replica_context().replica_id.unique_id)
+        self.sync.start()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.fastapi_app
+
+    def __del__(self):
+        if hasattr(self, "sync"):  # Serve calls this also when __init__ failed
+            self.sync.stop()
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """How many replicas and what each may take.
+
+    Attributes:
+        replicas: replicas to start with (fixed when ``max_replicas`` is None).
+        max_replicas: autoscale between ``replicas`` and this many (None: no autoscaling).
+        target_ongoing_requests: ongoing requests per replica the autoscaler aims at.
+        max_ongoing_requests: most requests one replica holds at once (running or in its
+            engine's queue); more wait in Serve's proxy.
+        num_cpus: Ray CPUs reserved per replica (fractions allowed).
+        upscale_delay_s: how long the load must stay above target before a replica is added
+            (Serve's default, 30 s).
+    """
+
+    replicas: int = 1
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 8.0
+    max_ongoing_requests: int = 24
+    num_cpus: float = 1.0
+    upscale_delay_s: float = 30.0
+
+    def __post_init__(self):
+        if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
+            raise ValueError(f"need --replicas >= 1 and --max-replicas >= --replicas, got {self.replicas}, "
+                             f"{self.max_replicas}")
+        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or min(self.num_cpus,
+                                                                                     self.upscale_delay_s) < 0:
+            raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1, "
+                             "--num-cpus-per-replica >= 0 and --upscale-delay-s >= 0")
+
+    def deployment_options(self) -> dict:
+        """Keyword arguments of ``Deployment.options``."""
+        options = {"ray_actor_options": {"num_cpus": self.num_cpus}, "max_ongoing_requests": self.max_ongoing_requests}
+        if self.max_replicas is None:
+            return options | {"num_replicas": self.replicas}
+        return options | {"autoscaling_config": {"min_replicas": self.replicas, "max_replicas": self.max_replicas,
+                                                 "target_ongoing_requests": self.target_ongoing_requests,
+                                                 "upscale_delay_s": self.upscale_delay_s}}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """A running deployment: the proxy's base URL and the fleet board (which lives while this
+    handle does: keep it until ``serve.shutdown()``)."""
+
+    url: str
+    board: object
+
+
+def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
+    """Start Serve's proxy and the replicas on the connected Ray cluster.
+
+    Returns once every replica is up. Serve must not run yet on the cluster (its proxy's
+    address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are ``python -m runtime.serve``
+    arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one).
+
+    Raises:
+        BundleError, ValueError: bad path, bundle or option value (checked here first).
+    """
+    args = single.parse_args(serve_argv)
+    single.load_backend(args.path, args.provider, 1)  # fail here, not in every replica
+    port = args.port or free_port(args.host)
+    serve.start(http_options={"host": args.host, "port": port})
+    board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
+    board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
+    deployment = serve.deployment(MarsReplica).options(name="MarsReplica", **fleet.deployment_options())
+    serve.run(deployment.bind(serve_argv, board_name), name=APP_NAME, route_prefix="/")
+    return Deployed(f"http://{args.host}:{port}", board)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The parser of the Ray options (the rest go to ``python -m runtime.serve``'s)."""
+    p = argparse.ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
+                                epilog="Every option of `python -m runtime.serve` also applies (to each replica).")
+    p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
+    p.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
+    p.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling target per replica (default: --max-batch-size)")
+    p.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="most requests a replica holds (default: --max-batch-size + --queue-high, so the load "
+                        "policy sees its whole range)")
+    p.add_argument("--upscale-delay-s", type=float, default=30.0,
+                   help="seconds above target before the autoscaler adds a replica (default 30)")
+    p.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: start one on this machine)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The Ray options, and the rest (``python -m runtime.serve`` arguments)."""
+    return make_parser().parse_known_args(argv)
+
+
+def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> FleetOptions:
+    return FleetOptions(ray_args.replicas, ray_args.max_replicas,
+                        ray_args.target_ongoing_requests or args.max_batch_size,
+                        ray_args.max_ongoing_requests or args.max_batch_size + args.queue_high,
+                        ray_args.num_cpus_per_replica, ray_args.upscale_delay_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ray_args, serve_argv = parse_args(argv)
+    try:
+        fleet = fleet_options(ray_args, single.parse_args(serve_argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    local = {} if ray_args.address else {"_node_ip_address": "127.0.0.1", "include_dashboard": False}
+    ray.init(address=ray_args.address, namespace=NAMESPACE, **local)
+    try:
+        deployed = deploy(serve_argv, fleet)
+    except (single.BundleError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        ray.shutdown()
+        return 2
+    count = fleet.replicas if fleet.max_replicas is None else f"{fleet.replicas} to {fleet.max_replicas}"
+    print(f"mars-edge on Ray Serve running on {deployed.url} (replicas: {count}); Ctrl-C stops it", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

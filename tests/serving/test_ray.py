@@ -1,0 +1,202 @@
+"""The Ray Serve deployment (runtime/serve_ray.py) with real Ray on this machine: 2 replicas
+of the tiny random Llama (B = W = 4), driven by the openai client through Serve's proxy.
+
+One Ray instance for the module (2 CPUs, loopback only), shut down at the end. Waits poll
+with deadlines far above a healthy run (:data:`DEADLINE_S`) and return as soon as the
+condition holds; nothing depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from concurrent import futures
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from server_support import DEADLINE_S, wait_until
+from test_server import MAX_NEW, PROMPTS, chat, complete, runtime_parts  # noqa: F401 (a fixture)
+
+ray = pytest.importorskip("ray", reason="needs the serve-ray extra")
+from ray import serve  # noqa: E402
+
+from runtime.decode.decoder import DecodeParams  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from runtime.serve_ray import NAMESPACE, FleetBoard, FleetOptions, deploy, merge_metrics  # noqa: E402
+from runtime.serving.metrics import ServerMetrics  # noqa: E402
+
+NUM_REPLICAS = 2
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_bundle):
+    _, bundle = tiny_bundle("llama", 4)
+    ray.init(num_cpus=2, namespace=NAMESPACE, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False)
+    try:
+        deployed = deploy([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--tau-min", "0.5",
+                      "--queue-high", "4", "--log-level", "warning"],
+                     FleetOptions(replicas=NUM_REPLICAS, num_cpus=0.5, max_ongoing_requests=16))
+        url = deployed.url
+        http = httpx.Client(base_url=url, timeout=DEADLINE_S)
+        yield SimpleNamespace(url=url, http=http, client=openai.OpenAI(base_url=f"{url}/v1", api_key="none",
+                                                                       max_retries=0, timeout=DEADLINE_S))
+        http.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replicas(fleet) -> dict[str, dict]:
+    return fleet.http.get("/fleet/replicas").json()
+
+
+def wait_replicas(fleet, condition, what: str) -> dict[str, dict]:
+    """Poll /fleet/replicas until NUM_REPLICAS replicas report and ``condition(reports)`` holds."""
+    found = {}
+
+    def check():
+        found.update(reports=replicas(fleet))
+        return len(found["reports"]) == NUM_REPLICAS and condition(found["reports"])
+
+    wait_until(check, what)
+    return found["reports"]
+
+
+def solo_ids(runtime_parts, text: str, chat_: bool) -> list[int]:
+    tokenizer, decoder = runtime_parts
+    ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if chat_ else tokenizer.encode(text)
+    return decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW)).token_ids
+
+
+def test_fleet_board_publishes_each_base_tau_once_in_order():
+    board = FleetBoard()
+    assert board.report("a", {"pid": 1}) == (0, None)
+    assert board.publish_tau(0.7) == 1 and board.publish_tau(0.9) == 2
+    assert board.report("b", {"pid": 2}) == (2, 0.9)
+    assert board.replicas() == {"a": {"pid": 1}, "b": {"pid": 2}}
+
+
+def test_merge_metrics_labels_every_sample_with_its_replica():
+    busy, idle = ServerMetrics(2), ServerMetrics(2)
+    busy.record_step(6, 2, now=1.0)
+    busy.record_outcome("stop")
+    merged = merge_metrics({"r1": busy.render().decode(), "r2": idle.render().decode()}).decode()
+    samples = {(s.name, s.labels.get("outcome"), s.labels["replica"]): s.value
+               for family in text_string_to_metric_families(merged) for s in family.samples}
+    tokens = "mars_generated_tokens_total"
+    assert samples[tokens, None, "r1"] == 6 and samples[tokens, None, "r2"] == 0
+    assert samples["mars_requests_total", "stop", "r1"] == 1 and samples["mars_requests_total", "stop", "r2"] == 0
+    assert samples["mars_max_slots", None, "r2"] == 2
+
+
+def test_fleet_options_reject_bad_counts():
+    with pytest.raises(ValueError, match="--max-replicas"):
+        FleetOptions(replicas=2, max_replicas=1)
+    assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
+        {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
+
+
+def test_openai_client_chat_and_completions_streamed_and_not(fleet, runtime_parts):
+    tokenizer, _ = runtime_parts
+    for text in PROMPTS[:2]:
+        for call, is_chat in ((chat, True), (complete, False)):
+            plain, streamed = call(fleet, text, extra_body={"tau": 1.0}), call(fleet, text, stream=True,
+                                                                               extra_body={"tau": 1.0})
+            solo = solo_ids(runtime_parts, text, is_chat)
+            for got_text, _, mars, *_ in (plain, streamed):
+                assert mars["token_ids"] == solo
+                assert got_text == tokenizer.decode(solo)
+
+
+def test_sixteen_concurrent_requests_each_equal_to_its_solo_run(fleet, runtime_parts):
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(16)]
+    with futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda t: chat(fleet, t, stream=len(t) % 2 == 0, extra_body={"tau": 1.0}), texts))
+    for text, (_, finish_reason, mars, _) in zip(texts, results):
+        assert finish_reason in ("stop", "length")
+        assert mars["token_ids"] == solo_ids(runtime_parts, text, True), text
+    # metrics per replica: both replicas served requests, each under its own label
+    metrics = fleet.http.get("/fleet/metrics").text
+    served = {line.split('replica="')[1].split('"')[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith('mars_requests_total{outcome="length"') or
+              line.startswith('mars_requests_total{outcome="stop"')}
+    assert len(served) == NUM_REPLICAS and set(served) == set(replicas(fleet))
+
+
+def test_admin_tau_reaches_every_replica(fleet):
+    for tau in (0.7, 1.0):
+        r = fleet.http.post("/admin/tau", json={"tau": tau})
+        assert r.status_code == 200 and r.json()["base_tau"] == tau
+        wait_replicas(fleet, lambda reports: all(rep["base_tau"] == tau for rep in reports.values()),
+                      f"base tau {tau} on every replica")
+    assert fleet.http.post("/admin/tau", json={"tau": 2.0}).status_code == 400  # the policy's bounds hold
+
+
+def test_killed_replica_restarts_and_requests_end_cleanly(fleet, runtime_parts):
+    before = wait_replicas(fleet, lambda reports: True, "both replicas")
+    victim = min(before.values(), key=lambda rep: rep["pid"])["pid"]
+    stop, outcomes = threading.Event(), []
+
+    def client(worker: int) -> None:
+        for i in range(50):  # bounded
+            if stop.is_set():
+                return
+            text = f"{PROMPTS[0]} ({worker}.{i})"
+            try:
+                _, _, mars, _ = chat(fleet, text, stream=worker % 2 == 0, extra_body={"tau": 1.0})
+                outcomes.append(("ok", mars["token_ids"] == solo_ids(runtime_parts, text, True)))
+            except openai.APIError as e:  # a clean error: an HTTP error status or a broken connection
+                outcomes.append(("error", type(e).__name__))
+            except AssertionError as e:  # a stream that ended without its final chunk: lost, not clean
+                outcomes.append(("lost", str(e)))
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(outcomes) >= 4, "requests to run")
+    os.kill(victim, signal.SIGKILL)
+    wait_replicas(fleet, lambda reports: victim not in {rep["pid"] for rep in reports.values()},
+                  "Ray to restart the killed replica")
+    stop.set()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    assert all(ok for kind, ok in outcomes if kind == "ok") and all(kind != "lost" for kind, _ in outcomes), outcomes
+    after = [chat(fleet, f"{PROMPTS[1]} [{i}]", extra_body={"tau": 1.0}) for i in range(4)]
+    for i, (_, _, mars, _) in enumerate(after):
+        assert mars["token_ids"] == solo_ids(runtime_parts, f"{PROMPTS[1]} [{i}]", True)
+
+
+def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):
+    """Last in the module: redeploys with 1 to 2 replicas, a target of 1 ongoing request and no
+    upscale delay; 4 clients keep requests running until Serve has started the second replica."""
+    serve.shutdown()
+    _, bundle = tiny_bundle("llama", 4)
+    deployed = deploy([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--log-level", "warning"],
+                      FleetOptions(replicas=1, max_replicas=2, target_ongoing_requests=1, num_cpus=0.5,
+                                   upscale_delay_s=0))
+    scaled = SimpleNamespace(http=httpx.Client(base_url=deployed.url, timeout=DEADLINE_S),
+                             client=openai.OpenAI(base_url=f"{deployed.url}/v1", api_key="none", max_retries=0,
+                                                  timeout=DEADLINE_S))
+    assert len(replicas(scaled)) == 1
+    stop = threading.Event()
+
+    def client(worker: int) -> None:
+        for i in range(500):  # bounded
+            if stop.is_set():
+                return
+            chat(scaled, f"{PROMPTS[2]} ({worker}.{i})", extra_body={"tau": 1.0})
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(client, w) for w in range(4)]
+        try:
+            wait_until(lambda: len(replicas(scaled)) == 2, "the autoscaler to add a replica")
+        finally:
+            stop.set()
+        for done in running:
+            done.result()
+    scaled.http.close()

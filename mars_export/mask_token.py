@@ -12,34 +12,58 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def resolve_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                       requested: str | None) -> tuple[str, int]:
-    """Return ``(mask_token, mask_token_id)``, appending the token to the vocabulary if new.
+                       requested: str | None) -> tuple[str, int, str]:
+    """Return ``(mask_token, mask_token_id, origin)``, adding the token to the vocabulary if new
+    (one more embedding row, unless the model has padding rows beyond the tokenizer).
+
+    The token is, in order: ``requested`` (``--mask-token``); the one recorded with the model
+    (``config.mars_mask_token``); the tokenizer's ``mask_token``, which is how the paper's
+    published checkpoints carry it (``<|mask|>``, an added special token whose id lies in the
+    embedding rows Qwen2.5 pads its vocabulary with, so nothing is resized). ``origin`` says
+    which, for the export log.
 
     Raises:
-        ValueError: no token is requested and none is recorded with the model; the
-            requested token differs from the one the model was trained with; or the token
-            is one the chat template or generation uses (bos/eos/pad).
+        ValueError: no token is requested, recorded or set as the tokenizer's mask token; the
+            requested token differs from the one the model was trained with; the token is
+            one the chat template or generation uses (bos/eos/pad); or the tokenizer gives
+            it an id past the model's embedding rows.
     """
     recorded = getattr(model.config, "mars_mask_token", None)
-    if requested is None and recorded is None:
-        raise ValueError("no MARS mask token is recorded with this model; pass --mask-token TOKEN: "
-                         f"a spare special token of its vocabulary ({', '.join(spare_special_tokens(tokenizer)[:6]) or 'none found'}) "
-                         "or a new token name, which is appended as one embedding row")
     if requested is not None and recorded is not None and requested != recorded:
         raise ValueError(f"this model records mask token {recorded!r} but --mask-token {requested!r} was given; "
                          "drop --mask-token to use the recorded one")
-    token = requested if requested is not None else recorded
+    token, origin = _choose(requested, recorded, tokenizer)
     reserved = {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token}
     if token in reserved:
         raise ValueError(f"mask token {token!r} is the bos/eos/pad token; choose a spare one such as "
                          f"{', '.join(spare_special_tokens(tokenizer)[:6])}")
     if token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [token]})
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # else it took a padding row
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     token_id = tokenizer.convert_tokens_to_ids(token)
+    num_rows = model.get_input_embeddings().num_embeddings
+    if token_id >= num_rows:
+        raise ValueError(f"mask token {token!r} has id {token_id} but the model has only {num_rows} embedding rows: "
+                         "the tokenizer and the weights do not belong together")
     model.config.mars_mask_token = token
     model.config.mars_mask_token_id = token_id
-    return token, token_id
+    return token, token_id, origin
+
+
+def _choose(requested: str | None, recorded: str | None, tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """The mask token and where it came from, or a ValueError naming the fix."""
+    if requested is not None:
+        return requested, "--mask-token"
+    if recorded is not None:
+        return recorded, "recorded with the model"
+    from_tokenizer = tokenizer.special_tokens_map.get("mask_token")
+    if from_tokenizer is not None:
+        return str(from_tokenizer), "the tokenizer's mask_token"
+    raise ValueError("no MARS mask token is recorded with this model and its tokenizer has no mask_token; "
+                     "pass --mask-token TOKEN: a spare special token of its vocabulary "
+                     f"({', '.join(spare_special_tokens(tokenizer)[:6]) or 'none found'}) "
+                     "or a new token name, which is appended as one embedding row")
 
 
 def spare_special_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:

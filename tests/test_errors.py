@@ -158,7 +158,8 @@ def test_unreadable_model_files(tmp_path, capsys, make, message):
     model_dir.mkdir()
     make(model_dir)
     target = next(model_dir.iterdir())
-    code = export_cli.main([str(target if target.suffix == ".gguf" else model_dir), "-o", str(tmp_path / "b")])
+    code = export_cli.main([str(target if target.suffix == ".gguf" else model_dir), "-o", str(tmp_path / "b"),
+                            "--block", "4"])
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and message in err[0]
     assert not (tmp_path / "b").exists()

@@ -35,6 +35,7 @@ def test_parameter_count_equals_torch(config):
 
 
 @pytest.mark.parametrize("name, expected", [("qwen2.5-0.5b-instruct", 494_032_768),
+                                            ("qwen2.5-1.5b-instruct", 1_543_714_304),
                                             ("qwen2.5-7b-instruct", 7_615_616_512)])
 def test_shipped_qwen_configs(name, expected):
     """The shipped configs give Qwen's published sizes, and so does transformers' model built from them."""

@@ -153,7 +153,8 @@ def test_bad_precision_flags(tiny_bundle, tmp_path, capsys, args, message):
 def test_agreement_below_floor_fails_and_leaves_nothing(tiny_bundle, tmp_path, capsys):
     ckpt, _ = tiny_bundle("llama", 4)
     out = tmp_path / "out" / "bundle"
-    code = export_cli.main([str(ckpt), "-o", str(out), "--mask-token", "<mask>", "--int4", "--min-top1", "1"])
+    code = export_cli.main([str(ckpt), "-o", str(out), "--block", "4", "--mask-token", "<mask>", "--int4",
+                            "--min-top1", "1"])
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and "parity check failed for the int4 graph: top-1 agreement" in err[0]
     assert list((tmp_path / "out").iterdir()) == []

@@ -202,6 +202,24 @@ def test_gpu_check_dry_run(smoke_model, tmp_path):
         assert any("mars-edge[trt]" in line for line in report["environment"]["missing"])
 
 
+def test_random_checkpoint(smoke_model, tmp_path):
+    """A 2-layer Qwen2 config sized like nothing real, the tiny model's tokenizer: the published
+    layout, <|mask|> as the tokenizer's mask token in the padding rows, loadable for export."""
+    config = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "MARS-random-blk4"
+    python("scripts/random_checkpoint.py", tmp_path / "config.json", "-o", out, "--tokenizer", smoke_model[0])
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["architectures"], written["vocab_size"]) == \
+        ("a2d-qwen2", ["A2DQwen2LMHeadModel"], 300)
+    from mars_export.model_source import load_model
+    loaded = load_model(str(out))
+    assert (loaded.mask_token, loaded.mask_token_origin) == ("<|mask|>", "the tokenizer's mask_token")
+    assert loaded.mask_token_id < 300 == loaded.model.get_input_embeddings().num_embeddings
+
+
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_gpu_check(tmp_path):
     """The GPU check end to end, small: fp16 export with a TensorRT engine, parity, identity, speed."""

@@ -60,12 +60,16 @@ def test_tau_one_equals_transformers_generate(tiny_bundle, arch, window):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_reference_and_runtime_agree_at_tau_half(tiny_bundle, arch, window):
-    model, tokenizer, config, decoder = load(tiny_bundle, arch, window)
+    assert_reference_and_runtime_agree(*load(tiny_bundle, arch, window))
+
+
+def assert_reference_and_runtime_agree(model, tokenizer, config, decoder, tau: float = 0.5) -> None:
+    """The runtime's ids and forwards equal the PyTorch reference decoder's on every prompt at ``tau``."""
     reference = ReferenceDecoder(model, config.block_size, config.window, config.mask_token_id, config.eos_token_ids)
     tpfs = []
     for text in PROMPTS:
         ids = chat_prompt_ids(tokenizer, text)
-        params = DecodeParams(tau=0.5, max_new_tokens=MAX_NEW)
+        params = DecodeParams(tau=tau, max_new_tokens=MAX_NEW)
         expected, got = reference.generate(ids, params), decoder.generate(ids, params)
         assert got.token_ids == expected.token_ids
         assert got.num_forwards == expected.num_forwards

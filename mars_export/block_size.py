@@ -1,0 +1,86 @@
+"""Choose the block size B of an export (DESIGN.md §1; the paper trains B = 4, 8 and 16).
+
+In order: ``--block``; the one recorded with the model (``mars_block_size`` in the
+``config.json`` that ``mars-train`` writes, ``block_size`` in the shipped adapter's
+``mars_adapter.json`` for ``default-mars``); a ``blkN`` word in the checkpoint's name, which
+is where the authors' published checkpoints keep it (``MARS-Qwen2.5-0.5B-blk4``,
+``MARS-Qwen2.5-0.5B-blk8-no-sft``). Torch-free: it runs before the model is loaded, so a
+missing block size costs no model load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from mars_export.default_model import ADAPTER_INFO_FILE, MARS_DEFAULT_SPEC, shipped_adapter_dir
+
+# "blk4" as a whole word of a name: after a start or a separator, before an end or a separator.
+_NAME_BLOCK = re.compile(r"(?:^|[-_.])blk(\d+)(?=$|[-_.])", re.IGNORECASE)
+
+
+def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
+    """Return ``(block_size, origin)``, ``origin`` saying where it came from, for the export log.
+
+    Args:
+        requested: ``--block``, or None.
+        spec: the model spec given to ``mars-export`` (see :func:`mars_export.model_source.load_model`).
+
+    Raises:
+        ValueError: no block size is requested, recorded or in the name (the message asks for
+            ``--block``), or ``spec`` names no file and no default model.
+    """
+    if requested is not None:
+        return requested, "--block"
+    recorded = recorded_block_size(spec)
+    if recorded is not None:
+        return recorded, "recorded with the model"
+    path = Path(spec).resolve()
+    guessed = block_size_from_name(path)
+    if guessed is not None:
+        block, name = guessed
+        where = "" if name in (path.name, path.stem) else f" {name!r} above it"
+        return block, f"from the directory name{where}"
+    if not path.exists():
+        raise ValueError(f"cannot load model {spec!r}: no such file or directory")
+    raise ValueError(f"{spec} records no block size and its name has no 'blkN': pass --block B, the block "
+                     "size it was trained with (the paper's checkpoints: 4, 8 or 16)")
+
+
+def recorded_block_size(spec: str) -> int | None:
+    """The block size recorded with the model ``spec``, or None (also for unreadable files,
+    which the model loader reports)."""
+    path = Path(spec)
+    if spec == MARS_DEFAULT_SPEC:
+        return _read_int(shipped_adapter_dir() / ADAPTER_INFO_FILE, "block_size")
+    if path.is_dir():
+        return _read_int(path / "config.json", "mars_block_size")
+    return None
+
+
+def block_size_from_name(path: Path) -> tuple[int, str] | None:
+    """``(B, name)`` from the single ``blkN`` word of the checkpoint's name, or None.
+
+    The name is the directory's (a ``.gguf`` file's stem); for a Hugging Face hub cache
+    snapshot (``models--ORG--NAME/snapshots/REV``) the repository's, and for a trainer's
+    ``checkpoint-*`` directory its parent's. A name with two different ``blkN`` gives None.
+    """
+    names = [path.stem if path.suffix == ".gguf" else path.name]
+    if path.parent.name == "snapshots":
+        names.append(path.parent.parent.name)
+    if path.name.startswith("checkpoint-"):
+        names.append(path.parent.name)
+    for name in names:
+        found = {int(n) for n in _NAME_BLOCK.findall(name)}
+        if len(found) == 1 and min(found) >= 1:
+            return found.pop(), name
+    return None
+
+
+def _read_int(path: Path, key: str) -> int | None:
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

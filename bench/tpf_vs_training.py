@@ -1,15 +1,26 @@
 """TPF of MARS decoding against training progress, from a mars-train LoRA run's checkpoints.
 
-    python bench/tpf_vs_training.py RUN_DIR --gsm8k FILE [--num-prompts 5] [--max-new-tokens 64]
-        [--tau 0.9] [--block-size 4] [--out bench/results] [--init-steps N --append]
+    python bench/tpf_vs_training.py RUN_DIR --gsm8k FILE [--chat FILE] [--num-prompts 5]
+        [--max-new-tokens 64] [--tau 0.9] [--block-size 4] [--every 50] [--data FILE ...]
+        [--init-adapter DIR] [--name tpf_vs_training] [--compare JSON ...] [--out bench/results]
+        [--init-steps N --append]
 
-For the base model (step 0) and each ``checkpoint-N`` in RUN_DIR: merge the adapter into
-the default model and decode the first N GSM8K test questions with the PyTorch reference
-MARS decoder (same rule and window protocol as the runtime) at tau = 1 and at the given
-tau, B = W. TPF alone misleads (an untrained model's mask predictions can be confident
-and wrong), so the agreement of the tau output with the tau = 1 output is reported too.
-Writes ``tpf_vs_training.json`` and ``.png``; x axis = examples seen (steps x batch).
-A run continued with ``mars-train --lora-init`` is added to an earlier curve with
+For the starting model and each ``checkpoint-N`` in RUN_DIR: merge the adapter into the
+default model and decode held-out prompts with the PyTorch reference MARS decoder (same
+rule and window protocol as the runtime) at tau = 1 and at the given tau, B = W. The
+prompts: the first ``--num-prompts`` GSM8K test questions (not the last 100, which
+``mars-eval`` uses) and, with ``--chat``, as many multi-turn conversations from the
+OpenAssistant trees (``chat_multiturn/oasst_en_100_tree.jsonl``; :func:`chat_conversations`).
+TPF alone misleads (an untrained model's mask predictions can be confident and wrong), so
+the exact and common-prefix agreement of the tau output with the tau = 1 output is
+reported too, for all prompts and per prompt set.
+
+The starting model (the first row) is the base model, or with ``--init-adapter`` the
+adapter the run continued (``mars-train --lora-init``). x axes: examples seen (steps x
+batch) and, with ``--data`` (the run's training files), example tokens seen, estimated as
+examples seen x the mean tokens of an example of the data. Writes ``NAME.json`` and
+``NAME.png`` (after every row); ``--compare`` adds other curves (JSON files this script wrote) to the plot.
+A run continued from an earlier run's checkpoint is added to its curve with
 ``--init-steps`` (the steps the initial adapter had) and ``--append``.
 """
 
@@ -22,94 +33,177 @@ from pathlib import Path
 from peft import PeftModel
 
 from mars_export.model_source import default_checkpoint, load_checkpoint
-from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 
+Messages = list[dict[str, str]]
+SETTINGS = ("tau", "block_size", "num_prompts", "max_new_tokens", "chat")
+
 
 def checkpoints(run_dir: Path, every: int) -> list[tuple[int, Path | None]]:
+    """(step, checkpoint dir) of the checkpoints to measure, after (0, None) for the starting model."""
     found = sorted((int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*") if p.is_dir())
     return [(0, None), *((step, path) for step, path in found if step % every == 0 or path == found[-1][1])]
 
 
-def measure(adapter: Path | None, prompts: list[str], args) -> dict:
+def chat_conversations(path: Path, count: int, max_turns: int = 3) -> list[Messages]:
+    """The first ``count`` OpenAssistant trees as conversations ending with a user turn.
+
+    Each follows the first reply at every level (prompter, assistant, prompter, ...) for at
+    most ``max_turns`` messages and drops a trailing assistant message, so the model answers
+    the last user turn with the earlier turns as context.
+
+    Raises:
+        SystemExit: a record without ``prompt.text`` / ``prompt.role`` (not an oasst tree file).
+    """
+    conversations = []
+    for line in path.open(encoding="utf-8"):
+        node = json.loads(line).get("prompt")
+        if not isinstance(node, dict) or "text" not in node or "role" not in node:
+            raise SystemExit(f"error: --chat {path}: expected OpenAssistant trees ('prompt': {{'text', 'role', "
+                             "'replies'}}), e.g. ../shared/data/chat_multiturn/oasst_en_100_tree.jsonl")
+        turns = []
+        while node is not None and len(turns) < max_turns:
+            turns.append({"role": "user" if node["role"] == "prompter" else "assistant", "content": node["text"]})
+            node = (node.get("replies") or [None])[0]
+        conversations.append(turns[:-1] if turns[-1]["role"] == "assistant" else turns)
+        if len(conversations) == count:
+            break
+    return conversations
+
+
+def measure(adapter: Path | None, prompt_sets: dict[str, list[Messages]], args) -> dict:
+    """TPF at ``args.tau`` and agreement with tau = 1 over all prompts, and per prompt set."""
     model, tokenizer = load_checkpoint(default_checkpoint())
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     decoder = ReferenceDecoder(model, args.block_size, args.block_size, model.config.mars_mask_token_id,
                                (tokenizer.eos_token_id,))
-    tokens = forwards = identical = 0
-    prefix = 0.0
-    for text in prompts:
-        ids = chat_prompt_ids(tokenizer, text)
-        ar = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=args.max_new_tokens)).token_ids
-        result = decoder.generate(ids, DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens))
-        tokens, forwards = tokens + result.num_tokens, forwards + result.num_forwards
-        identical += result.token_ids == ar
-        prefix += common_prefix(result.token_ids, ar) / max(len(ar), len(result.token_ids))
+    per_set = {}
+    for name, conversations in prompt_sets.items():
+        tokens = forwards = identical = 0
+        prefix = 0.0
+        for messages in conversations:
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"])
+            ar = decoder.generate(ids, DecodeParams(tau=1.0, max_new_tokens=args.max_new_tokens)).token_ids
+            result = decoder.generate(ids, DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens))
+            tokens, forwards = tokens + result.num_tokens, forwards + result.num_forwards
+            identical += result.token_ids == ar
+            prefix += common_prefix(result.token_ids, ar) / max(len(ar), len(result.token_ids))
+        per_set[name] = {"num_prompts": len(conversations), "num_tokens": tokens, "num_forwards": forwards,
+                         "identical": identical, "prefix_sum": prefix}
+    return {**summary(per_set.values()), "sets": {name: summary([s]) for name, s in per_set.items()}}
+
+
+def summary(parts) -> dict:
+    """TPF and mean agreement with AR of the summed counts of ``parts``."""
+    parts = list(parts)
+    n = sum(p["num_prompts"] for p in parts)
+    tokens, forwards = sum(p["num_tokens"] for p in parts), sum(p["num_forwards"] for p in parts)
     return {"tpf": tokens / forwards, "num_tokens": tokens, "num_forwards": forwards,
-            "exact_agreement_with_ar": identical / len(prompts), "prefix_agreement_with_ar": prefix / len(prompts)}
+            "exact_agreement_with_ar": sum(p["identical"] for p in parts) / n,
+            "prefix_agreement_with_ar": sum(p["prefix_sum"] for p in parts) / n}
 
 
+def mean_example_tokens(data: list[str]) -> float:
+    """Mean prompt + response tokens of an example of ``data`` (as mars-train reads it, no length cut)."""
+    from transformers import AutoTokenizer
 
-def main() -> None:
+    from mars_export.training.data import load_examples
+    examples, _ = load_examples(data, AutoTokenizer.from_pretrained(default_checkpoint()))
+    return sum(e.length for e in examples) / len(examples)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--gsm8k", type=Path, required=True)
-    p.add_argument("--num-prompts", type=int, default=5)
+    p.add_argument("--chat", type=Path, default=None, help="OpenAssistant tree JSONL (chat_multiturn)")
+    p.add_argument("--num-prompts", type=int, default=5, help="prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--tau", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--every", type=int, default=50, help="use checkpoints whose step is a multiple of this (and the last)")
+    p.add_argument("--data", action="append", default=[], help="the run's training files (for example tokens seen)")
+    p.add_argument("--init-adapter", type=Path, default=None,
+                   help="the --lora-init adapter the run continued: measured as the first row instead of the base model")
+    p.add_argument("--name", default="tpf_vs_training", help="output file stem")
+    p.add_argument("--compare", type=Path, nargs="*", default=[], help="other curves (JSON) to draw in the plot")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--init-steps", type=int, default=0,
                    help="steps the run's --lora-init adapter had already trained; added to each checkpoint's step")
     p.add_argument("--append", action="store_true",
-                   help="add rows to the existing tpf_vs_training.json (same settings; no new step-0 row)")
-    args = p.parse_args()
-    prompts = [json.loads(line)["question"] for line in args.gsm8k.open()][:args.num_prompts]
+                   help="add rows to the existing NAME.json (same settings; no new first row)")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.every < 1:
+        p.error("--num-prompts and --every must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    prompt_sets = {"gsm8k": [[{"role": "user", "content": json.loads(line)["question"]}]
+                             for line in args.gsm8k.open()][:args.num_prompts]}
+    if args.chat is not None:
+        prompt_sets["chat"] = chat_conversations(args.chat, args.num_prompts)
+    tokens_per_example = mean_example_tokens(args.data) if args.data else None
     rows = previous_rows(args) if args.append else []
     for step, adapter in checkpoints(args.run_dir, args.every)[1 if args.append else 0:]:
         state = json.loads((adapter / "trainer_state.json").read_text()) if adapter else {"train_batch_size": 0}
         step += args.init_steps if adapter else 0
-        row = {"step": step, "examples_seen": step * state["train_batch_size"], **measure(adapter, prompts, args)}
+        row = {"step": step, "examples_seen": step * state["train_batch_size"],
+               **measure(adapter or args.init_adapter, prompt_sets, args)}
+        if tokens_per_example is not None:
+            row["example_tokens_seen"] = round(row["examples_seen"] * tokens_per_example)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write(args, rows)
+        write(args, rows)  # after every row: a long run stopped early keeps what it measured
 
 
 def previous_rows(args) -> list[dict]:
     """The rows of the existing curve; SystemExit if it is missing or was measured differently."""
-    path = args.out / "tpf_vs_training.json"
+    path = args.out / f"{args.name}.json"
     if not path.is_file():
         raise SystemExit(f"error: --append: {path} not found; run without --append first")
     old = json.loads(path.read_text())
-    settings = {k: getattr(args, k) for k in ("tau", "block_size", "num_prompts", "max_new_tokens")}
-    if {k: old["meta"][k] for k in settings} != settings:
+    settings = {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in SETTINGS}
+    if {k: old["meta"].get(k) for k in settings} != settings:
         raise SystemExit(f"error: --append: {path} was measured with {old['meta']}, not {settings}")
     return old["rows"]
 
 
 def write(args, rows: list[dict]) -> None:
+    """``NAME.json`` (meta + rows by step) and ``NAME.png`` (this curve and the --compare ones)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"tau": args.tau, "block_size": args.block_size, "num_prompts": args.num_prompts,
-            "max_new_tokens": args.max_new_tokens, "run_dir": str(args.run_dir)}
+    meta = {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in SETTINGS}
+    meta |= {"run_dir": str(args.run_dir), "init_adapter": args.init_adapter and str(args.init_adapter),
+             "data": args.data}
     rows = sorted(rows, key=lambda r: r["step"])
-    (args.out / "tpf_vs_training.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    seen = [r["examples_seen"] for r in rows]
-    ax.plot(seen, [r["tpf"] for r in rows], marker="o", label="TPF")
-    ax.plot(seen, [r["prefix_agreement_with_ar"] for r in rows], marker="s", label="prefix agreement with AR")
-    ax.set_xlabel("training examples seen")
-    ax.set_ylabel(f"tau={args.tau}, B={args.block_size}")
-    ax.legend(fontsize=8)
-    ax.set_title("GSM8K test prompts, reference decoder", fontsize=9)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    curves = [(args.name, rows)] + [(p.stem, json.loads(p.read_text())["rows"]) for p in args.compare]
+    x_key = "example_tokens_seen" if all("example_tokens_seen" in r for _, c in curves for r in c) else "examples_seen"
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for (label, curve), color in zip(curves, ["tab:blue", "tab:orange", "tab:green", "tab:red"]):
+        x = [r[x_key] for r in curve]
+        axes[0].plot(x, [r["tpf"] for r in curve], marker="o", color=color, label=label)
+        axes[1].plot(x, [r["prefix_agreement_with_ar"] for r in curve], marker="s", color=color, label=label)
+    for ax, title in zip(axes, [f"TPF at tau={args.tau}, B={args.block_size}", "common-prefix agreement with tau=1"]):
+        ax.set_xlabel(x_key.replace("_", " "))
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"held-out prompts ({', '.join(meta_sets(args))}), reference decoder", fontsize=9)
     fig.tight_layout()
-    fig.savefig(args.out / "tpf_vs_training.png", dpi=120)
+    fig.savefig(args.out / f"{args.name}.png", dpi=120)
+    plt.close(fig)
+
+
+def meta_sets(args) -> list[str]:
+    return [f"{args.num_prompts} GSM8K test"] + ([f"{args.num_prompts} oasst chat"] if args.chat else [])
 
 
 if __name__ == "__main__":

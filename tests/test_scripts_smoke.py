@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import export
+from support import export, load_script
 from test_trt import GPU_MISSING
 from tiny_models import make_checkpoint
 
@@ -171,11 +171,28 @@ def lora_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_tpf_vs_training(lora_run, tmp_path):
-    run_dir, _ = lora_run
-    gsm8k = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-    python("bench/tpf_vs_training.py", run_dir, "--gsm8k", gsm8k, "--num-prompts", "1", "--max-new-tokens", "4",
-           "--every", "1", "--out", tmp_path)
-    assert len(assert_results(tmp_path, "tpf_vs_training", (".json", ".png"))["rows"]) == 2  # base, checkpoint-1
+    run_dir, data = lora_run
+    shared = ROOT.parent / "shared" / "data"
+    python("bench/tpf_vs_training.py", run_dir, "--gsm8k", shared / "gsm8k" / "test.jsonl", "--chat",
+           shared / "chat_multiturn" / "oasst_en_100_tree.jsonl", "--num-prompts", "1", "--max-new-tokens", "4",
+           "--every", "1", "--data", data, "--name", "curve", "--out", tmp_path)
+    rows = assert_results(tmp_path, "curve", (".json", ".png"))["rows"]
+    assert [r["step"] for r in rows] == [0, 1]  # base, checkpoint-1
+    for row in rows:
+        assert set(row["sets"]) == {"gsm8k", "chat"} and row["sets"]["chat"]["num_tokens"] > 0
+        assert row["num_tokens"] == sum(s["num_tokens"] for s in row["sets"].values())
+    assert rows[1]["example_tokens_seen"] > rows[0]["example_tokens_seen"] == 0
+
+
+def test_tpf_vs_training_chat_conversations_end_with_a_user_turn():
+    script = load_script(ROOT / "bench" / "tpf_vs_training.py")
+    conversations = script.chat_conversations(ROOT.parent / "shared" / "data" / "chat_multiturn" /
+                                              "oasst_en_100_tree.jsonl", 10)
+    assert len(conversations) == 10
+    for turns in conversations:
+        assert turns[-1]["role"] == "user" and len(turns) in (1, 3)
+        assert [t["role"] for t in turns] == ["user", "assistant", "user"][:len(turns)]
+    assert any(len(turns) == 3 for turns in conversations)
 
 
 def test_ship_adapter(lora_run, tmp_path):

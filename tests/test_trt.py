@@ -301,7 +301,7 @@ def test_server_takes_its_limits_from_the_engine(engine_bundle, standin, capsys)
     with one line at start-up."""
     from runtime import serve
     app = serve.build_app(serve.parse_args([str(engine_bundle / "engine.plan"), "--threads", "1"]))
-    engine = app.state.ctx.engine_loop.engine
+    engine = app.state.ctx.engine_thread.engine
     assert engine.engine_config.max_batch_size == 2 and engine.cache.max_len == 60
     for option, value, message in [("--max-batch-size", "8", "max_batch_size 8 exceeds the backend's largest batch 2"),
                                    ("--max-seq-len", "512", "max_seq_len 512 exceeds the 60 positions")]:

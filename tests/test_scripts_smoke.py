@@ -105,16 +105,19 @@ def test_load_test(smoke_model, tmp_path):
 
 def test_bench_peers_ours_only(smoke_model, tmp_path):
     """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
-    with every variant of ours, and the lossless ones equal our AR ids."""
-    _, bundle = smoke_model
+    with every variant of ours and the int8 bundle's rows, and the lossless ones equal our AR ids."""
+    ckpt, bundle = smoke_model[0], shutil.copytree(smoke_model[1], tmp_path / "bundle")
+    export(str(ckpt), tmp_path / "bundle-int8", 4, 4, "--mask-token", "<mask>", "--int8")  # found as $BUNDLE-int8
     table = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
                 "2", "--threads", "1", "--taus", "0.9",
-                env={"ENGINES": "ours", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
+                env={"ENGINES": "ours", "QUANTIZED": "int8", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"),
+                     "OUT": str(tmp_path)})
     rows = assert_results(tmp_path, "peers")["rows"]
     assert {row["engine"] for row in rows} == {"ours"} and all(row["status"] == "ok" for row in rows)
-    assert [r["variant"] for r in rows if r["batch_size"] == 1] == ["ar", "threshold tau=0.9", *VERIFY_VARIANTS]
+    assert [r["variant"] for r in rows if r["batch_size"] == 1] == ["ar", "threshold tau=0.9", *VERIFY_VARIANTS,
+                                                                    "int8 ar", "int8 verify + both"]
     assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in ["ar", *VERIFY_VARIANTS])  # of 2 prompts
-    assert "| ours | verify + lookup | 2 |" in table
+    assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table
     assert not (tmp_path / "peers" / "ckpt").exists()
 
 

@@ -89,10 +89,23 @@ def test_scaling(smoke_model, tmp_path):
 
 def test_quantized_step(smoke_model, tmp_path):
     _, bundle = smoke_model
-    python("bench/quantized_step.py", bundle, "--prompts-each", "1", "--tokens", "4", "--past", "8", "--repeats", "2",
-           "--threads", "1", "--out", tmp_path)
-    result = json.loads((tmp_path / "quantized_step.json").read_text())
-    assert set(result["results"]) == {"float32", "int8", "int4"}
+    python("bench/quantized_step.py", bundle, "--variants", "int8", "int4-s16-h", "--prompts-each", "1", "--tokens", "4",
+           "--past", "8", "--windows", "1", "2", "--repeats", "2", "--threads", "1", "--out", tmp_path)
+    result = json.loads((tmp_path / "quantized_step.json").read_text())["results"]
+    assert set(result) == {"float32", "int8", "int4-s16-h"}
+    assert result["int4-s16-h"]["block_size"] == 16 and result["int4-s16-h"]["is_symmetric"] is True
+    assert result["int4-s16-h"]["lm_head_quantized"] is False and result["int8"]["lm_head_quantized"] is True
+    assert all(r["step_ms_w1"] > 0 and r["step_ms_w2"] > 0 for r in result.values())
+
+
+def test_gqa_attention(tmp_path):
+    """Our attention and GroupQueryAttention on the same inputs: same outputs, both timed."""
+    python("bench/gqa_attention.py", "--pasts", "0", "8", "--windows", "1", "3", "--heads", "4", "--kv-heads", "2",
+           "--head-dim", "16", "--max-context", "16", "--repeats", "1", "--rounds", "1", "--threads", "1",
+           "--out", tmp_path)
+    rows = json.loads((tmp_path / "gqa_attention.json").read_text())["rows"]
+    assert [(r["past"], r["window"]) for r in rows] == [(0, 1), (0, 3), (8, 1), (8, 3)]
+    assert all(r["max_abs_diff"] < 1e-4 and r["ours_ms"] > 0 and r["gqa_ms"] > 0 for r in rows)
 
 
 def test_load_test(smoke_model, tmp_path):

@@ -22,8 +22,9 @@ new KV:
   [1, Hkv, max context, D] with I/O binding, as a runtime would run it (it writes the
   W new entries in place).
 
-Timing is interleaved (rounds of ``--repeats`` calls each, median of the round means), and
-the per-call time is also given times ``--layers`` (ms per step). Writes {name}.json.
+Timing is interleaved (rounds of ``--repeats`` calls each, median of the round means; wall
+time and this process's CPU time, the steadier figure on a busy machine at ``--threads 1``),
+and the per-call time is also given times ``--layers`` (ms per step). Writes {name}.json.
 """
 
 from __future__ import annotations
@@ -178,20 +179,23 @@ def run(args) -> dict:
         inputs = make_inputs(*dims, past, window, rng)
         calls = {"ours": ours_call(ours, args.head_dim, inputs), "gqa": gqa_call(gqa, args.max_context, inputs)}
         max_diff = float(np.abs(calls["ours"]()[0] - calls["gqa"]()[0]).max())  # also the warm-up
-        samples = {name: [] for name in calls}
+        samples = {(name, clock): [] for name in calls for clock in ("ms", "cpu_ms")}
         for _ in range(args.rounds):
             for name, call in calls.items():
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(args.repeats):
                     call()
-                samples[name].append((time.perf_counter() - start) / args.repeats * 1000)
-        ms = {name: float(np.median(s)) for name, s in samples.items()}
-        rows.append({"past": past, "window": window, "max_abs_diff": max_diff, "ours_ms": ms["ours"], "gqa_ms": ms["gqa"],
-                     "gqa_over_ours": ms["gqa"] / ms["ours"], "ours_ms_per_step": ms["ours"] * args.layers,
-                     "gqa_ms_per_step": ms["gqa"] * args.layers})
-        print(f"P={past} W={window}: ours {ms['ours'] * 1000:.1f} us, GQA {ms['gqa'] * 1000:.1f} us per layer "
-              f"({ms['gqa'] / ms['ours']:.2f}x); x{args.layers} layers: {ms['ours'] * args.layers:.2f} vs "
-              f"{ms['gqa'] * args.layers:.2f} ms per step; outputs differ by {max_diff:.1e}", flush=True)
+                samples[name, "ms"].append((time.perf_counter() - start) / args.repeats * 1000)
+                samples[name, "cpu_ms"].append((time.process_time() - cpu_start) / args.repeats * 1000)
+        ms = {f"{name}_{clock}": float(np.median(s)) for (name, clock), s in samples.items()}
+        rows.append({"past": past, "window": window, "max_abs_diff": max_diff, **ms,
+                     "gqa_over_ours": ms["gqa_ms"] / ms["ours_ms"],
+                     "gqa_over_ours_cpu": ms["gqa_cpu_ms"] / ms["ours_cpu_ms"],
+                     "ours_ms_per_step": ms["ours_ms"] * args.layers, "gqa_ms_per_step": ms["gqa_ms"] * args.layers})
+        print(f"P={past} W={window}: ours {ms['ours_ms'] * 1000:.1f} us, GQA {ms['gqa_ms'] * 1000:.1f} us per layer "
+              f"({rows[-1]['gqa_over_ours']:.2f}x; CPU time {rows[-1]['gqa_over_ours_cpu']:.2f}x); x{args.layers} "
+              f"layers: {ms['ours_ms'] * args.layers:.2f} vs {ms['gqa_ms'] * args.layers:.2f} ms per step; "
+              f"outputs differ by {max_diff:.1e}", flush=True)
     return {"meta": {"command": "python bench/gqa_attention.py " + " ".join(sys.argv[1:]),
                      "onnxruntime": ort.__version__, **{k: v for k, v in vars(args).items() if k != "out"}},
             "rows": rows}

@@ -13,8 +13,9 @@ runs the subcommands below, each engine in its own process and venv:
 
 Every engine is fed the same prompt token ids (the bundle's chat template, GSM8K test
 questions and HumanEval prompts alternating), greedy, fp32 (plus llama.cpp Q8_0 and our
-int8 / int4 bundles, tagged rows of ``ours``), the same thread count. Prompts run in static chunks of the batch size (the same workload for
-every engine; ours gets no continuous-batching refill). Per chunk: time to first token
+int8 / int4 bundles, tagged rows of ``ours``), the same thread count. Prompts run in static
+chunks of the batch size (the same workload for every engine; ours gets no continuous-batching
+refill). Per chunk: time to first token
 (TTFT: until every sequence of the chunk has its first token; transformers and optimum
 measure it with a streamer, in the same ``generate`` call), then decode tokens/s (tokens
 after each sequence's first / time after TTFT) and end-to-end tokens/s. Each engine runs

@@ -105,7 +105,8 @@ def test_gqa_attention(tmp_path):
            "--out", tmp_path)
     rows = json.loads((tmp_path / "gqa_attention.json").read_text())["rows"]
     assert [(r["past"], r["window"]) for r in rows] == [(0, 1), (0, 3), (8, 1), (8, 3)]
-    assert all(r["max_abs_diff"] < 1e-4 and r["ours_ms"] > 0 and r["gqa_ms"] > 0 for r in rows)
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows)
+    assert all(min(r["ours_ms"], r["gqa_ms"], r["ours_cpu_ms"], r["gqa_cpu_ms"]) > 0 for r in rows)
 
 
 def test_load_test(smoke_model, tmp_path):

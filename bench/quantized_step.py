@@ -61,8 +61,8 @@ def parse_variant(spec: str) -> dict:
                          "(asymmetric) and -h (float32 output head), e.g. int8-s128 or int4-a32-h")
     dtype, kind, block, fp32_head = match.groups()
     return {"weight_dtype": dtype, "include_lm_head": not fp32_head,
-            "block_size": int(block) if block else quantize.BLOCK_SIZE,
-            "is_symmetric": kind == "s" if kind else quantize.IS_SYMMETRIC}
+            "block_size": int(block) if block else quantize.BLOCK_SIZE[dtype],
+            "is_symmetric": kind == "s" if kind else quantize.IS_SYMMETRIC[dtype]}
 
 
 def main() -> None:

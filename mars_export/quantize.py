@@ -34,12 +34,14 @@ from runtime.onnx_backend import OnnxBackend
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 # Block size and symmetry per weight dtype, from a sweep on the default model's step graph
 # (bench/quantized_step.py, profile_step.py; BENCHMARKS.md "Weight-only int8 / int4 on the
-# fused step graph"). int8: symmetric blocks of 128 made the W = 1 step 0.38x float32
-# (CPU time, 1 thread) against 0.46x for asymmetric blocks of 32, top-1 agreement with the
-# float32 graph 0.935 against 0.951. int4: asymmetric blocks of 32 keep top-1 at 0.65; blocks
-# of 128 (0.27-0.31x) fell to 0.56-0.60, near the export's 0.5 floor (this model's weights
-# were dequantized from Q4_1, asymmetric blocks of 32, so int4 re-quantizes them).
-BLOCK_SIZE = {"int8": 128, "int4": 32}
+# fused step graph"). int8: symmetric blocks of 32 (llama.cpp Q8_0's scheme) kept top-1
+# agreement with the float32 graph at 0.970 (asymmetric 32: 0.951) with a W = 1 step 0.44x
+# float32 (CPU time, 1 thread; asymmetric 32: 0.46x). Blocks of 128 were faster (0.38x) but
+# their top-1 against PyTorch on the export's parity prompts was 0.911, too near the 0.9
+# floor for a default. int4: asymmetric blocks of 32 keep top-1 at 0.65; blocks of 128
+# (0.27-0.31x) fell to 0.56-0.60 (this model's weights were dequantized from Q4_1,
+# asymmetric blocks of 32, so int4 re-quantizes them).
+BLOCK_SIZE = {"int8": 32, "int4": 32}
 IS_SYMMETRIC = {"int8": True, "int4": False}
 # MatMulNBits compute on CPU: 4 = int8 dot products, the activations quantized per block
 # of K at run time (weights stay as stored). With fp32 compute (level unset) one

@@ -82,8 +82,8 @@ def test_config_records_precision_and_parity(quantized_bundle, arch, weight_dtyp
     greedy = parity["greedy_vs_float32"]
     assert greedy["num_prompts"] == 5 and greedy["num_tokens"] == quantize.AGREEMENT_TOKENS
     assert 0 <= greedy["identical_fraction"] <= 1 and greedy["mean_common_prefix"] <= greedy["mean_reference_tokens"]
-    if weight_dtype == "int8":  # ... but int8 keeps nearly every prediction (blocks of 128: 0.975 here, 0.98+ at 32)
-        assert parity["top1_agreement"] >= 0.95
+    if weight_dtype == "int8":  # ... but int8 keeps nearly every prediction
+        assert parity["top1_agreement"] >= 0.98
 
 
 @pytest.mark.parametrize("arch, weight_dtype", CASES)

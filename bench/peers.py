@@ -7,14 +7,15 @@ runs the subcommands below, each engine in its own process and venv:
 
     python bench/peers.py checkpoint --out CKPT           # project venv: HF checkpoint of the merged MARS weights
     python bench/peers.py prompts --work DIR [options]   # project venv: prompt ids + settings -> DIR/prompts.json
-    python bench/peers.py run --engine E --work DIR --model PATH   # writes E's rows to DIR/rows-E.json
-    python bench/peers.py record --engine E --work DIR --status S --log FILE   # a peer that could not install/run
+    python bench/peers.py run --engine E --work DIR --model PATH [--tag T]   # E's rows -> DIR/rows-E[-T].json
+    python bench/peers.py record --engine E --work DIR --status S --log FILE [--tag T]   # could not install/run
     python bench/peers.py report --work DIR --out bench/results    # peers.{json,csv,png} + a Markdown table
 
 Every engine is fed the same prompt token ids (the bundle's chat template, GSM8K test
-questions and HumanEval prompts alternating), greedy, fp32 (plus llama.cpp Q8_0), the
-same thread count. Prompts run in static chunks of the batch size (the same workload for
-every engine; ours gets no continuous-batching refill). Per chunk: time to first token
+questions and HumanEval prompts alternating), greedy, fp32 (plus llama.cpp Q8_0 and our
+int8 / int4 bundles, tagged rows of ``ours``), the same thread count. Prompts run in static
+chunks of the batch size (the same workload for every engine; ours gets no continuous-batching
+refill). Per chunk: time to first token
 (TTFT: until every sequence of the chunk has its first token; transformers and optimum
 measure it with a streamer, in the same ``generate`` call), then decode tokens/s (tokens
 after each sequence's first / time after TTFT) and end-to-end tokens/s. Each engine runs
@@ -44,6 +45,8 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
+QUANTIZED = ("int8", "int4")  # weight dtypes of our quantized bundles; their rows files are rows-ours-DTYPE.json
+QUANTIZED_VARIANTS = ("ar", "verify + both")  # what a quantized bundle of ours runs
 WARMUP_TOKENS = 4
 
 
@@ -213,7 +216,11 @@ def bench_variant(engine: str, variant: str, generate, settings: dict, batch_siz
 
 
 def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
-    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify with each draft source."""
+    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify with each draft source.
+
+    A weight-only quantized bundle (``mars-export --int8 / --int4``) runs ar and verify + both
+    only, its variants named after the weight dtype ("int8 ar", "int8 verify + both").
+    """
     from runtime.bundle import load_config
     from runtime.decode.engine import Engine, EngineConfig
     from runtime.backends.onnx import OnnxBackend
@@ -225,6 +232,8 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
     modes = [("ar", DecodeParams(mode="ar"))] + [(f"threshold tau={t}", DecodeParams(tau=t)) for t in settings["taus"]]
     modes += [("verify" if draft == "masks" else f"verify + {draft}", DecodeParams(mode="verify", draft=draft))
               for draft in DRAFTS]
+    if config.weight_dtype in QUANTIZED:
+        modes = [(f"{config.weight_dtype} {name}", params) for name, params in modes if name in QUANTIZED_VARIANTS]
 
     def make_generate(params):
         def generate(chunk, max_new):
@@ -426,7 +435,7 @@ RUNNERS = {"ours": run_ours, "transformers": run_transformers, "ortgenai": run_o
 
 
 def run_engine(args) -> None:
-    """Run one engine in this process; write DIR/rows-ENGINE.json (rows, versions, timing)."""
+    """Run one engine in this process; write DIR/rows-ENGINE.json, or rows-ENGINE-TAG.json with --tag."""
     settings = json.loads((args.work / "prompts.json").read_text())
     start, load_before = time.perf_counter(), os.getloadavg()
     try:
@@ -434,7 +443,7 @@ def run_engine(args) -> None:
     except (ImportError, OSError, RuntimeError, ValueError) as e:  # an engine that cannot load is a row, not a crash
         print(f"error: {args.engine}: {first_line(e)}", file=sys.stderr)
         rows, found = [status_row(args.engine, "", None, FAILED, first_line(e))], {}
-    write_rows(args.work, args.engine, rows, {"versions": found, "python": platform.python_version(),
+    write_rows(args.work, rows_name(args.engine, args.tag), rows, {"versions": found, "python": platform.python_version(),
                                               "seconds": time.perf_counter() - start, "settings": run_key(settings),
                                               "load_average_before_after": [load_before, os.getloadavg()],
                                               "packages": installed_packages()})
@@ -449,12 +458,24 @@ def run_key(settings: dict) -> dict:
 def record_status(args) -> None:
     """Write a single status row for an engine that could not be installed or run (key line of its log)."""
     error = key_error_line(Path(args.log).read_text(errors="replace")) if args.log else args.error
-    write_rows(args.work, args.engine, [status_row(args.engine, "", None, args.status, error)], {})
-    print(f"{args.engine}: {args.status}: {error}")
+    name = rows_name(args.engine, args.tag)
+    write_rows(args.work, name, [status_row(args.engine, args.tag or "", None, args.status, error)], {})
+    print(f"{name}: {args.status}: {error}")
 
 
-def write_rows(work: Path, engine: str, rows: list, info: dict) -> None:
-    (work / f"rows-{engine}.json").write_text(json.dumps({"engine": engine, "info": info, "rows": rows}))
+def rows_name(engine: str, tag: str | None) -> str:
+    """Name of an engine's rows file: ``ENGINE``, or ``ENGINE-TAG`` for a second model of it (``ours-int8``)."""
+    return f"{engine}-{tag}" if tag else engine
+
+
+def rows_files(work: Path) -> list[Path]:
+    """The rows files in ``work``: per engine in :data:`ENGINES` order, its own first, then its tagged ones."""
+    return [path for engine in ENGINES for path in [work / f"rows-{engine}.json",
+                                                    *sorted(work.glob(f"rows-{engine}-*.json"))] if path.exists()]
+
+
+def write_rows(work: Path, name: str, rows: list, info: dict) -> None:
+    (work / f"rows-{name}.json").write_text(json.dumps({"engine": name, "info": info, "rows": rows}))
 
 
 # ---------------------------------------------------------------- report
@@ -488,8 +509,7 @@ def compare_to_reference(rows: list[dict]) -> None:
 def report(args) -> None:
     """Merge DIR/rows-*.json into peers.json/csv/png under --out and print a Markdown table."""
     settings = json.loads((args.work / "prompts.json").read_text())
-    parts = [json.loads((args.work / f"rows-{e}.json").read_text()) for e in ENGINES
-             if (args.work / f"rows-{e}.json").exists()]
+    parts = [json.loads(path.read_text()) for path in rows_files(args.work)]
     stale = [p["engine"] for p in parts if p["info"].get("settings", run_key(settings)) != run_key(settings)]
     if stale:
         raise SystemExit(f"error: rows of {stale} in {args.work} come from other settings than prompts.json; "
@@ -606,9 +626,13 @@ def main() -> None:
     ps.add_argument("--error", default="")
     po = sub.add_parser("report", help="merge rows into peers.{json,csv,png}, print a Markdown table")
     po.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    for sp in (pr, ps):
+        sp.add_argument("--tag", default=None, help="a second model of the engine (int8): rows-ENGINE-TAG.json")
     for sp in (pp, pr, ps, po):  # checkpoint needs no work folder
         sp.add_argument("--work", type=Path, required=True, help="folder of prompts.json and the rows files")
     args = p.parse_args()
+    if args.command in ("run", "record") and args.tag is not None and not re.fullmatch(r"[a-z0-9]+", args.tag):
+        p.error(f"--tag must be lowercase letters and digits, got {args.tag!r}")
     if args.command == "prompts" and (args.num_prompts < 1 or min(args.batch_sizes) < 1 or args.max_new_tokens < 1):
         p.error("--num-prompts, --batch-sizes and --max-new-tokens must be >= 1")
     {"prompts": prepare_prompts, "checkpoint": write_checkpoint, "run": run_engine, "record": record_status, "report": report}[args.command](args)

@@ -1,18 +1,20 @@
 """Weight-only int8 / int4 against float32 on one fp32 bundle: size, agreement, decode-step time.
 
-    python bench/quantized_step.py BUNDLE [--prompts-each 3] [--tokens 64] [--past 128] [--repeats 30]
+    python bench/quantized_step.py BUNDLE [--variants int8 int4 int8-s128 int4-a32-h ...]
+                                   [--prompts-each 3] [--tokens 64] [--past 128] [--windows 1 4] [--repeats 30]
 
-From the float32 bundle's graph this builds the int8 and int4 graphs exactly as
-``mars-export --int8 / --int4`` does (:func:`mars_export.quantize.quantize_step_graph`)
-into a scratch directory, then measures, in one process:
+From the float32 bundle's graph this builds quantized graphs as ``mars-export --int8 / --int4``
+does (:func:`mars_export.quantize.quantize_step_graph`) into a scratch directory. A variant is
+``DTYPE[-sN|-aN][-h]``: ``int8`` / ``int4`` with the exporter's defaults, ``-s128`` symmetric
+blocks of 128 (``-a``: asymmetric), ``-h`` the output head left float32. Then, in one process:
 
 - file size of each graph;
 - top-1 agreement and max |Δlogit| of each against the float32 graph at every position
   of the prompts (fed W at a time, as the export parity does);
 - greedy (tau = 1) agreement with the float32 bundle on real prompts (GSM8K + HumanEval):
   fraction of prompts with identical ids, mean common-prefix length;
-- time of one W-token decode step with ``--past`` cached positions, batch 1, the three
-  graphs interleaved round-robin (median over ``--repeats``).
+- time of one decode step of each ``--windows`` W with ``--past`` cached positions, batch 1,
+  the graphs interleaved round-robin (median over ``--repeats``).
 
 Writes ``quantized_step.json`` to ``--out`` (default bench/results/); ``--timing-only`` skips
 the agreement and writes ``quantized_step_timing_w{W}.json``.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -37,13 +40,30 @@ sys.path.insert(0, str(ROOT / "tests"))
 from support import real_prompts
 
 from mars_export.parity import _graph_logits
+from mars_export import quantize
 from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleConfig, load_config
 from runtime.decode.batch import window_mask
 from runtime.text.tokenizer import Tokenizer
 
-PRECISIONS = ("int8", "int4")
+VARIANT = re.compile(r"(int8|int4)(?:-([sa])(\d+))?(-h)?")
+
+
+def parse_variant(spec: str) -> dict:
+    """``DTYPE[-sN|-aN][-h]`` -> quantize_step_graph's keyword arguments.
+
+    Raises:
+        ValueError: ``spec`` is not of that form.
+    """
+    match = VARIANT.fullmatch(spec)
+    if not match:
+        raise ValueError(f"variant {spec!r}: expected int8 or int4, optionally -s<block> (symmetric) or -a<block> "
+                         "(asymmetric) and -h (float32 output head), e.g. int8-s128 or int4-a32-h")
+    dtype, kind, block, fp32_head = match.groups()
+    return {"weight_dtype": dtype, "include_lm_head": not fp32_head,
+            "block_size": int(block) if block else quantize.BLOCK_SIZE[dtype],
+            "is_symmetric": kind == "s" if kind else quantize.IS_SYMMETRIC[dtype]}
 
 
 def main() -> None:
@@ -51,12 +71,19 @@ def main() -> None:
     p.add_argument("bundle", type=Path, help="a float32 bundle (mars-export MODEL -o DIR)")
     p.add_argument("--prompts-each", type=int, default=3, help="GSM8K and HumanEval prompts each (default 3)")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    p.add_argument("--variants", nargs="+", default=["int8", "int4"],
+                   help="quantized graphs to build: DTYPE[-sN|-aN][-h] (default: int8 int4, the exporter's settings)")
     p.add_argument("--past", type=int, default=128, help="cached positions of the timed step (default 128)")
+    p.add_argument("--windows", type=int, nargs="+", default=None, help="timed step windows (default: the bundle's W)")
     p.add_argument("--repeats", type=int, default=30, help="timed steps per graph (default 30)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
     p.add_argument("--timing-only", action="store_true", help="only the interleaved step time")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="result folder (default bench/results)")
     args = p.parse_args()
+    try:
+        variants = {spec: parse_variant(spec) for spec in args.variants}
+    except ValueError as e:
+        p.error(str(e))
     config = load_config(args.bundle)
     assert config.weight_dtype == "float32", "give a float32 bundle"
     tokenizer = Tokenizer(args.bundle)
@@ -67,25 +94,27 @@ def main() -> None:
         shutil.copy(args.bundle / config.onnx_file, scratch / "float32.onnx")
         configs = {"float32": replace(config, onnx_file="float32.onnx")}
         summaries = {}
-        for precision in PRECISIONS:
-            summaries[precision] = quantize_step_graph(scratch / "float32.onnx", scratch / f"{precision}.onnx",
-                                                       precision)
-            configs[precision] = replace(config, onnx_file=f"{precision}.onnx", weight_dtype=precision)
+        for spec, options in variants.items():
+            summaries[spec] = quantize_step_graph(scratch / "float32.onnx", scratch / f"{spec}.onnx", **options)
+            configs[spec] = replace(config, onnx_file=f"{spec}.onnx", weight_dtype=options["weight_dtype"])
         backends = {name: OnnxBackend(scratch, cfg, num_threads=args.threads) for name, cfg in configs.items()}
         results = {name: {"file_mb": round((scratch / cfg.onnx_file).stat().st_size / 1e6, 1)}
                    for name, cfg in configs.items()}
         reference_logits = [] if args.timing_only else [_graph_logits(backends["float32"], config, ids)
                                                         for ids in prompts]
-        for precision in PRECISIONS if not args.timing_only else ():
-            results[precision].update(summaries[precision])
-            results[precision].update(_logit_agreement(backends[precision], config, prompts, reference_logits))
-            results[precision]["greedy_vs_float32"] = measure_greedy_agreement(
-                backends["float32"], backends[precision], config, prompts, args.tokens)
-            print(precision, json.dumps(results[precision]), flush=True)
-        step_ms = _interleaved_step_ms(backends, config, args.past, args.repeats)
-        for name in configs:
-            results[name]["step_ms"] = step_ms[name]
-            results[name]["step_vs_float32"] = round(step_ms[name] / step_ms["float32"], 3)
+        for spec in variants:
+            results[spec].update(summaries[spec])
+            if not args.timing_only:
+                results[spec].update(_logit_agreement(backends[spec], config, prompts, reference_logits))
+                results[spec]["greedy_vs_float32"] = measure_greedy_agreement(
+                    backends["float32"], backends[spec], config, prompts, args.tokens)
+                print(spec, json.dumps(results[spec]), flush=True)
+        for window in args.windows or [config.window]:
+            step_ms = _interleaved_step_ms(backends, config, args.past, window, args.repeats)
+            for name in configs:
+                results[name][f"step_ms_w{window}"] = step_ms[name]
+                results[name][f"step_vs_float32_w{window}"] = round(step_ms[name] / step_ms["float32"], 3)
+            print(f"W={window}:", {name: results[name][f"step_vs_float32_w{window}"] for name in configs}, flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out = {"bundle": str(args.bundle), "source_model": config.source_model, "window": config.window,
@@ -109,10 +138,9 @@ def _logit_agreement(backend, config: BundleConfig, prompts, reference_logits) -
             "num_positions": total}
 
 
-def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, repeats: int) -> dict:
-    """Median ms of one batch-1 W-token step with ``past_len`` cached positions, graphs run round-robin."""
+def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, window: int, repeats: int) -> dict:
+    """Median ms of one batch-1 ``window``-token step with ``past_len`` cached positions, graphs run round-robin."""
     rng = np.random.default_rng(0)
-    window = config.window
     past = [(rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32),  # [1, H, P, D]
              rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32))
             for _ in range(config.num_layers)]

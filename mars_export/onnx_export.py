@@ -18,6 +18,7 @@ import torch
 from torch.export import Dim
 from transformers import PreTrainedModel
 
+from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.step_module import StepModule, step_graph_model
 from runtime import bundle
 
@@ -28,7 +29,9 @@ _EXAMPLE_BATCH, _EXAMPLE_PAST = 2, 5
 def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_context: int) -> None:
     """Write the step graph of ``model`` to ``path`` (``window``: the bundle's W, the example length).
 
-    Weights go to external data next to ``path`` only when the graph is over 2 GB.
+    Weights go to external data next to ``path`` only when the graph is over 2 GB. The
+    projections that share an input (Q/K/V, gate/up) are fused into one MatMul each
+    (:mod:`mars_export.fuse_projections`).
 
     Raises:
         RuntimeError: the exporter failed (the message names the torch.export step).
@@ -52,6 +55,7 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
             StepModule(model).eval(), example, dynamo=True, dynamic_shapes=dynamic_shapes,
             input_names=bundle.input_names(num_layers), output_names=bundle.output_names(num_layers),
             opset_version=OPSET, optimize=True)
+    fuse_shared_input_matmuls(program.model.graph)
     program.save(str(path), external_data=_size_bytes(model) > 2 * 1024**3)
 
 

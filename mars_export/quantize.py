@@ -34,10 +34,17 @@ from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
-BLOCK_SIZE = 32
-# Asymmetric blocks (a zero point per block) fit skewed blocks better than symmetric ones;
-# measured on the default model (README "Quantized exports").
-IS_SYMMETRIC = False
+# Block size and symmetry per weight dtype, from a sweep on the default model's step graph
+# (bench/quantized_step.py, profile_step.py; BENCHMARKS.md "Weight-only int8 / int4 on the
+# fused step graph"). int8: symmetric blocks of 32 (llama.cpp Q8_0's scheme) kept top-1
+# agreement with the float32 graph at 0.970 (asymmetric 32: 0.951) with a W = 1 step 0.44x
+# float32 (CPU time, 1 thread; asymmetric 32: 0.46x). Blocks of 128 were faster (0.38x) but
+# their top-1 against PyTorch on the export's parity prompts was 0.911, too near the 0.9
+# floor for a default. int4: asymmetric blocks of 32 keep top-1 at 0.65; blocks of 128
+# (0.27-0.31x) fell to 0.56-0.60 (this model's weights were dequantized from Q4_1,
+# asymmetric blocks of 32, so int4 re-quantizes them).
+BLOCK_SIZE = {"int8": 32, "int4": 32}
+IS_SYMMETRIC = {"int8": True, "int4": False}
 # MatMulNBits compute on CPU: 4 = int8 dot products, the activations quantized per block
 # of K at run time (weights stay as stored). With fp32 compute (level unset) one
 # 8 x 576 x 1536 MatMul took 3.0 ms (int4) and 34 ms (int8: no fast kernel) against 1.2 ms
@@ -55,7 +62,7 @@ AGREEMENT_TOKENS = 64
 
 
 def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head: bool = True,
-                        block_size: int = BLOCK_SIZE, is_symmetric: bool = IS_SYMMETRIC,
+                        block_size: int | None = None, is_symmetric: bool | None = None,
                         accuracy_level: int | None = ACCURACY_LEVEL) -> dict:
     """Write ``src`` (a float32 step graph) to ``dst`` with weight-only quantized MatMuls.
 
@@ -63,6 +70,7 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
         weight_dtype: ``"int8"`` or ``"int4"`` (MatMulNBits with bits 8 or 4).
         include_lm_head: also quantize the output head, the MatMul that writes ``logits``
             (a tied head is untied first, see the module docstring).
+        block_size, is_symmetric: None = the dtype's :data:`BLOCK_SIZE` / :data:`IS_SYMMETRIC`.
         accuracy_level: MatMulNBits compute type (see :data:`ACCURACY_LEVEL`); None = fp32.
 
     Returns:
@@ -75,6 +83,8 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
 
     if weight_dtype not in WEIGHT_BITS:
         raise ValueError(f"weight dtype must be one of {sorted(WEIGHT_BITS)}, got {weight_dtype!r}")
+    block_size = BLOCK_SIZE[weight_dtype] if block_size is None else block_size
+    is_symmetric = IS_SYMMETRIC[weight_dtype] if is_symmetric is None else is_symmetric
     model = onnx.load(str(src))
     head = _output_head(model.graph)
     if include_lm_head and head is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Peer benchmark in one command (GitHub issue 6, item 1): our runtime against transformers,
 # ONNX Runtime GenAI, llama.cpp (llama-cpp-python) and optimum on the same weights, prompts,
-# precision and thread count, batch 1 and 4. Writes bench/results/peers.{json,csv,png} and
+# precision and thread count, batch 1 and 4; our int8 / int4 bundles against llama.cpp Q8_0. Writes bench/results/peers.{json,csv,png} and
 # prints a Markdown table.
 #
 #   scripts/bench_peers.sh [--num-prompts 8] [--max-new-tokens 128] [--batch-sizes 1 4] [--threads N]
@@ -14,6 +14,8 @@
 #   ENGINES    engines to run (default "ours transformers ortgenai llamacpp optimum"); the rows of
 #              the others stay in $PEER_ENVS/work and join the report if their settings match;
 #              ENGINES=ours installs nothing and writes no checkpoint (the CI smoke test runs it)
+#   QUANTIZED  our weight-only quantized bundles run with ours (default "int8 int4"; "" for none):
+#              $BUNDLE-int8 and $BUNDLE-int4, exported from $MODEL if missing; variants "int8 ar" ...
 #   OUT        result folder (default bench/results)
 #   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
 #
@@ -30,6 +32,7 @@ PEER_ENVS=${PEER_ENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/mars-edge-peers}
 BUNDLE=${BUNDLE:-bundles/default-mars-b4}
 MODEL=${MODEL:-default-mars}
 ENGINES=${ENGINES:-ours transformers ortgenai llamacpp optimum}
+QUANTIZED=${QUANTIZED-int8 int4}
 OUT=${OUT:-bench/results}
 LOGS=$PEER_ENVS/logs
 WORK=$PEER_ENVS/work
@@ -46,8 +49,11 @@ LLAMACPP_SRC=$PEER_ENVS/src/llama_cpp_python-$LLAMACPP_VERSION
 GGUF_PINS=${GGUF_PINS:-"torch==2.13.0 transformers==4.57.6 sentencepiece==0.2.3 protobuf==4.25.9 numpy==2.4.6 $LLAMACPP_SRC/vendor/llama.cpp/gguf-py"}
 
 mkdir -p "$LOGS" "$WORK"
+for dtype in $QUANTIZED; do
+    case $dtype in int8|int4) ;; *) echo "error: QUANTIZED takes int8 and/or int4, got '$dtype'" >&2; exit 2 ;; esac
+done
 for engine in $ENGINES; do  # rows of engines not run now stay; the report refuses them if the settings differ
-    rm -f "$WORK/rows-$engine.json"
+    rm -f "$WORK/rows-$engine.json" "$WORK/rows-$engine"-*.json
 done
 
 step() {  # step NAME LOG CMD...: run CMD into LOG, note its exit status and seconds in setup.tsv
@@ -71,18 +77,28 @@ setup_venv() {  # setup_venv NAME PINS...: a venv under $PEER_ENVS with exactly 
     echo "$*" >"$venv/.pins"
 }
 
-record() {  # record ENGINE STATUS LOG: a status row with the key line of LOG
-    "$PY" bench/peers.py record --engine "$1" --work "$WORK" --status "$2" --log "$3"
+record() {  # record ENGINE STATUS LOG [--tag TAG]: a status row with the key line of LOG
+    "$PY" bench/peers.py record --engine "$1" --work "$WORK" --status "$2" --log "$3" "${@:4}"
 }
 
-run_engine() {  # run_engine ENGINE PYTHON ARGS...: one engine in its own process; a crash becomes a row
-    local engine=$1 python=$2
+run_engine() {  # run_engine ENGINE PYTHON [--tag TAG] ARGS...: one engine (TAG: another model of it) in its own
+    local engine=$1 python=$2 name=$1 tag=()  # process; a crash becomes a row
     shift 2
-    if step "run $engine" "$LOGS/$engine.run.log" "$python" bench/peers.py run --engine "$engine" --work "$WORK" "$@"; then
-        grep -E 'tok/s|^error' "$LOGS/$engine.run.log" || true
+    if [ "${1:-}" = --tag ]; then name=$engine-$2 tag=(--tag "$2"); shift 2; fi
+    if step "run $name" "$LOGS/$name.run.log" "$python" bench/peers.py run --engine "$engine" "${tag[@]}" --work "$WORK" "$@"; then
+        grep -E 'tok/s|^error' "$LOGS/$name.run.log" || true
     else
-        record "$engine" failed "$LOGS/$engine.run.log"
+        record "$engine" failed "$LOGS/$name.run.log" "${tag[@]}"
     fi
+}
+
+ours_quantized() {  # ours_quantized DTYPE: our bundle with DTYPE weights ($BUNDLE-DTYPE, exported if missing)
+    local dtype=$1 bundle=$BUNDLE-$1
+    if [ ! -f "$bundle/mars_config.json" ]; then
+        step "export $dtype bundle" "$LOGS/bundle-$dtype.export.log" .venv/bin/mars-export "$MODEL" --block 4 \
+            "--$dtype" -o "$bundle" || { record ours failed "$LOGS/bundle-$dtype.export.log" --tag "$dtype"; return; }
+    fi
+    run_engine ours "$PY" --tag "$dtype" --model "$bundle"
 }
 
 peer_ortgenai() {
@@ -149,7 +165,8 @@ fi
 # ---- engines, one process each
 for engine in $ENGINES; do
     case $engine in
-        ours) run_engine ours "$PY" --model "$BUNDLE" ;;
+        ours) run_engine ours "$PY" --model "$BUNDLE"
+              for dtype in $QUANTIZED; do ours_quantized "$dtype"; done ;;
         transformers) run_engine transformers "$PY" --model "$CKPT" ;;
         ortgenai) peer_ortgenai ;;
         optimum) peer_optimum ;;

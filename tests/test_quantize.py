@@ -50,11 +50,11 @@ def test_graph_holds_matmulnbits_of_the_right_width(quantized_bundle, arch, weig
     fp32, bundle = quantized_bundle(arch, weight_dtype)
     nodes = nbits_nodes(bundle)
     fp32_matmuls = [n for n in onnx.load(str(fp32 / "model.onnx")).graph.node if n.op_type == "MatMul"]
-    # 2 layers x 7 projections + the output head; attention's four MatMuls per layer (scores and
-    # p·v, each against the past and against the new keys) stay float32
-    assert len(nodes) == 2 * 7 + 1 and len(fp32_matmuls) == 2 * 7 + 1 + 2 * 4
+    # 2 layers x 4 projections (Q/K/V fused, o, gate/up fused, down) + the output head; attention's
+    # four MatMuls per layer (scores and p·v, each against the past and against the new keys) stay float32
+    assert len(nodes) == 2 * 4 + 1 and len(fp32_matmuls) == 2 * 4 + 1 + 2 * 4
     initializers = {t.name: t for t in onnx.load(str(bundle / "model.onnx")).graph.initializer}
-    bits, block = quantize.WEIGHT_BITS[weight_dtype], quantize.BLOCK_SIZE
+    bits, block = quantize.WEIGHT_BITS[weight_dtype], quantize.BLOCK_SIZE[weight_dtype]
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["bits"] == bits and attrs["block_size"] == block
@@ -76,10 +76,10 @@ def test_config_records_precision_and_parity(quantized_bundle, arch, weight_dtyp
     assert parity["min_top1_agreement"] == quantize.MIN_TOP1_AGREEMENT[weight_dtype]
     assert parity["min_top1_agreement"] <= parity["top1_agreement"] <= 1.0
     assert parity["max_abs_logit_diff"] > 1e-3  # quantized: no longer float32-exact ...
-    assert parity["weights"] == {"weight_dtype": weight_dtype, "block_size": quantize.BLOCK_SIZE,
-                                 "is_symmetric": quantize.IS_SYMMETRIC,
+    assert parity["weights"] == {"weight_dtype": weight_dtype, "block_size": quantize.BLOCK_SIZE[weight_dtype],
+                                 "is_symmetric": quantize.IS_SYMMETRIC[weight_dtype],
                                  "accuracy_level": quantize.ACCURACY_LEVEL, "lm_head_quantized": True,
-                                 "num_quantized": 15}
+                                 "num_quantized": 2 * 4 + 1}
     greedy = parity["greedy_vs_float32"]
     assert greedy["num_prompts"] == 5 and greedy["num_tokens"] == quantize.AGREEMENT_TOKENS
     assert 0 <= greedy["identical_fraction"] <= 1 and greedy["mean_common_prefix"] <= greedy["mean_reference_tokens"]
@@ -107,7 +107,7 @@ def test_runtime_runs_the_quantized_bundle(quantized_bundle, arch, weight_dtype,
 def test_output_head_can_stay_float32(tiny_bundle, tmp_path):
     _, fp32 = tiny_bundle("llama", 4)
     summary = quantize.quantize_step_graph(fp32 / "model.onnx", tmp_path / "m.onnx", "int4", include_lm_head=False)
-    assert summary["lm_head_quantized"] is False and summary["num_quantized"] == 14
+    assert summary["lm_head_quantized"] is False and summary["num_quantized"] == 2 * 4
     graph = onnx.load(str(tmp_path / "m.onnx")).graph
     assert next(n for n in graph.node if "logits" in n.output).op_type == "MatMul"
 

@@ -93,10 +93,24 @@ def test_scaling(smoke_model, tmp_path):
 
 def test_quantized_step(smoke_model, tmp_path):
     _, bundle = smoke_model
-    python("bench/quantized_step.py", bundle, "--prompts-each", "1", "--tokens", "4", "--past", "8", "--repeats", "2",
-           "--threads", "1", "--out", tmp_path)
-    result = json.loads((tmp_path / "quantized_step.json").read_text())
-    assert set(result["results"]) == {"float32", "int8", "int4"}
+    python("bench/quantized_step.py", bundle, "--variants", "int8", "int4-s16-h", "--prompts-each", "1", "--tokens", "4",
+           "--past", "8", "--windows", "1", "2", "--repeats", "2", "--threads", "1", "--out", tmp_path)
+    result = json.loads((tmp_path / "quantized_step.json").read_text())["results"]
+    assert set(result) == {"float32", "int8", "int4-s16-h"}
+    assert result["int4-s16-h"]["block_size"] == 16 and result["int4-s16-h"]["is_symmetric"] is True
+    assert result["int4-s16-h"]["lm_head_quantized"] is False and result["int8"]["lm_head_quantized"] is True
+    assert all(r["step_ms_w1"] > 0 and r["step_ms_w2"] > 0 for r in result.values())
+
+
+def test_gqa_attention(tmp_path):
+    """Our attention and GroupQueryAttention on the same inputs: same outputs, both timed."""
+    python("bench/gqa_attention.py", "--pasts", "0", "8", "--windows", "1", "3", "--heads", "4", "--kv-heads", "2",
+           "--head-dim", "16", "--max-context", "16", "--repeats", "1", "--rounds", "1", "--threads", "1",
+           "--out", tmp_path)
+    rows = json.loads((tmp_path / "gqa_attention.json").read_text())["rows"]
+    assert [(r["past"], r["window"]) for r in rows] == [(0, 1), (0, 3), (8, 1), (8, 3)]
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows)
+    assert all(min(r["ours_ms"], r["gqa_ms"], r["ours_cpu_ms"], r["gqa_cpu_ms"]) > 0 for r in rows)
 
 
 def test_load_test(smoke_model, tmp_path):
@@ -119,16 +133,19 @@ def test_load_test_against_ray_replicas(smoke_model, tmp_path):
 
 def test_bench_peers_ours_only(smoke_model, tmp_path):
     """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
-    with every variant of ours, and the lossless ones equal our AR ids."""
-    _, bundle = smoke_model
+    with every variant of ours and the int8 bundle's rows, and the lossless ones equal our AR ids."""
+    ckpt, bundle = smoke_model[0], shutil.copytree(smoke_model[1], tmp_path / "bundle")
+    export(str(ckpt), tmp_path / "bundle-int8", 4, 4, "--mask-token", "<mask>", "--int8")  # found as $BUNDLE-int8
     table = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
                 "2", "--threads", "1", "--taus", "0.9",
-                env={"ENGINES": "ours", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
+                env={"ENGINES": "ours", "QUANTIZED": "int8", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"),
+                     "OUT": str(tmp_path)})
     rows = assert_results(tmp_path, "peers")["rows"]
     assert {row["engine"] for row in rows} == {"ours"} and all(row["status"] == "ok" for row in rows)
-    assert [r["variant"] for r in rows if r["batch_size"] == 1] == ["ar", "threshold tau=0.9", *VERIFY_VARIANTS]
+    assert [r["variant"] for r in rows if r["batch_size"] == 1] == ["ar", "threshold tau=0.9", *VERIFY_VARIANTS,
+                                                                    "int8 ar", "int8 verify + both"]
     assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in ["ar", *VERIFY_VARIANTS])  # of 2 prompts
-    assert "| ours | verify + lookup | 2 |" in table
+    assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table
     assert not (tmp_path / "peers" / "ckpt").exists()
 
 

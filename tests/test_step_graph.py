@@ -7,11 +7,13 @@ import types
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
+from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.step_module import StepKV, rotary_joint, step_attention
 from runtime import bundle
 
@@ -62,10 +64,14 @@ def test_joint_rotary_equals_transformers_rotary():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_graph_reads_past_in_place_and_fuses_norms(tiny_bundle, arch, tmp_path):
-    """No KV-head Expand and no Concat over a past input in the file; onnxruntime's optimizer
-    turns every RMSNorm into one SimplifiedLayerNormalization."""
+    """No KV-head Expand and no Concat over a past input in the file; one MatMul for Q/K/V and one
+    for gate/up per layer; onnxruntime's optimizer turns every RMSNorm into one SimplifiedLayerNormalization."""
     path = tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE
     graph = onnx.load(str(path)).graph
+    weights = {t.name for t in graph.initializer}
+    projection_inputs = [n.input[0] for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    num_layers = 2
+    assert len(projection_inputs) == len(set(projection_inputs)) >= num_layers * 4  # QKV, o, gate/up, down (+ head)
     past_inputs = {i.name for i in graph.input if i.name.startswith("past_key_values.")}
     assert not [n for n in graph.node if n.op_type == "Expand"]
     assert not [n for n in graph.node if n.op_type == "Concat" and past_inputs & set(n.input)]
@@ -74,8 +80,33 @@ def test_graph_reads_past_in_place_and_fuses_norms(tiny_bundle, arch, tmp_path):
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     ops = collections.Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
-    num_layers = 2
     norms_per_layer = 4 if arch == "qwen3" else 2  # Qwen3 also normalizes query and key heads
     assert ops["SimplifiedLayerNormalization"] == num_layers * norms_per_layer + 1 and ops["ReduceMean"] == 0
     assert ops["Neg"] <= 1  # RoPE's sign sits in the sine, computed once per step
     assert np.all([ops[op] == 0 for op in ("Pow", "Sqrt", "Reciprocal")])
+
+
+def test_matmuls_sharing_an_input_become_one_matmul_and_split():
+    """Three projections of x (and one of another input) -> one MatMul + Split for x; same outputs."""
+    rng = np.random.default_rng(0)
+    k, sizes = 8, (8, 4, 4)
+    weights = [rng.standard_normal((k, n)).astype(np.float32) for n in (*sizes, 3)]
+    x, y = (onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["T", k]) for name in ("x", "y"))
+    outputs = [onnx.helper.make_tensor_value_info(f"r{i}", onnx.TensorProto.FLOAT, ["T", w.shape[1]])
+               for i, w in enumerate(weights)]
+    nodes = [onnx.helper.make_node("MatMul", ["x" if i < 3 else "y", f"w{i}"], [f"p{i}"], name=f"proj{i}")
+             for i in range(4)]
+    nodes += [onnx.helper.make_node("Relu", [f"p{i}"], [f"r{i}"]) for i in range(4)]  # consumers keep reading p_i
+    graph = onnx.helper.make_graph(nodes, "g", [x, y], outputs,
+                                   [onnx.numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    ir_model = ir.serde.deserialize_model(model)
+    assert fuse_shared_input_matmuls(ir_model.graph) == 2
+    fused = ir.serde.serialize_model(ir_model)
+    onnx.checker.check_model(fused, full_check=True)
+    assert [n.op_type for n in fused.graph.node].count("MatMul") == 2 and len(fused.graph.initializer) == 3
+    feeds = {"x": rng.standard_normal((5, k)).astype(np.float32), "y": rng.standard_normal((5, k)).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+           for m in (model, fused)]
+    for before, after in zip(*run):
+        np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)

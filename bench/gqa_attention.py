@@ -1,0 +1,233 @@
+"""One layer's attention at batch 1: our step graph's form against onnxruntime's GroupQueryAttention.
+
+    python bench/gqa_attention.py [--pasts 128 1024] [--windows 1 4] [--heads 9] [--kv-heads 3]
+                                  [--head-dim 64] [--layers 30] [--max-context 2048] [--repeats 200]
+                                  [--rounds 5] [--threads 2] [--out bench/results] [--name gqa_attention]
+
+Dimension letters: W window, P past length, H query heads, Hkv KV heads, D head dim.
+Defaults are SmolLM2-135M's (the default model). Whether a GroupQueryAttention (GQA) step
+is worth building (GitHub issue 11, items 1-2) depends on what its attention costs against
+ours; the projections and the MLP are the same MatMuls in both, so they are left out. Both
+get the same inputs and their outputs are compared (max |difference| per row).
+
+Both graphs take the projections' outputs q [1, W, H·D], k, v [1, W, Hkv·D], apply RoPE
+and attend over the P cached positions and the W new ones, returning [1, W, H·D] and the
+new KV:
+
+- ours: :func:`mars_export.step_module.step_attention` with :func:`rotary_joint`, exported
+  by torch as the step graph is (past [1, Hkv, P, D] read in place, present = the W new
+  entries; the runtime writes them into its cache, a copy of W·Hkv·D values per layer);
+- GQA: one ``com.microsoft::GroupQueryAttention`` node with ``do_rotary`` (cos/sin caches
+  of ``--max-context`` positions), past and present bound to one buffer
+  [1, Hkv, max context, D] with I/O binding, as a runtime would run it (it writes the
+  W new entries in place).
+
+Timing is interleaved (rounds of ``--repeats`` calls each, median of the round means; wall
+time and this process's CPU time, the steadier figure on a busy machine at ``--threads 1``),
+and the per-call time is also given times ``--layers`` (ms per step). Writes {name}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from mars_export.step_module import StepKV, rotary_joint, step_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+ROPE_THETA = 100000.0  # SmolLM2's; the value does not change the cost
+
+
+class OursAttention(torch.nn.Module):
+    """RoPE + grouped attention of one layer as the step graph traces it (batch 1)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.shape = heads, kv_heads, head_dim
+        self.layer_idx = 0
+
+    def forward(self, q, k, v, cos, sin, mask, past_key, past_value):
+        heads, kv_heads, head_dim = self.shape
+        window = q.shape[1]
+        q = q.view(1, window, heads, head_dim).transpose(1, 2)  # [1, H, W, D]
+        k = k.view(1, window, kv_heads, head_dim).transpose(1, 2)  # [1, Hkv, W, D]
+        v = v.view(1, window, kv_heads, head_dim).transpose(1, 2)
+        q, k = rotary_joint(q, k, cos, sin)
+        bias = torch.where(mask, torch.zeros(()), torch.finfo(torch.float32).min)  # [1, 1, W, P + W]
+        step_kv = StepKV(past=[(past_key, past_value)])
+        out, _ = step_attention(self, q, k, v, bias, head_dim**-0.5, step_kv=step_kv)  # [1, W, H, D]
+        return out.reshape(1, window, heads * head_dim), k, v
+
+
+def export_ours(path: Path, heads: int, kv_heads: int, head_dim: int) -> None:
+    """``OursAttention`` to ONNX with dynamic W and P (the exporter's own log goes nowhere)."""
+    from torch.export import Dim
+
+    window, past = Dim("window", min=1, max=4096), Dim("past", min=0, max=8192)
+    w, p = 2, 5
+    example = (torch.randn(1, w, heads * head_dim), torch.randn(1, w, kv_heads * head_dim),
+               torch.randn(1, w, kv_heads * head_dim), torch.randn(1, w, head_dim), torch.randn(1, w, head_dim),
+               torch.ones(1, 1, w, p + w, dtype=torch.bool), torch.randn(1, kv_heads, p, head_dim),
+               torch.randn(1, kv_heads, p, head_dim))
+    shapes = ({1: window}, {1: window}, {1: window}, {1: window}, {1: window}, {2: window, 3: Dim.AUTO},
+              {2: past}, {2: past})
+    stdout, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        program = torch.onnx.export(OursAttention(heads, kv_heads, head_dim).eval(), example, dynamo=True,
+                                    dynamic_shapes=shapes, opset_version=18, optimize=True)
+    finally:
+        sys.stdout = stdout
+    program.save(str(path))
+
+
+def gqa_model(heads: int, kv_heads: int, head_dim: int, max_context: int) -> onnx.ModelProto:
+    """One GroupQueryAttention node with rotary; past and present [1, Hkv, max_context, D] meant to share a buffer."""
+    inv_freq = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)  # [D / 2]
+    angles = np.arange(max_context, dtype=np.float32)[:, None] * inv_freq  # [max_context, D / 2]
+    kv = [1, kv_heads, max_context, head_dim]
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, "W", heads * head_dim]),
+              helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, "W", kv_heads * head_dim]),
+              helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, "W", kv_heads * head_dim]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, kv),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, kv),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, "W", heads * head_dim]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, kv),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, kv)]
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key", "past_value", "seqlens_k",
+                                                    "total_sequence_length", "cos_cache", "sin_cache"],
+                            ["out", "present_key", "present_value"], domain="com.microsoft", num_heads=heads,
+                            kv_num_heads=kv_heads, do_rotary=1, scale=head_dim**-0.5)
+    caches = [onnx.numpy_helper.from_array(np.cos(angles), "cos_cache"),
+              onnx.numpy_helper.from_array(np.sin(angles), "sin_cache")]
+    graph = helper.make_graph([node], "gqa", inputs, outputs, caches)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+
+
+def make_inputs(heads, kv_heads, head_dim, past: int, window: int, rng) -> dict:
+    """q [1, W, H·D], k, v [1, W, Hkv·D], past_key, past_value [1, Hkv, P, D]: random float32."""
+    return {"q": rng.standard_normal((1, window, heads * head_dim), np.float32),
+            "k": rng.standard_normal((1, window, kv_heads * head_dim), np.float32),
+            "v": rng.standard_normal((1, window, kv_heads * head_dim), np.float32),
+            "past_key": rng.standard_normal((1, kv_heads, past, head_dim), np.float32),
+            "past_value": rng.standard_normal((1, kv_heads, past, head_dim), np.float32)}
+
+
+def ours_call(session, head_dim: int, inputs: dict):
+    """A no-argument function running one call of our attention graph; returns its outputs."""
+    past, window = inputs["past_key"].shape[2], inputs["q"].shape[1]
+    inv_freq = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    angles = np.arange(past, past + window, dtype=np.float32)[:, None] * inv_freq  # [W, D / 2]
+    angles = np.concatenate([angles, angles], -1)[None]  # [1, W, D]
+    mask = np.ones((1, 1, window, past + window), bool)  # [1, 1, W, P + W]
+    mask[..., past:] = np.tril(np.ones((window, window), bool))
+    values = [inputs["q"], inputs["k"], inputs["v"], np.cos(angles), np.sin(angles), mask, inputs["past_key"],
+              inputs["past_value"]]
+    feeds = dict(zip([i.name for i in session.get_inputs()], values))  # in forward's argument order
+    return lambda: session.run(None, feeds)
+
+
+def gqa_call(session, max_context: int, inputs: dict):
+    """A no-argument function running one GQA call, past and present bound to the same buffers; returns [out]."""
+    (_, kv_heads, past, head_dim), window = inputs["past_key"].shape, inputs["q"].shape[1]
+    binding = session.io_binding()
+    cache = []
+    for name in ("past_key", "past_value"):
+        buffer = np.zeros((1, kv_heads, max_context, head_dim), np.float32)  # [1, Hkv, max context, D]
+        buffer[:, :, :past] = inputs[name]
+        cache.append(ort.OrtValue.ortvalue_from_numpy(buffer))
+    for name in ("q", "k", "v"):
+        binding.bind_cpu_input(name, inputs[name])
+    binding.bind_cpu_input("seqlens_k", np.array([past + window - 1], np.int32))
+    binding.bind_cpu_input("total_sequence_length", np.array(past + window, np.int32))
+    binding.bind_ortvalue_input("past_key", cache[0])
+    binding.bind_ortvalue_input("past_value", cache[1])
+    binding.bind_output("out")  # first: get_outputs() lists outputs in binding order
+    binding.bind_ortvalue_output("present_key", cache[0])
+    binding.bind_ortvalue_output("present_value", cache[1])
+
+    def call():
+        session.run_with_iobinding(binding)
+        return [binding.get_outputs()[0].numpy()]
+    return call
+
+
+def run(args) -> dict:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    ours_path = args.out / f"{args.name}_ours.onnx"
+    export_ours(ours_path, args.heads, args.kv_heads, args.head_dim)
+    ours = ort.InferenceSession(str(ours_path), options, providers=["CPUExecutionProvider"])
+    ours_path.unlink()
+    gqa = ort.InferenceSession(gqa_model(args.heads, args.kv_heads, args.head_dim, args.max_context)
+                               .SerializeToString(), options, providers=["CPUExecutionProvider"])
+    rng, rows = np.random.default_rng(0), []
+    dims = (args.heads, args.kv_heads, args.head_dim)
+    for past, window in itertools.product(args.pasts, args.windows):
+        inputs = make_inputs(*dims, past, window, rng)
+        calls = {"ours": ours_call(ours, args.head_dim, inputs), "gqa": gqa_call(gqa, args.max_context, inputs)}
+        max_diff = float(np.abs(calls["ours"]()[0] - calls["gqa"]()[0]).max())  # also the warm-up
+        samples = {(name, clock): [] for name in calls for clock in ("ms", "cpu_ms")}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                start, cpu_start = time.perf_counter(), time.process_time()
+                for _ in range(args.repeats):
+                    call()
+                samples[name, "ms"].append((time.perf_counter() - start) / args.repeats * 1000)
+                samples[name, "cpu_ms"].append((time.process_time() - cpu_start) / args.repeats * 1000)
+        ms = {f"{name}_{clock}": float(np.median(s)) for (name, clock), s in samples.items()}
+        rows.append({"past": past, "window": window, "max_abs_diff": max_diff, **ms,
+                     "gqa_over_ours": ms["gqa_ms"] / ms["ours_ms"],
+                     "gqa_over_ours_cpu": ms["gqa_cpu_ms"] / ms["ours_cpu_ms"],
+                     "ours_ms_per_step": ms["ours_ms"] * args.layers, "gqa_ms_per_step": ms["gqa_ms"] * args.layers})
+        print(f"P={past} W={window}: ours {ms['ours_ms'] * 1000:.1f} us, GQA {ms['gqa_ms'] * 1000:.1f} us per layer "
+              f"({rows[-1]['gqa_over_ours']:.2f}x; CPU time {rows[-1]['gqa_over_ours_cpu']:.2f}x); x{args.layers} "
+              f"layers: {ms['ours_ms'] * args.layers:.2f} vs {ms['gqa_ms'] * args.layers:.2f} ms per step; "
+              f"outputs differ by {max_diff:.1e}", flush=True)
+    return {"meta": {"command": "python bench/gqa_attention.py " + " ".join(sys.argv[1:]),
+                     "onnxruntime": ort.__version__, **{k: v for k, v in vars(args).items() if k != "out"}},
+            "rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pasts", type=int, nargs="+", default=[128, 1024], help="past lengths P")
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 4], help="windows W")
+    p.add_argument("--heads", type=int, default=9, help="query heads H (default 9, SmolLM2-135M)")
+    p.add_argument("--kv-heads", type=int, default=3, help="KV heads Hkv (default 3)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim D (default 64)")
+    p.add_argument("--layers", type=int, default=30, help="layers per step, for the per-step figure (default 30)")
+    p.add_argument("--max-context", type=int, default=2048, help="GQA's KV buffer length (default 2048)")
+    p.add_argument("--repeats", type=int, default=200, help="calls per timing sample (default 200)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
+    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--name", default="gqa_attention", help="stem of the output file")
+    args = p.parse_args()
+    if min(args.pasts) < 0 or min(args.windows) < 1 or args.repeats < 1 or args.rounds < 1:
+        p.error("--pasts must be >= 0; --windows, --repeats and --rounds at least 1")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.head_dim % 16:
+        p.error(f"--head-dim must be a multiple of 16 (GroupQueryAttention's CPU kernel), got {args.head_dim}")
+    if max(args.pasts) + max(args.windows) > args.max_context:
+        p.error(f"--max-context ({args.max_context}) must hold the longest past + window")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

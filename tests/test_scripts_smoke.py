@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -170,8 +171,10 @@ def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
 def test_demo_on_another_bundle(smoke_model):
     """The README's main command with BUNDLE=DIR: setup (a no-op check after CI's), then the demo."""
     _, bundle = smoke_model
-    out = run("bash", "scripts/demo.sh", "--max-new-tokens", "8", "--tau", "1.0", "0.5", env={"BUNDLE": str(bundle)})
-    assert out.count("tau=1.0") >= 6 and "### tau=0.5" in out, out[-1500:]
+    out = run("bash", "scripts/demo.sh", "--max-new-tokens", "8", "--tau", "1.0", "0.5", "--draft", "both",
+              env={"BUNDLE": str(bundle)})
+    assert out.count("tau=1.0") >= 6 and "### tau=0.5" in out and "draft both" in out, out[-1500:]
+    assert re.search(r"decode tok/s at tau=0\.5 / tau=1\.0: \d+\.\d\dx", out), out[-500:]
 
 
 @pytest.fixture(scope="module")

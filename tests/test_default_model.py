@@ -89,7 +89,9 @@ def test_batch_rows_and_verify_mode_equal_generate(default_bundle, greedy_pairs,
                               DecodeParams(mode=mode, draft=draft, max_new_tokens=MAX_NEW))
     for result, (ids, expected) in zip(results, greedy_pairs):
         assert result.token_ids == expected, f"{scheme}/{mode}/{draft}: a row diverged from its solo greedy run"
-    if draft != "masks":  # a plain model: prompt lookup alone gains tokens on real prompts
+    # a plain model: prompt lookup alone gains tokens on real prompts (a block-scheme batch of
+    # threshold rows also counts the re-runs of rows waiting for the block to close)
+    if draft != "masks" and (scheme == "continuous" or mode == "verify"):
         tpf = sum(r.num_tokens for r in results) / sum(r.num_forwards for r in results)
         assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f})"
 

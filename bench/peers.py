@@ -216,7 +216,8 @@ def bench_variant(engine: str, variant: str, generate, settings: dict, batch_siz
 
 
 def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
-    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau, verify with each draft source.
+    """Our runtime (onnxruntime backend, Engine): ar, threshold at each tau (with mask drafts only,
+    and with lookup drafts before the masks), verify with each draft source.
 
     A weight-only quantized bundle (``mars-export --int8 / --int4``) runs ar and verify + both
     only, its variants named after the weight dtype ("int8 ar", "int8 verify + both").
@@ -230,6 +231,7 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
     config = load_config(bundle)
     backend = OnnxBackend(bundle, config, num_threads=settings["threads"])
     modes = [("ar", DecodeParams(mode="ar"))] + [(f"threshold tau={t}", DecodeParams(tau=t)) for t in settings["taus"]]
+    modes += [(f"threshold tau={t} + both", DecodeParams(tau=t, draft="both")) for t in settings["taus"]]
     modes += [("verify" if draft == "masks" else f"verify + {draft}", DecodeParams(mode="verify", draft=draft))
               for draft in DRAFTS]
     if config.weight_dtype in QUANTIZED:

@@ -143,8 +143,8 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
                      "OUT": str(tmp_path)})
     rows = assert_results(tmp_path, "peers")["rows"]
     assert {row["engine"] for row in rows} == {"ours"} and all(row["status"] == "ok" for row in rows)
-    assert [r["variant"] for r in rows if r["batch_size"] == 1] == ["ar", "threshold tau=0.9", *VERIFY_VARIANTS,
-                                                                    "int8 ar", "int8 verify + both"]
+    assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
+        ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS, "int8 ar", "int8 verify + both"]
     assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in ["ar", *VERIFY_VARIANTS])  # of 2 prompts
     assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table
     assert not (tmp_path / "peers" / "ckpt").exists()

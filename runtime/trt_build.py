@@ -5,7 +5,7 @@ will run it (an engine is tied to its GPU and TensorRT version, so a Jetson buil
 own) and records it in ``mars_config.json``. ``--print-trtexec`` prints the equivalent
 ``trtexec`` line instead and needs no TensorRT.
 
-Dimension letters: B batch, W window (fixed), P past length, H KV heads, D head dim.
+Dimension letters (runtime/__init__.py): n batch rows, W window (fixed), P past length, H KV heads, D head dim.
 One optimization profile covers B in 1..max_batch and P in 0..max_context - W (P = 0 is
 the first step of a one-token prompt). Its min, opt and max shapes each keep the
 dimensions the graph ties together equal: B in every input, and the attention mask's
@@ -72,13 +72,13 @@ def profile_shapes(config: BundleConfig, options: TrtBuildOptions) -> dict[str, 
     pasts = (0, opt_context - window, max_context - window)
     heads, dim = config.num_kv_heads, config.head_dim
     shapes = {
-        bundle.INPUT_IDS: tuple((b, window) for b in batches),  # [B, W]
-        bundle.POSITION_IDS: tuple((b, window) for b in batches),  # [B, W]
-        bundle.ATTENTION_MASK: tuple((b, 1, window, p + window) for b, p in zip(batches, pasts)),  # [B, 1, W, P + W]
+        bundle.INPUT_IDS: tuple((b, window) for b in batches),  # [n, W]
+        bundle.POSITION_IDS: tuple((b, window) for b in batches),  # [n, W]
+        bundle.ATTENTION_MASK: tuple((b, 1, window, p + window) for b, p in zip(batches, pasts)),  # [n, 1, W, P + W]
     }
     for layer in range(config.num_layers):
         for name in bundle.past_names(layer):
-            shapes[name] = tuple((b, heads, p, dim) for b, p in zip(batches, pasts))  # [B, H, P, D]
+            shapes[name] = tuple((b, heads, p, dim) for b, p in zip(batches, pasts))  # [n, H, P, D]
     return shapes
 
 
@@ -91,9 +91,9 @@ def profile_limits(profile_shape) -> tuple[int, int]:
 
     Returns:
         (max batch B, max past P): the largest dimensions 0 and 2 of the first layer's past
-        key ``[B, H, P, D]``; the engine must never feed more (:class:`runtime.decode.engine.Engine`).
+        key ``[n, H, P, D]``; the engine must never feed more (:class:`runtime.decode.engine.Engine`).
     """
-    largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [B, H, P, D]
+    largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [n, H, P, D]
     return int(largest[0]), int(largest[2])
 
 

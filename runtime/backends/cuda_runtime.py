@@ -25,7 +25,7 @@ class DeviceTensor:
 
     Attributes:
         ptr: device address of element 0.
-        shape: dimensions, e.g. ``[B, H, P, D]`` for a past key.
+        shape: dimensions, e.g. ``[n, H, P, D]`` for a past key.
         dtype: numpy dtype of the elements.
     """
 

@@ -69,6 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def resolve_max_batch_size(requested: int | None, backend_limit: int | None = None) -> int:
+    """The server's KV slots: ``--max-batch-size`` when given, else :data:`DEFAULT_MAX_BATCH`
+    within the backend's largest batch (a TensorRT engine's profile; None: no limit)."""
+    if requested is not None:
+        return requested
+    return min(DEFAULT_MAX_BATCH, backend_limit or DEFAULT_MAX_BATCH)
+
+
 def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     """Load the bundle and build the app (the engine thread starts with the app's lifespan).
 
@@ -86,8 +94,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     policy.check_base(args.tau)
     backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
     # The limits come from the engine: a setting past its profile is refused (Engine), the default fits it.
-    max_batch_size = args.max_batch_size if args.max_batch_size is not None else \
-        min(DEFAULT_MAX_BATCH, backend.max_batch or DEFAULT_MAX_BATCH)
+    max_batch_size = resolve_max_batch_size(args.max_batch_size, backend.max_batch)
     engine = Engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))
     metrics = ServerMetrics(max_batch_size)
     ctx = ServerContext(engine_thread=make_thread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),

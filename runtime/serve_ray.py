@@ -295,9 +295,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> FleetOptions:
+    """Ray's options from both command lines; the request targets default to the replicas' batch
+    (``--max-batch-size``, else the server's default, before any engine is loaded)."""
+    batch = single.resolve_max_batch_size(args.max_batch_size)
     return FleetOptions(ray_args.replicas, ray_args.max_replicas,
-                        ray_args.target_ongoing_requests or args.max_batch_size,
-                        ray_args.max_ongoing_requests or args.max_batch_size + args.queue_high,
+                        ray_args.target_ongoing_requests or batch,
+                        ray_args.max_ongoing_requests or batch + args.queue_high,
                         ray_args.num_cpus_per_replica, ray_args.upscale_delay_s)
 
 

@@ -26,6 +26,8 @@ from ray import serve  # noqa: E402
 from runtime.decode.decoder import DecodeParams  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from runtime import serve as single  # noqa: E402
+from runtime import serve_ray  # noqa: E402
 from runtime.serve_ray import NAMESPACE, FleetBoard, FleetOptions, deploy, merge_metrics  # noqa: E402
 from runtime.serving.metrics import ServerMetrics  # noqa: E402
 
@@ -99,6 +101,16 @@ def test_fleet_options_reject_bad_counts():
         FleetOptions(replicas=2, max_replicas=1)
     assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
         {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
+
+
+def test_fleet_options_default_to_the_servers_batch():
+    """Without --max-batch-size (the README's command) the targets follow the server's default batch."""
+    ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2"])
+    fleet = serve_ray.fleet_options(ray_args, single.parse_args(serve_argv))
+    assert (fleet.target_ongoing_requests, fleet.max_ongoing_requests) == \
+        (single.DEFAULT_MAX_BATCH, single.DEFAULT_MAX_BATCH + single.parse_args(["BUNDLE"]).queue_high)
+    ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2", "--max-batch-size", "3"])
+    assert serve_ray.fleet_options(ray_args, single.parse_args(serve_argv)).target_ongoing_requests == 3
 
 
 def test_openai_client_chat_and_completions_streamed_and_not(fleet, runtime_parts):

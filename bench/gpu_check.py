@@ -70,7 +70,8 @@ def load_prompts(path: str | None, num: int | None) -> list[tuple[str, str]]:
     """(source, text) of the prompts file (the package's parity prompts by default), the first ``num``.
 
     Raises:
-        ValueError: the file is missing or not of the form ``{"prompts": [{"source", "text"}]}``.
+        ValueError: the file is missing, not of the form ``{"prompts": [{"source", "text"}]}``,
+            or gives no prompt (the identity check would pass on nothing).
     """
     try:
         raw = json.loads(Path(path).read_text() if path else
@@ -79,7 +80,11 @@ def load_prompts(path: str | None, num: int | None) -> list[tuple[str, str]]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read prompts from {path}: {e}; give a JSON file "
                          '{"prompts": [{"source": ..., "text": ...}]}') from e
-    return prompts[:num]
+    prompts = prompts[:num]
+    if not prompts:
+        raise ValueError(f"no prompts to check ({path or 'the package prompts'}, --num-prompts {num}); "
+                         "give at least one")
+    return prompts
 
 
 def environment() -> dict:

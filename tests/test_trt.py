@@ -327,3 +327,15 @@ def test_gpu_check_full_run_on_the_standin(tiny_bundle, tmp_path, standin):
         assert run["export"]["exit_code"] == 0 and "tensorrt" in run["parity"]["backends"]
         assert run["identity_tau1"]["total"] == 2 and run["speed"]["tau=1.0"]["tpf"] == 1.0
     assert report["runs"]["fp32"]["identity_tau1"]["identical"] == 2  # same math as the fp32 reference
+
+
+def test_gpu_check_refuses_an_empty_prompt_set(tmp_path):
+    """An identity check over no prompt would pass vacuously: an empty file or --num-prompts 0 is refused."""
+    from support import load_script
+    gpu_check = load_script(Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py")
+    empty = tmp_path / "p.json"
+    empty.write_text('{"prompts": []}')
+    for path, num in [(str(empty), 2), (None, 0)]:
+        with pytest.raises(ValueError, match="no prompts to check"):
+            gpu_check.load_prompts(path, num)
+    assert len(gpu_check.load_prompts(None, 2)) == 2

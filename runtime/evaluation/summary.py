@@ -16,6 +16,7 @@ Row fields:
 
 from __future__ import annotations
 
+from runtime.decode.params import tokens_per_forward
 from runtime.evaluation.tasks import GSM8K, HUMANEVAL
 
 FIELDS = ("bundle", "block_size", "tau", "num_prompts", "num_gsm8k", "num_humaneval", "num_tokens", "num_forwards",
@@ -35,7 +36,7 @@ def summarize_group(records: list[dict]) -> dict:
     return {"bundle": first["bundle"], "block_size": first["block_size"], "tau": first["tau"],
             "num_prompts": len(records), "num_gsm8k": sum(r["task"] == GSM8K for r in records),
             "num_humaneval": sum(r["task"] == HUMANEVAL for r in records),
-            "num_tokens": tokens, "num_forwards": forwards, "tpf": tokens / forwards, "decode_seconds": seconds,
+            "num_tokens": tokens, "num_forwards": forwards, "tpf": tokens_per_forward(tokens, forwards), "decode_seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds > 0 else None,
             "agreement_exact": _mean([r["identical_to_ar"] for r in records]),
             "agreement_prefix": _mean([r["common_prefix_fraction"] for r in records]),

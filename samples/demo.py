@@ -1,6 +1,6 @@
 """Run a bundle on a few real prompts and print the text, TPF and tokens/s.
 
-    python samples/demo.py BUNDLE [--tau 1.0 0.9] [--draft masks|lookup|both] [--max-new-tokens 128]
+    python samples/demo.py BUNDLE [--tau 1.0 0.9] [--draft both|lookup|masks] [--max-new-tokens 128]
 
 Prompts: samples/prompts/demo_prompts.json (GSM8K test questions, HumanEval prompts).
 Each tau runs in threshold mode with the given draft source (DESIGN.md §3): ``masks`` is
@@ -28,8 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--tau", type=float, nargs="+", default=[1.0, 0.9])
-    p.add_argument("--draft", choices=["masks", "lookup", "both"], default="masks",
-                   help="draft source in every run (default masks: plain MARS)")
+    p.add_argument("--draft", choices=["masks", "lookup", "both"], default="both",
+                   help="draft source in every run (default both: lookup drafts, then masks; masks: plain MARS)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()
     config = load_config(args.bundle)

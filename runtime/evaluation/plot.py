@@ -1,7 +1,8 @@
 """The TPF-quality plot: x = tokens per decode forward, y = a quality metric in [0, 1].
 
 One panel per metric present (GSM8K accuracy, HumanEval pass@1, exact agreement with AR,
-common-prefix agreement), one line per (bundle, B), each point labelled with its tau.
+common-prefix agreement), one line per (bundle, B, draft source), each point labelled with
+its tau; the AR point (tau >= 1) is on the masks line.
 Needs matplotlib (the ``bench`` extra); drawn on a bare Figure, so no pyplot state is touched.
 """
 
@@ -21,14 +22,14 @@ def plot_tpf_quality(out_dir: Path, summary: list[dict]) -> Path:
     panels = [(f, title) for f, title in _PANELS if any(row[f] is not None for row in summary)]
     lines: dict[tuple, list[dict]] = {}
     for row in summary:
-        lines.setdefault((row["bundle"], row["block_size"]), []).append(row)
+        lines.setdefault((row["bundle"], row["block_size"], row["draft"]), []).append(row)
     fig = Figure(figsize=(4.5 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (field, title) in zip(axes[0], panels):
-        for (bundle, block_size), rows in lines.items():
+        for (bundle, block_size, draft), rows in lines.items():
             rows = sorted(rows, key=lambda r: r["tpf"])
             xs, ys = [r["tpf"] for r in rows], [r[field] for r in rows]
-            ax.plot(xs, ys, marker="o", label=f"{bundle} B={block_size}")
+            ax.plot(xs, ys, marker="o", label=f"{bundle} B={block_size}" + ("" if draft == "masks" else f" +{draft}"))
             labels: dict[tuple, list[str]] = {}  # points that coincide (e.g. tau 1 and 0.95) share one label
             for r in rows:
                 labels.setdefault((r["tpf"], r[field]), []).append(f"{r['tau']:g}")

@@ -13,7 +13,7 @@ RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.csv"
 
 _COLUMNS = (  # (header, field, format)
-    ("bundle", "bundle", "{}"), ("B", "block_size", "{}"), ("tau", "tau", "{:g}"), ("TPF", "tpf", "{:.2f}"),
+    ("bundle", "bundle", "{}"), ("B", "block_size", "{}"), ("tau", "tau", "{:g}"), ("draft", "draft", "{}"), ("TPF", "tpf", "{:.2f}"),
     ("tok/s", "tokens_per_second", "{:.1f}"), ("x AR", "speedup_vs_ar", "{:.2f}"),
     ("exact", "agreement_exact", "{:.2f}"), ("prefix", "agreement_prefix", "{:.2f}"),
     ("gsm8k", "gsm8k_accuracy", "{:.3f}"), ("pass@1", "humaneval_pass_at_1", "{:.3f}"),

@@ -6,8 +6,13 @@ greedy AR whatever B (one token per step), so it is decoded once per prompt and 
 record is reported under every B. At least one tau >= 1 is always run (1.0 is added to
 the list if none is given): it is the reference for agreement and speed-up.
 
-Record fields (one dict per bundle x B x tau x prompt):
-    bundle, block_size, tau, task, item_id, num_prompt_tokens, token_ids, text,
+With a draft source other than ``masks`` (DESIGN.md §3 "Draft sources"), every tau < 1
+run feeds prompt-lookup drafts in front of the masks, and tau 1 is also run with them:
+that row is lossless (its output must equal AR), so its TPF is what the drafts alone gain.
+
+Record fields (one dict per bundle x B x tau x draft x prompt):
+    bundle, block_size, tau, draft (``masks`` for the AR reference), task, item_id,
+    num_prompt_tokens, token_ids, text,
     num_tokens, num_forwards (decode forwards), num_prefill_forwards, tpf (tokens per
     decode forward), seconds, prefill_seconds, decode_seconds (wall-clock s),
     finish_reason (``stop`` or ``length``).
@@ -23,6 +28,7 @@ from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams, GenerationResult
+from runtime.evaluation.scoring import AR_DRAFT
 from runtime.evaluation.tasks import EvalItem
 from runtime.text.tokenizer import Tokenizer
 
@@ -53,10 +59,20 @@ def plan_block_sizes(requested: list[int] | None, bundle_block_size: int) -> lis
     return fitting
 
 
-def make_record(label: str, block_size: int, tau: float, item: EvalItem, prompt_ids: list[int],
+def plan_runs(taus: list[float], draft: str) -> list[tuple[float, str]]:
+    """The (tau, draft source) runs per block size: the AR reference for every tau >= 1, each
+    tau < 1 with ``draft``, and, for a draft source other than masks, tau 1 with it too."""
+    runs = [(tau, AR_DRAFT if tau >= 1.0 else draft) for tau in taus]
+    if draft != AR_DRAFT:
+        runs.insert(next(i for i, (tau, _) in enumerate(runs) if tau >= 1.0) + 1, (1.0, draft))
+    return runs
+
+
+def make_record(label: str, block_size: int, tau: float, draft: str, item: EvalItem, prompt_ids: list[int],
                 result: GenerationResult, text: str) -> dict:
     """One record (see the module docstring) of a generation."""
-    return {"bundle": label, "block_size": block_size, "tau": tau, "task": item.task, "item_id": item.item_id,
+    return {"bundle": label, "block_size": block_size, "tau": tau, "draft": draft, "task": item.task,
+            "item_id": item.item_id,
             "num_prompt_tokens": len(prompt_ids), "token_ids": list(result.token_ids), "text": text,
             "num_tokens": result.num_tokens, "num_forwards": result.num_forwards,
             "num_prefill_forwards": result.num_prefill_forwards, "tpf": result.tpf, "seconds": result.seconds,
@@ -82,17 +98,18 @@ def encode_prompts(tokenizer: Tokenizer, items: list[EvalItem], max_new_tokens: 
 
 def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: list[float],
                block_sizes: list[int] | None, max_new_tokens: int, metric: str = "probability",
-               provider: str = "cpu", num_threads: int = 0, log=None) -> list[dict]:
-    """Decode every item at every (B, tau) on one bundle; return the records.
+               provider: str = "cpu", num_threads: int = 0, draft: str = AR_DRAFT, log=None) -> list[dict]:
+    """Decode every item at every (B, tau, draft) on one bundle; return the records.
 
     Args:
         taus: thresholds (see :func:`plan_taus`); block_sizes: requested B's or None
             (see :func:`plan_block_sizes`); num_threads: onnxruntime intra-op threads
-            (0: its choice); log: called with one progress line per prompt (default: stderr).
+            (0: its choice); draft: draft source of the MARS runs (see :func:`plan_runs`);
+            log: called with one progress line per prompt (default: stderr).
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     config = load_config(bundle_dir)
-    sizes, taus = plan_block_sizes(block_sizes, config.block_size), plan_taus(taus)
+    sizes, runs = plan_block_sizes(block_sizes, config.block_size), plan_runs(plan_taus(taus), draft)
     tokenizer = Tokenizer(bundle_dir)
     prompts = encode_prompts(tokenizer, items, max_new_tokens, config.window, config.max_context)
     decoder = Decoder(OnnxBackend(bundle_dir, config, provider, num_threads), config)
@@ -101,11 +118,12 @@ def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: 
         ar = decoder.generate(ids, DecodeParams(tau=1.0, metric=metric, max_new_tokens=max_new_tokens))
         ar_text = tokenizer.decode(ar.token_ids)
         for block_size in sizes:
-            for tau in taus:
-                result = ar if tau >= 1.0 else decoder.generate(
-                    ids, DecodeParams(tau=tau, metric=metric, max_new_tokens=max_new_tokens, block_size=block_size))
+            for tau, source in runs:
+                result = ar if (tau >= 1.0 and source == AR_DRAFT) else decoder.generate(
+                    ids, DecodeParams(tau=tau, metric=metric, max_new_tokens=max_new_tokens, block_size=block_size,
+                                      draft=source))
                 text = ar_text if result is ar else tokenizer.decode(result.token_ids)
-                records.append(make_record(label, block_size, tau, item, ids, result, text))
+                records.append(make_record(label, block_size, tau, source, item, ids, result, text))
         log(f"[{label}] {number}/{len(items)} {item.item_id}: AR {ar.num_tokens} tokens; "
             f"{time.perf_counter() - start:.0f} s so far")
     return records

@@ -1,7 +1,8 @@
 """Per-record scores: agreement with the AR output, GSM8K correctness, HumanEval pass.
 
 Fields added to each record:
-    identical_to_ar: the ids equal those of the same bundle's tau >= 1 run on the prompt.
+    identical_to_ar: the ids equal those of the same bundle's AR run on the prompt (tau >= 1,
+        draft source masks).
     common_prefix_fraction: length of the common prefix of the two id lists divided by
         the longer one's length (1.0 iff identical; 1.0 for two empty lists).
     GSM8K records: gold, predicted (float or None), correct.
@@ -16,6 +17,8 @@ from runtime.evaluation.code_extraction import prepare_completion
 from runtime.evaluation.execution import check_completion
 from runtime.evaluation.tasks import GSM8K, HUMANEVAL, EvalItem
 
+AR_DRAFT = "masks"  # the draft source of the AR reference (tau >= 1): plain greedy AR
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Number of leading positions where ``a`` and ``b`` hold the same id."""
@@ -29,7 +32,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def score_agreement(records: list[dict]) -> None:
     """Add ``identical_to_ar`` and ``common_prefix_fraction`` to every record, in place."""
-    reference = {(r["bundle"], r["item_id"]): r["token_ids"] for r in records if r["tau"] >= 1.0}
+    reference = {(r["bundle"], r["item_id"]): r["token_ids"] for r in records
+                 if r["tau"] >= 1.0 and r["draft"] == AR_DRAFT}
     for r in records:
         ref = reference[r["bundle"], r["item_id"]]
         r["identical_to_ar"] = r["token_ids"] == ref
@@ -58,7 +62,8 @@ def score_humaneval(record: dict, item: EvalItem, cache: dict, timeout: float, c
 
 
 def score_all(records: list[dict], items: list[EvalItem], exec_timeout: float, check=check_completion) -> None:
-    """Score every record in place (agreement, then the task's own score)."""
+    """Score every record in place (agreement, then the task's own score; chat items have
+    no reference answer and are scored by agreement only)."""
     score_agreement(records)
     by_id, cache = {item.item_id: item for item in items}, {}
     for record in records:

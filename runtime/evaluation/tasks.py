@@ -1,12 +1,17 @@
-"""Read GSM8K and HumanEval files into evaluation items with their chat prompts.
+"""Read GSM8K, HumanEval and chat files into evaluation items with their chat prompts.
 
 Files are JSON lines, plain or gzipped (``.gz``): GSM8K records hold ``question`` and
 ``answer`` (ending in ``#### N``); HumanEval records hold ``task_id``, ``prompt``,
-``entry_point`` and ``test``. The first ``limit`` records of each file are used.
+``entry_point`` and ``test``; chat records are OpenAssistant message trees (``prompt``:
+``{text, role, replies}``, as in ``chat_multiturn/oasst_en_100_tree.jsonl``). The first
+``limit`` records of each file are used, or the last ``limit`` with ``from_end``.
 
-Prompts (one user message in the bundle's chat template):
-    GSM8K:     the question, then :data:`GSM8K_INSTRUCTION`.
-    HumanEval: :data:`HUMANEVAL_INSTRUCTION`, then the prompt in a ```` ```python ```` block.
+Prompts (in the bundle's chat template):
+    GSM8K:     one user message: the question, then :data:`GSM8K_INSTRUCTION`.
+    HumanEval: one user message: :data:`HUMANEVAL_INSTRUCTION`, then the prompt in a
+               ```` ```python ```` block.
+    chat:      the tree's first reply at every level, at most :data:`CHAT_MAX_TURNS`
+               messages, ending with a user turn (no reference answer: scored by agreement only).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from runtime.evaluation.answers import parse_gold
 
 GSM8K = "gsm8k"
 HUMANEVAL = "humaneval"
+CHAT = "chat"
+CHAT_MAX_TURNS = 3
 GSM8K_INSTRUCTION = "Solve the problem step by step. End with the final answer as '#### <number>'."
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function, "
                          "signature included, in one ```python code block.")
@@ -35,11 +42,13 @@ class EvalItem:
     """One prompt to evaluate.
 
     Attributes:
-        task: ``gsm8k`` or ``humaneval``.
-        item_id: ``gsm8k/<line index>`` or the HumanEval ``task_id``.
-        user_message: the text of the single user message given to the model.
-        gold: GSM8K gold answer (a number); None for HumanEval.
-        problem: the HumanEval record (task_id, prompt, entry_point, test); None for GSM8K.
+        task: ``gsm8k``, ``humaneval`` or ``chat``.
+        item_id: ``gsm8k/<record index>``, the HumanEval ``task_id``, or ``chat/<record index>``
+            (index: 0-based position among the file's records).
+        user_message: the text of the last user message given to the model.
+        gold: GSM8K gold answer (a number); None otherwise.
+        problem: the HumanEval record (task_id, prompt, entry_point, test); None otherwise.
+        history: the messages before the last user message (chat items); empty otherwise.
     """
 
     task: str
@@ -47,14 +56,19 @@ class EvalItem:
     user_message: str
     gold: float | None = None
     problem: dict | None = None
+    history: tuple[dict, ...] = ()
 
     def messages(self) -> list[dict]:
         """The chat messages fed to the model."""
-        return [{"role": "user", "content": self.user_message}]
+        return [*self.history, {"role": "user", "content": self.user_message}]
 
 
-def read_jsonl(path: str | Path, limit: int) -> list[tuple[int, dict]]:
-    """(line number, object) of the first ``limit`` non-empty lines of a JSON-lines file (.gz allowed).
+def read_jsonl(path: str | Path, limit: int, from_end: bool = False) -> list[tuple[int, int, dict]]:
+    """(line number, record index, object) of the first ``limit`` non-empty lines of a
+    JSON-lines file (.gz allowed), or of the last ``limit`` with ``from_end``.
+
+    The record index is the 0-based position among the file's non-empty lines, so an item
+    keeps its id whichever end it is read from.
 
     Raises:
         DataError: missing file, invalid JSON, or a line that is not an object.
@@ -63,30 +77,37 @@ def read_jsonl(path: str | Path, limit: int) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise DataError(f"{path} not found")
     opener = gzip.open if path.suffix == ".gz" else open
-    records = []
+    lines = []  # (line number, text) of the non-empty lines, in file order
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
-                if len(records) == limit:
+                if len(lines) == limit and not from_end:
                     break
                 if line.strip():
-                    records.append((number, json.loads(line)))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as e:
+                    lines.append((number, line))
+    except (UnicodeDecodeError, OSError, EOFError) as e:
         raise DataError(f"{path}: not a JSON-lines file ({e})") from e
-    for number, record in records:
+    indexed = [(number, index, line) for index, (number, line) in enumerate(lines)]
+    records = []
+    for number, index, line in (indexed[-limit:] if from_end else indexed):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{number}: not a JSON-lines file ({e})") from e
         if not isinstance(record, dict):
             raise DataError(f"{path}:{number}: each line must be a JSON object")
+        records.append((number, index, record))
     return records
 
 
-def load_gsm8k(path: str | Path, limit: int) -> list[EvalItem]:
-    """The first ``limit`` GSM8K records as items.
+def load_gsm8k(path: str | Path, limit: int, from_end: bool = False) -> list[EvalItem]:
+    """The first (``from_end``: last) ``limit`` GSM8K records as items.
 
     Raises:
         DataError: unreadable file, or a record without a string question and a '#### N' answer.
     """
     items = []
-    for index, (number, record) in enumerate(read_jsonl(path, limit)):
+    for number, index, record in read_jsonl(path, limit, from_end):
         question, answer = record.get("question"), record.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str):
             raise DataError(f"{path}:{number}: a GSM8K record needs string fields 'question' and 'answer'")
@@ -98,14 +119,14 @@ def load_gsm8k(path: str | Path, limit: int) -> list[EvalItem]:
     return items
 
 
-def load_humaneval(path: str | Path, limit: int) -> list[EvalItem]:
-    """The first ``limit`` HumanEval records as items.
+def load_humaneval(path: str | Path, limit: int, from_end: bool = False) -> list[EvalItem]:
+    """The first (``from_end``: last) ``limit`` HumanEval records as items.
 
     Raises:
         DataError: unreadable file, or a record lacking a string task_id, prompt, entry_point or test.
     """
     items = []
-    for number, record in read_jsonl(path, limit):
+    for number, _, record in read_jsonl(path, limit, from_end):
         missing = [k for k in HUMANEVAL_FIELDS if not isinstance(record.get(k), str)]
         if missing:
             raise DataError(f"{path}:{number}: a HumanEval record needs string fields {list(HUMANEVAL_FIELDS)}, "
@@ -113,4 +134,30 @@ def load_humaneval(path: str | Path, limit: int) -> list[EvalItem]:
         problem = {k: record[k] for k in HUMANEVAL_FIELDS}
         message = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt'].rstrip()}\n```"
         items.append(EvalItem(HUMANEVAL, problem["task_id"], message, problem=problem))
+    return items
+
+
+def load_chat(path: str | Path, limit: int, from_end: bool = False) -> list[EvalItem]:
+    """The first (``from_end``: last) ``limit`` OpenAssistant trees as chat items.
+
+    Each follows the first reply at every level (prompter, assistant, prompter, ...) for at
+    most :data:`CHAT_MAX_TURNS` messages and drops a trailing assistant message, so the model
+    answers the last user turn with the earlier turns as context.
+
+    Raises:
+        DataError: unreadable file, or a record without ``prompt.text`` and ``prompt.role``
+            (not an OpenAssistant tree file).
+    """
+    items = []
+    for number, index, record in read_jsonl(path, limit, from_end):
+        node, turns = record.get("prompt"), []
+        if not isinstance(node, dict) or not isinstance(node.get("text"), str) or "role" not in node:
+            raise DataError(f"{path}:{number}: expected an OpenAssistant tree ('prompt': {{'text', 'role', "
+                            "'replies'}), as in chat_multiturn/oasst_en_100_tree.jsonl")
+        while node is not None and len(turns) < CHAT_MAX_TURNS:
+            turns.append({"role": "user" if node["role"] == "prompter" else "assistant", "content": node["text"]})
+            node = (node.get("replies") or [None])[0]
+        if turns[-1]["role"] == "assistant":
+            turns.pop()
+        items.append(EvalItem(CHAT, f"chat/{index}", turns[-1]["content"], history=tuple(turns[:-1])))
     return items

@@ -116,7 +116,7 @@ def test_bad_files_give_one_error_line(bundle, data, tmp_path, capsys):
         ([str(bundle), "--gsm8k", str(tmp_path / "missing.jsonl")], "missing.jsonl not found"),
         ([str(bundle), "--gsm8k", str(broken)], "broken.jsonl:1: a GSM8K record needs"),
         ([str(bundle), "--humaneval", data[0]], "a HumanEval record needs"),
-        ([str(bundle)], "give at least one of --gsm8k FILE and --humaneval FILE"),
+        ([str(bundle)], "give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE"),
     ]
     for argv, message in cases:
         assert main([*argv, "--out", str(tmp_path / "out")]) == 2
@@ -132,3 +132,54 @@ def test_mars_eval_imports_without_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+CHAT_TREE = {"prompt": {"text": "Hi there", "role": "prompter", "replies": [
+    {"text": "Hello! How can I help?", "role": "assistant", "replies": [
+        {"text": "Name a prime.", "role": "prompter", "replies": [{"text": "7", "role": "assistant"}]}]}]}}
+
+
+def test_items_from_the_end_keep_their_file_index(tmp_path):
+    from runtime.evaluation.tasks import load_gsm8k
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n\n" for r in GSM8K * 3))  # 6 records, blank lines between
+    assert [i.item_id for i in load_gsm8k(path, 2)] == ["gsm8k/0", "gsm8k/1"]
+    last = load_gsm8k(path, 2, from_end=True)
+    assert [i.item_id for i in last] == ["gsm8k/4", "gsm8k/5"] and [i.gold for i in last] == [5, 2400]
+    assert len(load_gsm8k(path, 10, from_end=True)) == 6
+
+
+def test_chat_items_end_with_a_user_turn(tmp_path):
+    from runtime.evaluation.tasks import DataError, load_chat
+    path = tmp_path / "chat.jsonl"
+    single = {"prompt": {"text": "Just one", "role": "prompter", "replies": [{"text": "ok", "role": "assistant"}]}}
+    path.write_text(json.dumps(CHAT_TREE) + "\n" + json.dumps(single) + "\n")
+    first, second = load_chat(path, 5)
+    assert first.item_id == "chat/0" and first.task == "chat" and first.messages() == [
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a prime."}]  # three turns at most; the assistant's '7' is left out
+    assert second.messages() == [{"role": "user", "content": "Just one"}]
+    path.write_text(json.dumps(GSM8K[0]) + "\n")
+    with pytest.raises(DataError, match="expected an OpenAssistant tree"):
+        load_chat(path, 1)
+
+
+def test_lookup_drafts_add_a_lossless_tau_one_row(bundle, data, tmp_path, capsys):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps(CHAT_TREE) + "\n")
+    out = tmp_path / "out"
+    args = eval_args(bundle, data, out, "--chat", str(chat), "--taus", "1.0", "0.5", "--block-sizes", "4",
+                     "--draft", "both", "--num-prompts", "1", "--from-end")
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    summary, records = results["summary"], results["records"]
+    assert results["settings"]["draft"] == "both" and results["settings"]["from_end"] is True
+    assert [(r["tau"], r["draft"]) for r in summary] == [(1.0, "masks"), (1.0, "both"), (0.5, "both")]
+    assert sorted({r["item_id"] for r in records}) == ["Tiny/1", "chat/0", "gsm8k/1"]
+    lossless = [r for r in records if (r["tau"], r["draft"]) == (1.0, "both")]
+    assert len(lossless) == 3 and all(r["identical_to_ar"] for r in lossless)
+    assert summary[0]["speedup_vs_ar"] == 1.0 and summary[0]["tpf"] == 1.0
+    assert summary[0]["num_chat"] == 1 and summary[0]["gsm8k_accuracy"] is not None
+    chat_record = next(r for r in records if r["task"] == "chat")
+    assert "correct" not in chat_record and "passed" not in chat_record
+    assert " both " in capsys.readouterr().out

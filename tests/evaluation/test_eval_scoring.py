@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.evaluation.runner import plan_block_sizes, plan_taus
+from runtime.evaluation.runner import plan_block_sizes, plan_runs, plan_taus
 from runtime.evaluation.scoring import common_prefix, score_agreement
 from runtime.evaluation.summary import summarize
 
 
-def record(tau, item_id, ids, forwards, decode_seconds, block_size=4, task="gsm8k", **scores):
-    return {"bundle": "b", "block_size": block_size, "tau": tau, "task": task, "item_id": item_id,
+def record(tau, item_id, ids, forwards, decode_seconds, block_size=4, task="gsm8k", draft="masks", **scores):
+    return {"bundle": "b", "block_size": block_size, "tau": tau, "draft": draft, "task": task, "item_id": item_id,
             "token_ids": ids, "num_tokens": len(ids), "num_forwards": forwards, "decode_seconds": decode_seconds,
             **scores}
 
@@ -26,6 +26,23 @@ def test_agreement_against_the_ar_record_of_the_same_prompt():
     score_agreement(records)
     assert [r["identical_to_ar"] for r in records] == [True, False, True, True]
     assert [r["common_prefix_fraction"] for r in records] == [1.0, 0.5, 1.0, 1.0]  # 2 common of max(4, 3)
+
+
+def test_a_draft_sources_tau_one_row_is_scored_against_plain_ar():
+    records = [record(1.0, "p", [1, 2, 3, 4], 4, 1.0, task="chat"),
+               record(1.0, "p", [1, 2, 3, 5], 2, 0.25, task="chat", draft="both"),
+               record(0.5, "p", [1, 2, 3, 4], 1, 0.2, task="chat", draft="both")]
+    score_agreement(records)
+    assert [r["identical_to_ar"] for r in records] == [True, False, True]
+    ar, lossless, fast = summarize(records)
+    assert [(r["tau"], r["draft"]) for r in (ar, lossless, fast)] == [(1.0, "masks"), (1.0, "both"), (0.5, "both")]
+    assert (ar["speedup_vs_ar"], lossless["speedup_vs_ar"], fast["speedup_vs_ar"]) == (1.0, 4.0, 5.0)
+
+
+def test_plan_runs():
+    assert plan_runs([1.0, 0.9], "masks") == [(1.0, "masks"), (0.9, "masks")]
+    assert plan_runs([1.0, 0.9, 0.5], "both") == [(1.0, "masks"), (1.0, "both"), (0.9, "both"), (0.5, "both")]
+    assert plan_runs([0.9, 1.0], "lookup") == [(0.9, "lookup"), (1.0, "masks"), (1.0, "lookup")]
 
 
 def test_summary_uses_ratios_of_totals():

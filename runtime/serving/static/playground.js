@@ -188,6 +188,7 @@ async function streamChat(messages, fields, answer) {
     sent: sent,
   });
   answer.dataset.state = "done";
+  refreshStatus();  // the server's gauges now include this answer
   return text;
 }
 

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         height = driver.execute_script(  # the page's content, however long the answers
             "return Math.ceil(document.querySelector('main').getBoundingClientRect().bottom) + 12")
         set_viewport(driver, args.width, height)
+        driver.execute_script("window.scrollTo(0, 0)")  # streaming scrolled the answers into view
         args.output.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(args.output))
     finally:

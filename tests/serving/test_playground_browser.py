@@ -41,7 +41,7 @@ def server(tiny_bundle):
         loop = app.state.ctx.engine_thread
         loop.submit = lambda submission, submit=loop.submit: (sent.append(submission.params), submit(submission))
 
-    with serve(str(bundle), "--api-key", KEY, prepare=record) as running:
+    with serve(str(bundle), "--api-key", KEY, "--tau-min", "0.5", prepare=record) as running:
         running.sent = sent
         yield running
 
@@ -108,6 +108,16 @@ def test_the_page_loads_without_console_errors(page):
         ["1", "2", "3", "4"]
     errors = [entry for entry in page.get_log("browser") if entry["level"] == "SEVERE"]
     assert errors == []
+
+
+def test_the_header_follows_the_server_default_tau(page, server):
+    """An admin change of the base tau reaches the header at its next /metrics refresh."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert server.http.post("/admin/tau", json={"tau": 0.8}, headers=auth).status_code == 200
+    try:
+        wait(page, lambda d: "default tau 0.80 (base 0.80)" in d.find_element(By.ID, "server-status").text)
+    finally:
+        server.http.post("/admin/tau", json={"tau": 1.0}, headers=auth)
 
 
 def test_a_chat_streams_the_api_answer_at_tau_one(page, server):

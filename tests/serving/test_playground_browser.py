@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import WebDriverWait
 from server_support import DEADLINE_S, serve
 from support import load_script
 
@@ -22,10 +25,6 @@ try:
 except FileNotFoundError as e:
     BROWSER_MISSING = str(e)
 pytestmark = pytest.mark.skipif(BROWSER_MISSING is not None, reason=f"no browser: {BROWSER_MISSING}")
-
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 KEY = "playground-key"
 MAX_TOKENS = 40

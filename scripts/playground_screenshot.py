@@ -1,12 +1,13 @@
 """Screenshot the browser playground after a real compare run.
 
     python scripts/playground_screenshot.py BUNDLE -o docs/playground.png [--prompt TEXT]
-        [--tau-a 1.0] [--tau-b 0.6] [--max-tokens 96] [--width 1280] [--timeout 600]
+        [--tau-a 1.0] [--tau-b 0.9] [--draft both] [--max-tokens 96] [--width 1280] [--timeout 600]
 
 Starts ``python -m runtime.serve BUNDLE`` on a free loopback port, opens its page in
 headless Chromium (Debian's ``chromium`` and ``chromium-driver`` packages, driven by
-Selenium), sends the prompt in the compare view at the two values of tau, waits until
-both answers are done, and saves a PNG of the whole page. The browser tests
+Selenium), picks the draft source, sends the prompt in the compare view at the two values
+of tau, waits until both answers are done, and saves a PNG of the whole page. The defaults
+are the main job's (scripts/demo.sh: tau 1.0 and 0.9, draft source both). The browser tests
 (tests/serving/test_playground_browser.py) drive the page with the helpers below.
 """
 
@@ -26,7 +27,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from runtime.decode.params import DRAFTS
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
           "How many clips did Natalia sell altogether in April and May?")
@@ -126,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
     p.add_argument("--prompt", default=PROMPT, help="the compare prompt (default: a GSM8K question)")
     p.add_argument("--tau-a", type=float, default=1.0, help="tau of the left answer (default 1.0)")
-    p.add_argument("--tau-b", type=float, default=0.6, help="tau of the right answer (default 0.6)")
+    p.add_argument("--tau-b", type=float, default=0.9, help="tau of the right answer (default 0.9)")
+    p.add_argument("--draft", choices=DRAFTS, default="both",
+                   help="the page's draft source (default both)")
     p.add_argument("--max-tokens", type=int, default=96, help="max tokens of each answer (default 96)")
     p.add_argument("--width", type=int, default=1280, help="viewport width in CSS pixels (default 1280)")
     p.add_argument("--timeout", type=float, default=600, help="longest wait for the server or an answer (s)")
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens = driver.find_element(By.ID, "max-tokens")
         max_tokens.clear()
         max_tokens.send_keys(str(args.max_tokens))
+        Select(driver.find_element(By.ID, "draft")).select_by_value(args.draft)
         answers = run_compare(driver, args.prompt, args.tau_a, args.tau_b, args.timeout)
         errors = [a.text for a in answers if a.get_attribute("data-state") == "error"]
         if errors:

@@ -1,11 +1,12 @@
 """The browser playground: a static page at ``/`` over the server's own OpenAI routes.
 
-Chat with streaming, the tau knob (per request: tau, mode, block size, temperature, max
-tokens), per answer its TPF, decode tokens/s and time to first token, each decode
-forward's accepted tokens shaded in the text (``return_step_tokens``), a view that sends
-one prompt at two values of tau, and the server's live default tau and load from
-``/metrics``. Files in ``static/`` (package data: HTML, one JS and one CSS file, no build
-step, nothing fetched from elsewhere). ``python -m runtime.serve --no-ui`` leaves it out.
+Chat with streaming, the tau knob (per request: tau, mode, draft source, block size,
+temperature, max tokens; lookup drafts only where the server allows them), per answer its
+TPF, decode tokens/s and time to first token, each decode forward's accepted tokens shaded
+in the text (``return_step_tokens``), a view that sends one prompt at two values of tau,
+and the server's live default tau and load from ``/metrics``. Files in ``static/``
+(package data: HTML, one JS and one CSS file, no build step, nothing fetched from
+elsewhere). ``python -m runtime.serve --no-ui`` leaves it out.
 """
 
 from __future__ import annotations

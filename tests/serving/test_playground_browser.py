@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 from server_support import DEADLINE_S, serve
 from support import load_script
 
@@ -54,7 +54,8 @@ def driver():
 
 @pytest.fixture
 def page(driver, server):
-    """The page, freshly loaded, with the key and max tokens entered and the server's state shown."""
+    """The page, freshly loaded, with the key and max tokens entered and the server's state shown
+    (draft source: the page's default, both)."""
     screenshot.set_viewport(driver, 1280, 900)
     driver.get_log("browser")  # drops what earlier tests logged
     driver.get(server.url)
@@ -73,6 +74,10 @@ def type_into(driver, element_id: str, text: str) -> None:
     field = driver.find_element(By.ID, element_id)
     field.clear()
     field.send_keys(text)
+
+
+def choose(driver, select_id: str, value: str) -> None:
+    Select(driver.find_element(By.ID, select_id)).select_by_value(value)
 
 
 def text_of(element) -> str:
@@ -94,9 +99,9 @@ def step_counts(answer) -> list[int]:
             for n in span.get_attribute("data-tokens").split("+")]
 
 
-def api_chat(server, prompt: str, tau: float):
+def api_chat(server, prompt: str, tau: float, draft: str):
     r = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                              max_tokens=MAX_TOKENS, extra_body={"tau": tau})
+                                              max_tokens=MAX_TOKENS, extra_body={"tau": tau, "draft": draft})
     return r.choices[0].message.content, r.mars
 
 
@@ -120,8 +125,9 @@ def test_the_header_follows_the_server_default_tau(page, server):
 
 
 def test_a_chat_streams_the_api_answer_at_tau_one(page, server):
+    choose(page, "draft", "masks")
     answer = chat_in_page(page, "Hi")
-    expected, mars = api_chat(server, "Hi", 1.0)
+    expected, mars = api_chat(server, "Hi", 1.0, "masks")
     assert answer.get_attribute("data-state") == "done"
     assert text_of(answer.find_element(By.CLASS_NAME, "text")) == expected
     counts = step_counts(answer)
@@ -138,7 +144,7 @@ def test_moving_the_slider_changes_the_tau_sent(page, server):
     assert page.find_element(By.ID, "tau-value").text == "0.70"
     answer = chat_in_page(page, "Hi")
     assert server.sent[-1].tau == pytest.approx(0.7)
-    expected, mars = api_chat(server, "Hi", 0.7)
+    expected, mars = api_chat(server, "Hi", 0.7, "both")
     assert text_of(answer.find_element(By.CLASS_NAME, "text")) == expected
     assert answer.find_element(By.CLASS_NAME, "tpf").text == f"{mars['tpf']:.2f}" != "1.00"
     counts = step_counts(answer)
@@ -152,15 +158,60 @@ def test_the_compare_view_shows_two_answers_with_their_tpf(page, server):
     answers = screenshot.run_compare(page, "Hi", 1.0, 0.5, DEADLINE_S)
     assert [params.tau for params in server.sent[num_sent:]] == [1.0, 0.5]
     for answer, tau in zip(answers, (1.0, 0.5)):
-        expected, mars = api_chat(server, "Hi", tau)
+        expected, mars = api_chat(server, "Hi", tau, "both")
         assert answer.get_attribute("data-state") == "done"
         assert answer.find_element(By.CLASS_NAME, "answer-label").text.endswith(f"tau {tau:.2f}")
         assert text_of(answer.find_element(By.CLASS_NAME, "text")) == expected
         assert answer.find_element(By.CLASS_NAME, "tpf").text == f"{mars['tpf']:.2f}"
 
 
+def test_the_draft_sent_follows_the_select(page, server):
+    """Both by default (the main job's); at tau 1 its answer is the greedy AR text of plain MARS."""
+    assert page.find_element(By.ID, "draft").get_attribute("value") == "both"
+    texts = set()
+    for draft in ("both", "lookup", "masks"):
+        choose(page, "draft", draft)
+        answer = chat_in_page(page, "Hi Hi Hi Hi Hi Hi")
+        assert server.sent[-1].draft == draft and server.sent[-1].tau == 1.0
+        expected, mars = api_chat(server, "Hi Hi Hi Hi Hi Hi", 1.0, draft)
+        text = text_of(answer.find_element(By.CLASS_NAME, "text"))
+        assert text == expected
+        texts.add(text)
+        assert answer.find_element(By.CLASS_NAME, "tpf").text == f"{mars['tpf']:.2f}"
+        assert answer.find_element(By.CLASS_NAME, "sent").text == f"tau 1.00, threshold, draft {draft}, B 4"
+    assert len(texts) == 1  # lossless at tau 1 whatever the draft source
+
+
+@pytest.mark.parametrize("blocker", ["temperature", "mode ar"])
+def test_a_refused_draft_source_is_prevented_and_explained(page, server, blocker):
+    """Lookup drafts with a sampling temperature or in AR mode would be a 400: the page sends masks,
+    shows it in the disabled select with a note saying why, and gives the choice back after."""
+    draft = page.find_element(By.ID, "draft")
+    note = page.find_element(By.ID, "draft-note")
+    choose(page, "draft", "lookup")
+    if blocker == "temperature":
+        type_into(page, "temperature", "0.7")
+        reason = "Lookup drafts are greedy only, so at temperature 0.7 masks only is sent"
+    else:
+        choose(page, "mode", "ar")
+        reason = "Mode AR feeds no drafts, so masks only is sent"
+    assert not draft.is_enabled() and draft.get_attribute("value") == "masks"
+    assert note.text.startswith(reason) and note.value_of_css_property("color") == "rgba(138, 75, 0, 1)"
+    answer = chat_in_page(page, "Hi")
+    assert answer.get_attribute("data-state") == "done"
+    assert server.sent[-1].draft == "masks"
+    assert (server.sent[-1].temperature, server.sent[-1].mode) == ((0.7, "threshold") if blocker == "temperature"
+                                                                   else (0.0, "ar"))
+    if blocker == "temperature":
+        type_into(page, "temperature", "0")
+    else:
+        choose(page, "mode", "threshold")
+    assert draft.is_enabled() and draft.get_attribute("value") == "lookup"
+    assert note.text.startswith("Prompt-lookup drafts")
+
+
 def test_server_errors_read_as_messages(page):
-    page.find_element(By.CSS_SELECTOR, '#mode option[value="verify"]').click()
+    choose(page, "mode", "verify")
     type_into(page, "temperature", "0.7")
     answer = chat_in_page(page, "Hi")
     assert answer.get_attribute("data-state") == "error"

@@ -17,11 +17,47 @@ function showTau(slider, output) {
   update();
 }
 
+// Lookup drafts are checked against the argmax, in the modes that verify drafts; the server
+// refuses them otherwise (runtime/decode/params.py). There the page sends draft "masks", shows
+// it in the disabled select, says why, and gives back the user's choice once allowed again.
+const GREEDY_BELOW = 1e-5;  // runtime.decode.sampling.is_greedy
+let draftChoice = "both";   // the user's draft source while the settings allow masks only
+let draftAbout = "";        // the note's text while every draft source is allowed
+
+// Why the settings allow draft "masks" only, or null when they allow every draft source.
+function draftBlocked() {
+  if ($("mode").value === "ar") {
+    return "Mode AR feeds no drafts, so masks only is sent: choose threshold or verify to use lookup drafts.";
+  }
+  const temperature = Number($("temperature").value);
+  if (!(temperature < GREEDY_BELOW)) {
+    return `Lookup drafts are greedy only, so at temperature ${temperature} masks only is sent: ` +
+           "set temperature 0 to use them.";
+  }
+  return null;
+}
+
+function syncDraft() {
+  const select = $("draft");
+  const note = $("draft-note");
+  const blocked = draftBlocked();
+  if (blocked !== null && !select.disabled) {
+    draftChoice = select.value;
+    select.value = "masks";
+  } else if (blocked === null && select.disabled) {
+    select.value = draftChoice;
+  }
+  select.disabled = blocked !== null;
+  note.textContent = blocked === null ? draftAbout : blocked;
+  note.classList.toggle("blocked", blocked !== null);
+}
+
 // The body fields of a request at the given tau, from the settings panel.
 function requestFields(tau) {
   const fields = {
     tau: tau,
     mode: $("mode").value,
+    draft: $("draft").value,
     temperature: Number($("temperature").value),
     max_tokens: Number($("max-tokens").value),
   };
@@ -140,7 +176,7 @@ async function* events(response) {
 async function streamChat(messages, fields, answer) {
   const body = { messages: messages, stream: true, stream_options: { include_usage: true },
                  return_step_tokens: true, ...fields };
-  const sent = `tau ${fields.tau.toFixed(2)}, ${fields.mode}` +
+  const sent = `tau ${fields.tau.toFixed(2)}, ${fields.mode}, draft ${fields.draft}` +
                (fields.block_size ? `, B ${fields.block_size}` : "");
   const started = performance.now();
   let response;
@@ -295,6 +331,10 @@ function main() {
   key.value = localStorage.getItem(KEY_STORAGE) || "";
   key.addEventListener("input", () => localStorage.setItem(KEY_STORAGE, key.value));
   $("settings").addEventListener("submit", (e) => e.preventDefault());
+  draftAbout = $("draft-note").textContent;
+  $("mode").addEventListener("change", syncDraft);
+  $("temperature").addEventListener("input", syncDraft);
+  syncDraft();
   $("chat-form").addEventListener("submit", sendChat);
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) sendChat(e);

@@ -6,6 +6,7 @@ The browser tests are in test_playground_browser.py.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -51,10 +52,21 @@ def test_no_ui_leaves_the_page_out(tiny_bundle):
 
 
 def test_the_wheel_ships_the_page(tmp_path):
-    """A non-editable install has the page: the files are package data of the wheel."""
+    """A non-editable install has the page: the files are package data of the wheel.
+
+    Built from a copy of the checkout's files (tracked, and untracked but not ignored, as
+    they are now), because a build writes build/ and *.egg-info into its source tree.
+    """
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    source = tmp_path / "source"
+    for name in filter(None, listed):
+        if (REPO / name).is_file():  # not a tracked file deleted in the working tree
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(tmp_path), str(REPO)], check=True, capture_output=True)
-    (wheel,) = tmp_path.glob("mars_edge-*.whl")
+                    "--wheel-dir", str(tmp_path / "wheel"), str(source)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("mars_edge-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"runtime/serving/static/{name}" for name in STATIC_FILES} <= names
     assert STATIC_FILES == ["index.html", "playground.css", "playground.js"]

@@ -2,9 +2,10 @@
 
 OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (streamed or not), with
 per-request ``tau`` and ``mode``; ``/health``; ``/metrics`` (Prometheus); ``/admin/tau`` to
-set the default tau live; and a load policy that lowers the default tau as the queue
-grows (down to ``--tau-min``) and restores it as the queue drains. PATH is a bundle
-directory, its ONNX file, or the ``engine.plan`` inside it. Binds 127.0.0.1 unless told.
+set the default tau live; a browser playground at ``/`` (unless ``--no-ui``); and a load
+policy that lowers the default tau as the queue grows (down to ``--tau-min``) and restores
+it as the queue drains. PATH is a bundle directory, its ONNX file, or the ``engine.plan``
+inside it. Binds 127.0.0.1 unless told.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from runtime.serving.app import ServerContext, ServerLimits, make_app
 from runtime.serving.engine_thread import EngineThread
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
+from runtime.serving.playground import install_playground
 from runtime.text.tokenizer import Tokenizer
 
 API_KEY_ENV = "MARS_API_KEY"
@@ -41,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 and /admin (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the browser playground at /")
     g = p.add_argument_group("engine")
     g.add_argument("--max-batch-size", type=int, default=None,
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
@@ -100,7 +103,10 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     ctx = ServerContext(engine_thread=make_thread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,
                         limits=limits, api_key=args.api_key)
-    return make_app(ctx)
+    app = make_app(ctx)
+    if not args.no_ui:
+        install_playground(app)
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -246,6 +246,18 @@ def test_random_checkpoint(smoke_model, tmp_path):
     assert loaded.mask_token_id < 300 == loaded.model.get_input_embeddings().num_embeddings
 
 
+def test_playground_screenshot(smoke_model, tmp_path):
+    """The server started, a compare run in headless Chromium, a PNG of the page at 1280 pixels wide."""
+    try:
+        load_script(ROOT / "scripts" / "playground_screenshot.py").find_browser()
+    except FileNotFoundError as e:  # .ci/run installs them
+        pytest.skip(f"no browser: {e}")
+    out = tmp_path / "playground.png"
+    python("scripts/playground_screenshot.py", smoke_model[1], "-o", out, "--max-tokens", "8", "--width", "1280")
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1280  # IHDR width
+
+
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_gpu_check(tmp_path):
     """The GPU check end to end, small: fp16 export with a TensorRT engine, parity, identity, speed."""

@@ -117,7 +117,8 @@ def make_app(ctx: ServerContext) -> FastAPI:
         loop = ctx.engine_thread
         body = {"status": "ok" if loop.is_alive else "engine stopped", "model": ctx.model_name,
                 "queue_depth": loop.queue_depth, "active_slots": loop.num_running,
-                "default_tau": loop.default_tau, "base_tau": loop.base_tau}
+                "default_tau": loop.default_tau, "base_tau": loop.base_tau,
+                "block_size": loop.engine.config.block_size}
         return JSONResponse(body, status_code=200 if loop.is_alive else 503)
 
     @app.get("/metrics")
@@ -155,12 +156,15 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
     max_new = _check_budget(ctx, prompt_ids, body.requested_max_tokens, prompt_field)
     try:
         params = DecodeParams(tau=body.tau, mode=body.mode, draft=body.draft, max_new_tokens=max_new,
-                              temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+                              block_size=body.block_size, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, seed=body.seed)
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from e
     gen = RequestStream(ctx.engine_thread, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)
     try:
         await gen.start()
+    except ParamError as e:  # e.g. a block_size above the bundle's B
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from e
     except ValueError as e:
         raise APIError(400, str(e), param=prompt_field, code="invalid_value") from e
     except RuntimeError as e:
@@ -176,7 +180,8 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
     usage = protocol.usage(len(prompt_ids), gen.num_tokens)
     make = protocol.chat_response if chat else protocol.completion_response
     return make("chatcmpl-" + gen.request_id if chat else "cmpl-" + gen.request_id, ctx.model_name, text,
-                gen.finish_reason, usage, gen.mars_info(body.return_token_ids))
+                gen.finish_reason, usage,
+                gen.mars_info(body.return_token_ids, gen.step_tokens if body.return_step_tokens else None))
 
 
 def _check_budget(ctx: ServerContext, prompt_ids: list[int], requested: int | None, prompt_field: str) -> int:
@@ -242,8 +247,9 @@ async def _stream(ctx: ServerContext, gen: RequestStream, body, chat: bool):
         if chat:
             yield _sse(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         async for delta in gen.deltas():
-            yield chunk(delta)
-        yield chunk("", gen.finish_reason, gen.mars_info(body.return_token_ids))
+            yield chunk(delta, mars={"step_tokens": gen.take_step_tokens()} if body.return_step_tokens else None)
+        yield chunk("", gen.finish_reason,
+                    gen.mars_info(body.return_token_ids, gen.take_step_tokens() if body.return_step_tokens else None))
         if body.include_usage:
             object_ = "chat.completion.chunk" if chat else "text_completion"
             yield _sse(protocol.usage_chunk(rid, model, object_, protocol.usage(len(gen.prompt_ids), gen.num_tokens)))

@@ -11,8 +11,15 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
 - ``draft``: the draft source of verify and threshold mode: ``masks`` (default), ``lookup``
   (prompt lookup over the prompt and the generated text) or ``both``; ``ar`` mode takes
   ``masks`` only, and lookup drafts are greedy only.
+- ``block_size``: most tokens accepted per decode step, 1..the bundle's B (absent: B).
 - ``top_k``: sampling filter (0 = off).
 - ``return_token_ids``: add the generated ids to the response's ``mars`` object.
+- ``return_step_tokens``: add ``step_tokens``, the tokens accepted by each decode forward
+  in order, to the ``mars`` object. Streamed, every content chunk carries in its own
+  ``mars`` object the counts of the forwards whose tokens it is the first to show, and the
+  final chunk the rest (forwards whose tokens show no text, e.g. the end token); the lists
+  joined over the stream are the non-streamed list (its length is ``num_forwards``, its sum
+  the completion tokens).
 
 Responses carry a ``mars`` object with the decode forwards and tokens per forward (TPF).
 Deliberate difference from OpenAI: ``temperature`` defaults to 0 (greedy), because MARS
@@ -55,8 +62,10 @@ class _GenerationRequest(BaseModel):
     tau: float | None = None  # checked by DecodeParams (runtime.decode.params.check_tau)
     mode: Literal["threshold", "ar", "verify"] = "threshold"
     draft: Literal["masks", "lookup", "both"] = "masks"
+    block_size: int | None = Field(None, ge=1)  # at most the bundle's B (checked by the engine)
     top_k: int = Field(0, ge=0)
     return_token_ids: bool = False
+    return_step_tokens: bool = False
 
     @field_validator("n")
     @classmethod

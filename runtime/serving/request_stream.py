@@ -41,6 +41,8 @@ class RequestStream:
         self.text = TextStream(tokenizer, stops)
         self.finish_reason: str | None = None
         self.num_forwards = 0
+        self.step_tokens: list[int] = []  # tokens accepted by each decode forward, in order
+        self._num_steps_taken = 0  # leading entries of step_tokens already handed out by take_step_tokens
         self._engine_thread, self._metrics, self._params = engine_thread, metrics, params
         self._queue: asyncio.Queue = asyncio.Queue()
         self._is_open = False  # submitted to the engine and not finished there
@@ -81,6 +83,7 @@ class RequestStream:
                     self._is_open = False
                     raise out
                 self.num_forwards = out.result.num_forwards
+                self.step_tokens.append(len(out.new_token_ids))  # one engine output per decode forward
                 delta = self.text.add(out.new_token_ids)
                 if self.text.is_stopped:
                     self.finish_reason = "stop"  # a stop string: the engine sequence is aborted below
@@ -109,7 +112,16 @@ class RequestStream:
         """Generated tokens received so far (for usage counts)."""
         return len(self.text.detokenizer.token_ids)
 
-    def mars_info(self, return_token_ids: bool) -> dict:
-        """The MARS extras of the response: decode forwards, TPF, and the ids if asked."""
+    def take_step_tokens(self) -> list[int]:
+        """The accept counts of the decode forwards received since the last call (a streamed chunk's share)."""
+        taken = self.step_tokens[self._num_steps_taken:]
+        self._num_steps_taken = len(self.step_tokens)
+        return taken
+
+    def mars_info(self, return_token_ids: bool, step_tokens: list[int] | None = None) -> dict:
+        """The MARS extras of the response: decode forwards, TPF, the ids if asked, and
+        ``step_tokens`` (accept counts per forward) when given."""
         info = {"num_forwards": self.num_forwards, "tpf": tokens_per_forward(self.num_tokens, self.num_forwards)}
-        return info | ({"token_ids": list(self.text.detokenizer.token_ids)} if return_token_ids else {})
+        if return_token_ids:
+            info["token_ids"] = list(self.text.detokenizer.token_ids)
+        return info | ({"step_tokens": step_tokens} if step_tokens is not None else {})

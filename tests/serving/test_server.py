@@ -92,6 +92,26 @@ def test_token_id_prompt_and_multi_token_steps(tiny_server, runtime_parts):
     assert mars["tpf"] == pytest.approx(expected.tpf) and mars["tpf"] > 1.0
 
 
+@pytest.mark.parametrize("tau, block_size", [(1.0, None), (0.5, None), (0.5, 2)])
+def test_step_tokens_count_each_forward_streamed_as_not(tiny_server, tau, block_size):
+    """``return_step_tokens``: the tokens each decode forward accepted, whole in the response and
+    split over the streamed chunks (each content chunk has the forwards it is the first to show)."""
+    extra = {"tau": tau, "return_step_tokens": True} | ({"block_size": block_size} if block_size else {})
+    _, _, mars, usage = chat(tiny_server, "Hi", extra_body=extra)
+    steps = mars["step_tokens"]
+    assert len(steps) == mars["num_forwards"] and sum(steps) == usage.completion_tokens == len(mars["token_ids"])
+    assert min(steps) >= 1 and max(steps) <= (block_size or 4)
+    assert max(steps) == 1 if tau == 1.0 else max(steps) > 1  # multi-token forwards on the tiny model at 0.5
+
+    kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_NEW}
+    chunks = list(tiny_server.client.chat.completions.create(**kwargs, stream=True, extra_body=extra))
+    content = [c for c in chunks if c.choices[0].delta.content]
+    assert all(c.mars["step_tokens"] for c in content)  # text comes from at least one forward
+    assert sum((c.mars["step_tokens"] for c in content), []) + chunks[-1].mars["step_tokens"] == steps
+    plain = tiny_server.client.chat.completions.create(**kwargs, stream=True, extra_body={"tau": tau})
+    assert all(getattr(c, "mars", None) is None for c in plain if not c.choices[0].finish_reason)  # opt-in only
+
+
 @pytest.mark.parametrize("mode", ["verify", "threshold"])
 @pytest.mark.parametrize("draft", ["lookup", "both"])
 def test_lookup_drafts_give_the_greedy_output(tiny_server, runtime_parts, mode, draft):
@@ -147,6 +167,8 @@ BAD_REQUESTS = [
     ("chat", {"mode": "ar", "draft": "lookup"}, "draft"),           # ar mode feeds no drafts
     ("chat", {"draft": "lookup", "temperature": 0.7}, "draft"),     # lookup drafts are greedy only
     ("chat", {"tau": -0.5}, "tau"),
+    ("chat", {"block_size": 0}, "block_size"),
+    ("chat", {"block_size": 5}, "block_size"),                      # above the bundle's B = 4
     ("chat", {"temperature": 7}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),
     ("chat", {"stop": ""}, "stop"),

@@ -58,8 +58,12 @@ def make_driver(width: int = 1280, height: int = 900) -> webdriver.Chrome:
     chromium, chromedriver = find_browser()
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)  # no sandbox: CI runs as root
+    # No sandbox: CI runs as root. No background networking, component updates, sync or
+    # QUIC: the machine's network is closed, and Chromium would otherwise keep dialling out.
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-quic", "--no-first-run"):
+        options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(chromedriver))
     set_viewport(driver, width, height)

@@ -21,7 +21,7 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module", params=[("llama", 4), ("qwen2", 8)], ids=["llama-w4", "qwen2-w8"])
-def tiny(request, tiny_bundle):
+def tiny(request, tiny_bundle, shared_data):
     """(backend, config, prompts): 16 real prompts of mixed lengths, 1 to ~500 tokens."""
     ckpt, bundle = tiny_bundle(*request.param)
     config = load_config(bundle)

@@ -241,7 +241,8 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
 
     def make_generate(params):
         def generate(chunk, max_new):
-            max_len = max(map(len, chunk)) + max_new + 2 * config.window
+            # room for the longest prompt + max_new + W (the engine refuses more than the model's context)
+            max_len = min(max(map(len, chunk)) + max_new + 2 * config.window, config.max_context)
             engine = Engine(backend, config, EngineConfig(max_batch_size=len(chunk), max_seq_len=max_len))
             return ours_chunk(engine, DecodeParams(**{**asdict(params), "max_new_tokens": max_new}), chunk)
         return generate

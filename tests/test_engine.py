@@ -262,6 +262,18 @@ def test_request_errors_name_the_problem(tiny):
     assert not engine.has_unfinished()
 
 
+def test_max_seq_len_past_the_models_context_is_refused_on_onnxruntime(tiny_bundle):
+    """One rule for every backend: onnxruntime (no optimization profile) refuses a slot longer
+    than the model's max context instead of silently capping it."""
+    _, bundle = tiny_bundle("llama", 4)
+    config = load_config(bundle)
+    backend = OnnxBackend(bundle, config, num_threads=1)
+    assert Engine(backend, config, EngineConfig(max_seq_len=config.max_context)).cache.max_len == config.max_context
+    with pytest.raises(ValueError, match=f"max_seq_len {config.max_context + 1} exceeds the {config.max_context} "
+                                         r"positions a slot can hold \(the model's max context\)"):
+        Engine(backend, config, EngineConfig(max_seq_len=config.max_context + 1))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
     ({"scheme": "static"}, "unknown batch scheme"),

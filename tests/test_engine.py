@@ -15,6 +15,7 @@ from runtime.bundle import load_config, step_feeds
 from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 from runtime.trt_build import TrtBuildOptions, profile_limits, profile_shapes
 
 MAX_NEW = 24
@@ -230,6 +231,27 @@ def test_sampling_is_reproducible_with_a_seed(tiny):
     assert all(r.tpf == 1.0 for r in first)
     greedy = solo(tiny, DecodeParams(max_new_tokens=MAX_NEW))[:3]
     assert [r.token_ids for r in run(3, top_k=1)] == greedy  # top-k 1 leaves only the argmax
+
+
+def test_small_temperature_accepts_no_more_than_greedy_at_the_same_tau(tiny_bundle):
+    """tau < 1 with sampling tests the untempered model's confidence. This untrained model's
+    mask predictions are junk that never passes tau = 0.9 greedily (TPF 1); at temperature 0.05
+    they must not pass either (scored on the tempered distribution they all looked confident:
+    TPF 2.5), and with top-k 1 (the draw is the argmax) the run is the greedy one."""
+    _, bundle = tiny_bundle("llama", 4)
+    config, tokenizer = load_config(bundle), Tokenizer(bundle)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
+               for text in ["What is 2 + 3?", "Write a haiku about the sea.", "def add(a, b):"]]
+    engine = Engine(OnnxBackend(bundle, config, num_threads=1), config, EngineConfig(max_batch_size=3))
+
+    def run(**kw):
+        return engine.generate(prompts, DecodeParams(tau=0.9, max_new_tokens=MAX_NEW, **kw))
+
+    greedy = run()
+    assert all(r.tpf == 1.0 for r in greedy)
+    assert all(r.tpf == 1.0 for r in run(temperature=0.05, seed=0))
+    top1 = run(temperature=0.05, top_k=1, seed=0)
+    assert [(r.token_ids, r.num_forwards) for r in top1] == [(r.token_ids, r.num_forwards) for r in greedy]
 
 
 def test_past_is_handed_to_the_graph_without_a_copy(tiny):

@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from runtime import serve as single
+from runtime.backends.loading import load_backend
 from runtime.serving.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
@@ -261,7 +262,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
         BundleError, ValueError: bad path, bundle or option value (checked here first).
     """
     args = single.parse_args(serve_argv)
-    single.load_backend(args.path, args.provider, 1)  # fail here, not in every replica
+    load_backend(args.path, args.provider, 1)  # fail here, not in every replica
     port = args.port or free_port(args.host)
     serve.start(http_options={"host": args.host, "port": port})
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports

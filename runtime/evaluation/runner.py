@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams, GenerationResult
@@ -90,6 +89,8 @@ def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: 
             (see :func:`plan_block_sizes`); num_threads: onnxruntime intra-op threads
             (0: its choice); log: called with one progress line per prompt (default: stderr).
     """
+    from runtime.backends.onnx import OnnxBackend  # here: mars-eval imports this module without onnxruntime
+
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     config = load_config(bundle_dir)
     sizes, taus = plan_block_sizes(block_sizes, config.block_size), plan_taus(taus)

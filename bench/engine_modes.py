@@ -5,7 +5,8 @@
                                         [--name engine_modes]
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
-prompts (GSM8K test questions and HumanEval prompts from ../shared/data, alternating) go
+prompts (GSM8K test questions and HumanEval prompts from the shared data folder: $MARS_SHARED_DATA,
+else ../shared/data beside the checkout; alternating) go
 through the engine in AR mode (the baseline), threshold mode at each tau, verify mode
 with each draft source (masks, lookup, both), and threshold mode with lookup drafts at each
 tau and at tau 1 (where it must equal AR), each at every per-request block size (default:
@@ -25,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import shared_data_file
+
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.engine import Engine, EngineConfig
@@ -32,14 +36,12 @@ from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation.tasks import load_gsm8k, load_humaneval
 from runtime.text.tokenizer import Tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def load_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
     """``count`` chat-formatted prompts, GSM8K and HumanEval alternating."""
     half = (count + 1) // 2
-    items = [x for pair in zip(load_gsm8k(DATA / "gsm8k/test.jsonl", half),
-                               load_humaneval(DATA / "humaneval/HumanEval.jsonl.gz", half)) for x in pair]
+    items = [x for pair in zip(load_gsm8k(shared_data_file("gsm8k/test.jsonl"), half),
+                               load_humaneval(shared_data_file("humaneval/HumanEval.jsonl.gz"), half)) for x in pair]
     return [tokenizer.encode_chat(item.messages()) for item in items[:count]]
 
 

@@ -12,7 +12,8 @@ runs the subcommands below, each engine in its own process and venv:
     python bench/peers.py report --work DIR --out bench/results    # peers.{json,csv,png} + a Markdown table
 
 Every engine is fed the same prompt token ids (the bundle's chat template, GSM8K test
-questions and HumanEval prompts alternating), greedy, fp32 (plus llama.cpp Q8_0 and our
+questions and HumanEval prompts alternating, from $MARS_SHARED_DATA, else ../shared/data beside
+the checkout), greedy, fp32 (plus llama.cpp Q8_0 and our
 int8 / int4 bundles, tagged rows of ``ours``), the same thread count. Prompts run in static
 chunks of the batch size (the same workload for every engine; ours gets no continuous-batching
 refill). Per chunk: time to first token
@@ -42,7 +43,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
 QUANTIZED = ("int8", "int4")  # weight dtypes of our quantized bundles; their rows files are rows-ours-DTYPE.json
@@ -76,10 +76,12 @@ def prepare_prompts(args) -> None:
     from runtime.evaluation.tasks import load_gsm8k, load_humaneval
     from runtime.bundle import load_config
     from runtime.text.tokenizer import Tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support import shared_data_file
 
     half = (args.num_prompts + 1) // 2
-    items = [x for pair in zip(load_gsm8k(DATA / "gsm8k/test.jsonl", half),
-                               load_humaneval(DATA / "humaneval/HumanEval.jsonl.gz", half)) for x in pair]
+    items = [x for pair in zip(load_gsm8k(shared_data_file("gsm8k/test.jsonl"), half),
+                               load_humaneval(shared_data_file("humaneval/HumanEval.jsonl.gz"), half)) for x in pair]
     tokenizer, config = Tokenizer(args.bundle), load_config(args.bundle)
     prompts = [{"id": it.item_id, "task": it.task, "ids": tokenizer.encode_chat(it.messages())}
                for it in items[:args.num_prompts]]
@@ -239,7 +241,8 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
 
     def make_generate(params):
         def generate(chunk, max_new):
-            max_len = max(map(len, chunk)) + max_new + 2 * config.window
+            # room for the longest prompt + max_new + W (the engine refuses more than the model's context)
+            max_len = min(max(map(len, chunk)) + max_new + 2 * config.window, config.max_context)
             engine = Engine(backend, config, EngineConfig(max_batch_size=len(chunk), max_seq_len=max_len))
             return ours_chunk(engine, DecodeParams(**{**asdict(params), "max_new_tokens": max_new}), chunk)
         return generate

@@ -2,10 +2,11 @@
 
 In order: ``--block``; the one recorded with the model (``mars_block_size`` in the
 ``config.json`` that ``mars-train`` writes, ``block_size`` in the shipped adapter's
-``mars_adapter.json`` for ``default-mars``); a ``blkN`` word in the checkpoint's name, which
-is where the authors' published checkpoints keep it (``MARS-Qwen2.5-0.5B-blk4``,
-``MARS-Qwen2.5-0.5B-blk8-no-sft``). Torch-free: it runs before the model is loaded, so a
-missing block size costs no model load.
+``mars_adapter.json`` for ``default-mars``); a ``blkN`` word anywhere in the checkpoint's
+name (between separators ``-``, ``_``, ``.`` or the name's ends), which is where the authors'
+published checkpoints keep it (``MARS-Qwen2.5-0.5B-blk4``, ``MARS-Qwen2.5-0.5B-blk8-no-sft``).
+A name with ``blk0`` or two different ``blkN`` is refused. Torch-free: it runs before the
+model is loaded, so a missing block size costs no model load.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
 
     Raises:
         ValueError: no block size is requested, recorded or in the name (the message asks for
-            ``--block``), or ``spec`` names no file and no default model.
+            ``--block``), the name's ``blkN`` is unusable (:func:`block_size_from_name`), or
+            ``spec`` names no file and no default model.
     """
     if requested is not None:
         return requested, "--block"
@@ -60,11 +62,15 @@ def recorded_block_size(spec: str) -> int | None:
 
 
 def block_size_from_name(path: Path) -> tuple[int, str] | None:
-    """``(B, name)`` from the single ``blkN`` word of the checkpoint's name, or None.
+    """``(B, name)`` from the ``blkN`` word of the checkpoint's name, or None if it has none.
 
     The name is the directory's (a ``.gguf`` file's stem); for a Hugging Face hub cache
     snapshot (``models--ORG--NAME/snapshots/REV``) the repository's, and for a trainer's
-    ``checkpoint-*`` directory its parent's. A name with two different ``blkN`` gives None.
+    ``checkpoint-*`` directory its parent's. ``blkN`` may stand anywhere in the name as a
+    word (``-blk8-no-sft``, ``-blk4-v2``); ``myblk4`` is no word.
+
+    Raises:
+        ValueError: the name says ``blk0`` (a block size must be >= 1), or two different ``blkN``.
     """
     names = [path.stem if path.suffix == ".gguf" else path.name]
     if path.parent.name == "snapshots":
@@ -72,9 +78,15 @@ def block_size_from_name(path: Path) -> tuple[int, str] | None:
     if path.name.startswith("checkpoint-"):
         names.append(path.parent.name)
     for name in names:
-        found = {int(n) for n in _NAME_BLOCK.findall(name)}
-        if len(found) == 1 and min(found) >= 1:
-            return found.pop(), name
+        found = sorted({int(n) for n in _NAME_BLOCK.findall(name)})
+        if len(found) > 1:
+            raise ValueError(f"the name {name!r} gives {len(found)} block sizes "
+                             f"({', '.join(f'blk{n}' for n in found)}): pass --block B")
+        if found == [0]:
+            raise ValueError(f"the name {name!r} gives block size 0 (blk0), but a block size must be >= 1: "
+                             "pass --block B, the block size the model was trained with")
+        if found:
+            return found[0], name
     return None
 
 

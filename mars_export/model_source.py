@@ -34,6 +34,11 @@ from mars_export.mask_token import resolve_mask_token
 A2D_BASE_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-qwen3-it": "qwen3", "a2d-llama": "llama"}
 
 
+class UnknownA2DModelType(ValueError):
+    """A checkpoint of the MARS authors' layout whose ``a2d-*`` model type is not in
+    :data:`A2D_BASE_MODEL_TYPES` (the message lists the supported ones)."""
+
+
 @dataclass
 class LoadedModel:
     """A model ready for MARS training, reference decoding or export.
@@ -120,6 +125,8 @@ def _read(loader, path: Path):
     """Run ``loader(path)``, turning the errors of unreadable files into one clear ValueError."""
     try:
         return loader(path)
+    except UnknownA2DModelType:
+        raise  # its message is the whole story
     except (OSError, ValueError, struct.error, EOFError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot read model {path}: {first_line[:300]} (is the file complete, and is it a "
@@ -162,10 +169,16 @@ def checkpoint_config(path: Path) -> PretrainedConfig:
     other field as saved.
 
     Raises:
+        UnknownA2DModelType: an ``a2d-*`` model type not in :data:`A2D_BASE_MODEL_TYPES`.
         ValueError: ``config.json`` is not JSON, or transformers does not know its model type.
     """
     fields = json.loads((path / "config.json").read_text())
-    base = A2D_BASE_MODEL_TYPES.get(fields.get("model_type")) if isinstance(fields, dict) else None
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    base = A2D_BASE_MODEL_TYPES.get(model_type)
+    if base is None and isinstance(model_type, str) and model_type.startswith("a2d-"):
+        raise UnknownA2DModelType(f"{path}: model type {model_type!r} is a MARS authors' (a2d-*) family that "
+                                  f"mars-export does not know; supported: {', '.join(sorted(A2D_BASE_MODEL_TYPES))} "
+                                  "(each loads as the transformers model of the same weights)")
     if base is None:
         return AutoConfig.from_pretrained(path)
     fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from runtime.backends.onnx import PROVIDERS, OnnxBackend
+from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        from runtime.backends.onnx import OnnxBackend  # here: without onnxruntime, one error line
         params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, metric=args.metric,
                               max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
                       else tokenizer.encode(args.prompt))
         result = decoder.generate(prompt_ids, params)
-    except (BundleError, ValueError) as e:
+    except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = tokenizer.decode(result.token_ids)

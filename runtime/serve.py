@@ -19,8 +19,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from runtime.backends.loading import load_backend
-from runtime.backends.onnx import PROVIDERS
+from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.scheduler import SCHEMES
@@ -88,7 +87,9 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
 
     Raises:
         BundleError, ValueError: bad path, bundle, or option value (the message says which).
+        OnnxRuntimeMissing: installed without the [cpu] or [gpu] extra.
     """
+    from runtime.backends.loading import load_backend  # here: without onnxruntime, one error line
     policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
                         tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
                         queue_low=args.queue_low, queue_high=args.queue_high)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         app = build_app(args)
-    except (BundleError, ValueError) as e:
+    except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper())

@@ -41,7 +41,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from runtime import serve as single
+from runtime.backends.loading import load_backend
 from runtime.serving.engine_thread import EngineThread
+from runtime.serving.errors import APIError
 
 log = logging.getLogger(__name__)
 NAMESPACE = "mars-edge"  # Ray namespace of the fleet board
@@ -155,17 +157,32 @@ def merge_metrics(texts: dict[str, str]) -> bytes:
     return generate_latest(registry)
 
 
+async def read_reports(board) -> dict[str, dict]:
+    """The board's replica reports (:meth:`FleetBoard.replicas`).
+
+    Raises:
+        APIError: 503 when the board actor is gone (a deployment being shut down, or its actor
+            killed): /fleet/* then answers an OpenAI-style JSON error, not a bare 500.
+    """
+    try:
+        return await board.replicas.remote()
+    except ray.exceptions.RayError as e:
+        raise APIError(503, f"the fleet board (Ray actor) is gone, so no replica reports can be read "
+                            f"({type(e).__name__}); the replicas still serve /v1, restart the deployment for /fleet",
+                       code="fleet_board_unavailable", type_="server_error") from e
+
+
 def add_fleet_routes(app: FastAPI, board) -> None:
-    """``GET /fleet/replicas`` and ``GET /fleet/metrics`` (from the board's reports)."""
+    """``GET /fleet/replicas`` and ``GET /fleet/metrics`` (from the board's reports; 503 without the board)."""
 
     @app.get("/fleet/replicas")
     async def replicas():
-        reports = await board.replicas.remote()
+        reports = await read_reports(board)
         return {rid: {k: v for k, v in report.items() if k != "metrics"} for rid, report in reports.items()}
 
     @app.get("/fleet/metrics")
     async def fleet_metrics():
-        reports = await board.replicas.remote()
+        reports = await read_reports(board)
         body = merge_metrics({rid: report["metrics"] for rid, report in reports.items()})
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -261,7 +278,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
         BundleError, ValueError: bad path, bundle or option value (checked here first).
     """
     args = single.parse_args(serve_argv)
-    single.load_backend(args.path, args.provider, 1)  # fail here, not in every replica
+    load_backend(args.path, args.provider, 1)  # fail here, not in every replica
     port = args.port or free_port(args.host)
     serve.start(http_options={"host": args.host, "port": port})
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
@@ -311,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # A Ray of our own starts no dashboard. Only Serve's HTTP proxy binds --host (127.0.0.1 unless
+    # told): Ray 2.60 replaces a loopback node address by the machine's reachable IP, its dashboard
+    # and runtime-env agents listen there and its GCS, raylet and worker gRPC servers on every
+    # interface (README, "Ray Serve"): firewall those ports where the network is not trusted.
     local = {} if ray_args.address else {"_node_ip_address": "127.0.0.1", "include_dashboard": False}
     ray.init(address=ray_args.address, namespace=NAMESPACE, **local)
     try:

@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny exported bundles, and the default model exported once per session."""
+"""Shared fixtures: tiny exported bundles, the default model exported once per session, the shared data."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from support import export
+from support import SHARED_DATA, export, shared_data_missing
 from tiny_models import make_checkpoint
 
 
@@ -43,3 +45,14 @@ def default_bundle(tmp_path_factory):
 def default_mars_bundle(tmp_path_factory):
     """The MARS default model (the shipped adapter merged) exported with B = W = 4."""
     return export("default-mars", tmp_path_factory.mktemp("default-mars") / "bundle", 4, 4)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The shared data folder (support.SHARED_DATA); a test that asks for it (or for a fixture
+    using it, or calls support.real_prompts) is skipped, naming the folder and MARS_SHARED_DATA,
+    where the folder is missing."""
+    missing = shared_data_missing()
+    if missing:
+        pytest.skip(missing)
+    return SHARED_DATA

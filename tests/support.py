@@ -8,7 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+# The project's shared data folder (GSM8K, HumanEval, training and chat sets): $MARS_SHARED_DATA,
+# else ../shared/data beside the checkout. A clone elsewhere has none: the tests that read it
+# skip (the ``shared_data`` fixture) and the bench scripts stop with shared_data_missing()'s reason.
+SHARED_DATA_ENV = "MARS_SHARED_DATA"
+SHARED_DATA = Path(os.environ.get(SHARED_DATA_ENV) or ROOT.parent / "shared" / "data").expanduser().absolute()
 # The interpreter of the torch-free runtime tests (marker ``runtime_python``): this venv's,
 # or the lowest-declared-versions venv that scripts/test_lowest.sh makes.
 RUNTIME_PYTHON = os.path.abspath(os.environ.get("MARS_RUNTIME_PYTHON") or sys.executable)  # not resolved: a venv
@@ -33,10 +38,28 @@ def fix_window(bundle: Path, window: int) -> Path:
     return bundle
 
 
+def shared_data_missing() -> str | None:
+    """Why the shared data folder cannot be read (naming the folder and the variable to set), or None."""
+    if SHARED_DATA.is_dir():
+        return None
+    return f"the shared data folder {SHARED_DATA} is not here: set {SHARED_DATA_ENV} to the folder holding gsm8k/, " \
+           "humaneval/, ... (default: ../shared/data beside the checkout)"
+
+
+def shared_data_file(relative: str) -> Path:
+    """``SHARED_DATA / relative``; FileNotFoundError with shared_data_missing()'s reason if the folder is missing."""
+    missing = shared_data_missing()
+    if missing:
+        raise FileNotFoundError(missing)
+    return SHARED_DATA / relative
+
+
 def real_prompts(num_each: int) -> list[tuple[str, str]]:
-    """(kind, text) of the first ``num_each`` GSM8K test questions and HumanEval prompts."""
-    gsm8k = [json.loads(line)["question"] for line in (SHARED_DATA / "gsm8k/test.jsonl").open()][:num_each]
-    with gzip.open(SHARED_DATA / "humaneval/HumanEval.jsonl.gz", "rt") as f:
+    """(kind, text) of the first ``num_each`` GSM8K test questions and HumanEval prompts.
+
+    Raises FileNotFoundError (naming the folder and MARS_SHARED_DATA) without the shared data."""
+    gsm8k = [json.loads(line)["question"] for line in shared_data_file("gsm8k/test.jsonl").open()][:num_each]
+    with gzip.open(shared_data_file("humaneval/HumanEval.jsonl.gz"), "rt") as f:
         humaneval = [json.loads(line)["prompt"] for line in f][:num_each]
     return [("gsm8k", q) for q in gsm8k] + [("humaneval", p) for p in humaneval]
 

@@ -98,6 +98,7 @@ def tiny_prompts() -> list[tuple[str, str]]:
 
 @pytest.mark.runtime_python
 @pytest.mark.parametrize("arch, window", TINY_CASES)
+@pytest.mark.usefixtures("shared_data")
 def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
     _, bundle = tiny_bundle(arch, window)
     counts = check_same_as_python(mars_c, bundle, tiny_prompts(), TINY_TAUS, TINY_MAX_NEW, num_threads=1)
@@ -105,6 +106,7 @@ def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
     check_same_as_python(mars_c, bundle, tiny_prompts()[:1], (0.5,), TINY_MAX_NEW, num_threads=1, block_size=2)
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_prompt_at_the_context_bound_matches_python(mars_c, tiny_bundle):
     """prompt + max_new_tokens + W = the model's max context, the largest run either accepts:
     the C program (its past P + W stays within the context) and the Python runtime (its cache
@@ -152,6 +154,7 @@ def make_fp16_kv_bundle(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_float16_kv_bundle_same_ids_as_python(mars_c, tiny_bundle, tmp_path):
     bundle = make_fp16_kv_bundle(tiny_bundle("qwen3", 4)[1], tmp_path / "fp16")
     assert load_config(bundle).dtype == "float16"
@@ -159,6 +162,7 @@ def test_float16_kv_bundle_same_ids_as_python(mars_c, tiny_bundle, tmp_path):
     assert any(c["tpf"] > 1.0 for c in counts)
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_default_model_same_ids_as_python(mars_c, default_bundle):
     counts = check_same_as_python(mars_c, default_bundle, real_prompts(2), DEFAULT_TAUS, DEFAULT_MAX_NEW, num_threads=2)
     for c in counts:
@@ -166,6 +170,7 @@ def test_default_model_same_ids_as_python(mars_c, default_bundle):
               f"TPF {c['tpf']:.2f}")
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_wrapper_text_equals_python(mars_c, tiny_bundle, capsys):
     _, bundle = tiny_bundle("llama", 4)
     kind, text = tiny_prompts()[0]

@@ -47,7 +47,7 @@ def hf_greedy(default_bundle, hf_model, prompts) -> list[tuple[list[int], list[i
 
 
 @pytest.fixture(scope="module")
-def greedy_pairs(default_bundle, hf_model):
+def greedy_pairs(default_bundle, hf_model, shared_data):
     return hf_greedy(default_bundle, hf_model, real_prompts(3))
 
 
@@ -74,6 +74,7 @@ def test_tau_one_equals_generate_on_real_prompts(default_bundle, hf_model, greed
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_data")
 def test_tau_one_equals_generate_on_ten_prompts_each(default_bundle, hf_model):
     check_identity(default_bundle, hf_model, hf_greedy(default_bundle, hf_model, real_prompts(10)))
 
@@ -96,6 +97,7 @@ def test_batch_rows_and_verify_mode_equal_generate(default_bundle, greedy_pairs,
         assert tpf > 1.2, f"lookup drafts were hardly ever kept (TPF {tpf:.3f})"
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_lower_tau_never_emits_the_mask_token(default_bundle):
     config = load_config(default_bundle)
     decoder, tokenizer = Decoder(OnnxBackend(default_bundle, config), config), Tokenizer(default_bundle)
@@ -118,6 +120,7 @@ def test_default_mars_merges_the_shipped_adapter():
     assert merged.shape == original.shape and not torch.equal(merged, original)
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_verify_mode_on_the_mars_default_model_is_lossless_and_gains_tokens(default_mars_bundle):
     config = load_config(default_mars_bundle)
     backend, tokenizer = OnnxBackend(default_mars_bundle, config), Tokenizer(default_mars_bundle)

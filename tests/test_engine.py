@@ -15,13 +15,14 @@ from runtime.bundle import load_config, step_feeds
 from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams
+from runtime.text.tokenizer import Tokenizer
 from runtime.trt_build import TrtBuildOptions, profile_limits, profile_shapes
 
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module", params=[("llama", 4), ("qwen2", 8)], ids=["llama-w4", "qwen2-w8"])
-def tiny(request, tiny_bundle):
+def tiny(request, tiny_bundle, shared_data):
     """(backend, config, prompts): 16 real prompts of mixed lengths, 1 to ~500 tokens."""
     ckpt, bundle = tiny_bundle(*request.param)
     config = load_config(bundle)
@@ -232,6 +233,27 @@ def test_sampling_is_reproducible_with_a_seed(tiny):
     assert [r.token_ids for r in run(3, top_k=1)] == greedy  # top-k 1 leaves only the argmax
 
 
+def test_small_temperature_accepts_no_more_than_greedy_at_the_same_tau(tiny_bundle):
+    """tau < 1 with sampling tests the untempered model's confidence. This untrained model's
+    mask predictions are junk that never passes tau = 0.9 greedily (TPF 1); at temperature 0.05
+    they must not pass either (scored on the tempered distribution they all looked confident:
+    TPF 2.5), and with top-k 1 (the draw is the argmax) the run is the greedy one."""
+    _, bundle = tiny_bundle("llama", 4)
+    config, tokenizer = load_config(bundle), Tokenizer(bundle)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
+               for text in ["What is 2 + 3?", "Write a haiku about the sea.", "def add(a, b):"]]
+    engine = Engine(OnnxBackend(bundle, config, num_threads=1), config, EngineConfig(max_batch_size=3))
+
+    def run(**kw):
+        return engine.generate(prompts, DecodeParams(tau=0.9, max_new_tokens=MAX_NEW, **kw))
+
+    greedy = run()
+    assert all(r.tpf == 1.0 for r in greedy)
+    assert all(r.tpf == 1.0 for r in run(temperature=0.05, seed=0))
+    top1 = run(temperature=0.05, top_k=1, seed=0)
+    assert [(r.token_ids, r.num_forwards) for r in top1] == [(r.token_ids, r.num_forwards) for r in greedy]
+
+
 def test_past_is_handed_to_the_graph_without_a_copy(tiny):
     backend, config, prompts = tiny
     engine = Engine(backend, config, EngineConfig(max_batch_size=3))
@@ -260,6 +282,18 @@ def test_request_errors_name_the_problem(tiny):
     with pytest.raises(ValueError, match="exceeds the bundle's block size"):
         engine.add_request([1], DecodeParams(block_size=config.block_size + 1))
     assert not engine.has_unfinished()
+
+
+def test_max_seq_len_past_the_models_context_is_refused_on_onnxruntime(tiny_bundle):
+    """One rule for every backend: onnxruntime (no optimization profile) refuses a slot longer
+    than the model's max context instead of silently capping it."""
+    _, bundle = tiny_bundle("llama", 4)
+    config = load_config(bundle)
+    backend = OnnxBackend(bundle, config, num_threads=1)
+    assert Engine(backend, config, EngineConfig(max_seq_len=config.max_context)).cache.max_len == config.max_context
+    with pytest.raises(ValueError, match=f"max_seq_len {config.max_context + 1} exceeds the {config.max_context} "
+                                         r"positions a slot can hold \(the model's max context\)"):
+        Engine(backend, config, EngineConfig(max_seq_len=config.max_context + 1))
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -51,6 +51,28 @@ def test_runtime_without_onnxruntime_says_which_extra_to_install():
     assert "the runtime needs onnxruntime" in done.stderr and "mars-edge[cpu]" in done.stderr, done.stderr
 
 
+# The three command-line tools as a user starts them: ``python -m MODULE ARGS`` (runpy) or the
+# ``mars-eval`` console script (which imports its module, then calls main).
+CLIS = {
+    "generate": 'import runpy; sys.argv = ["generate", "bundle", "--prompt", "hi"]; '
+                'runpy.run_module("runtime.generate", run_name="__main__")',
+    "serve": 'import runpy; sys.argv = ["serve", "bundle"]; runpy.run_module("runtime.serve", run_name="__main__")',
+    "mars-eval": 'from runtime.evaluation.cli import main; sys.exit(main(["bundle", "--gsm8k", "test.jsonl"]))',
+}
+
+
+@pytest.mark.parametrize("cli", sorted(CLIS))
+def test_cli_without_onnxruntime_says_which_extra_to_install_in_one_line(cli, tmp_path):
+    script = 'import sys; sys.modules["onnxruntime"] = None; ' + CLIS[cli]
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the runtime needs onnxruntime"), done.stderr
+    assert "pip install 'mars-edge[cpu]'" in lines[0] and "mars-edge[gpu]" in lines[0]
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_every_dependency_has_a_floor_and_a_ceiling():
     for requirement in all_requirements() + [Requirement(r) for r in PROJECT["optional-dependencies"]["trt"]]:
         operators = sorted(s.operator for s in requirement.specifier)

@@ -151,13 +151,34 @@ def test_mars_train_output_exports_with_what_it_records(tmp_path):
     ("hub/models--Xalphinions--MARS-Qwen2.5-7B-blk16/snapshots/0123abc",
      (16, "models--Xalphinions--MARS-Qwen2.5-7B-blk16")),
     ("lr-5e-6-ep-5-seq512-blk4/checkpoint-final", (4, "lr-5e-6-ep-5-seq512-blk4")),
+    ("MARS-Qwen2.5-0.5B-blk4-v2", (4, "MARS-Qwen2.5-0.5B-blk4-v2")),  # a word anywhere (README)
     ("MARS-Qwen2.5-0.5B-AR-SFT", None),
-    ("blk4-vs-blk8", None),
-    ("ckpt-blk0", None),
     ("myblk4", None),
 ])
 def test_block_size_from_name(tmp_path, path, expected):
     assert block_size_from_name(tmp_path / path) == expected
+
+
+@pytest.mark.parametrize("name, message", [
+    ("X-blk0", "the name 'X-blk0' gives block size 0 (blk0), but a block size must be >= 1: pass --block B"),
+    ("blk4-vs-blk8", "the name 'blk4-vs-blk8' gives 2 block sizes (blk4, blk8): pass --block B"),
+])
+def test_unusable_block_size_in_the_name_is_refused_naming_it(tmp_path, name, message):
+    ckpt = make_a2d_checkpoint("qwen2", tmp_path / name)
+    code, log = export_quietly(str(ckpt), "-o", str(tmp_path / "b"))
+    assert code == 2 and len(log) == 1 and log[0].startswith(f"error: {message}"), log
+    assert resolve_block_size(4, str(ckpt)) == (4, "--block")  # --block still wins
+
+
+def test_unknown_a2d_model_type_lists_the_supported_families(tmp_path):
+    ckpt = make_a2d_checkpoint("qwen2", tmp_path / "MARS-tiny-blk4")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "a2d-mistral"}))
+    code, log = export_quietly(str(ckpt), "-o", str(tmp_path / "b"), "--block", "4")
+    assert code == 2 and len(log) == 1, log
+    assert "model type 'a2d-mistral' is a MARS authors' (a2d-*) family that mars-export does not know; " \
+           "supported: a2d-llama, a2d-qwen2, a2d-qwen3, a2d-qwen3-it" in log[0]
+    assert not (tmp_path / "b").exists()
 
 
 def test_block_origin_names_the_directory_it_read(tmp_path):

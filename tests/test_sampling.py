@@ -39,8 +39,19 @@ def test_select_greedy_and_sampled_confidence():
     for tiny in (1e-38, MIN_TEMPERATURE / 2):  # below MIN_TEMPERATURE: greedy, no rng needed, finite confidence
         assert [a.tolist() for a in select(LOGITS, tiny, 0, 1.0, "probability", None)] == [ids.tolist(), conf.tolist()]
     ids, conf = select(LOGITS, 1.0, 2, 1.0, "probability", np.random.default_rng(0))
-    assert ids[0] in (0, 1) and conf[0] == pytest.approx(0.625)  # confidence of the filtered distribution
+    assert ids[0] in (0, 1) and conf[0] == pytest.approx(0.5)  # top-k shapes the draw, not the confidence
     assert select(LOGITS, 0.0, 0, 1.0, "probability", None, with_confidence=False)[1].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("metric", ["probability", "margin", "entropy"])
+def test_sampled_confidence_is_the_untempered_models_whatever_the_sampling_settings(metric):
+    """tau tests the model's own distribution: a small temperature (which makes the distribution
+    drawn from nearly one-hot) or top-k / top-p never make a prediction look more confident."""
+    greedy = select(LOGITS, 0.0, 0, 1.0, metric, None)[1]
+    for temperature, top_k, top_p in [(0.05, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 2, 1.0), (0.05, 0, 0.6)]:
+        conf = select(LOGITS, temperature, top_k, top_p, metric, np.random.default_rng(0))[1]
+        np.testing.assert_allclose(conf, greedy, rtol=1e-6, err_msg=f"T={temperature} top_k={top_k} top_p={top_p}")
+    assert select(LOGITS, 0.05, 0, 1.0, "probability", np.random.default_rng(0))[1][0] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("drafts, predicted, max_accept, expected", [

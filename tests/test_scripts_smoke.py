@@ -62,6 +62,7 @@ def assert_results(out: Path, stem: str, suffixes=(".json", ".csv", ".png")) -> 
     return json.loads((out / f"{stem}.json").read_text())
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_engine_modes(smoke_model, tmp_path):
     """Every mode and draft source runs; the verify rows (each draft source) and threshold mode
     with lookup drafts at tau 1 reproduce AR."""
@@ -92,6 +93,7 @@ def test_scaling(smoke_model, tmp_path):
     assert_results(tmp_path, "scaling")
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_quantized_step(smoke_model, tmp_path):
     _, bundle = smoke_model
     python("bench/quantized_step.py", bundle, "--variants", "int8", "int4-s16-h", "--prompts-each", "1", "--tokens", "4",
@@ -132,6 +134,7 @@ def test_load_test_against_ray_replicas(smoke_model, tmp_path):
     assert all(r["checks"]["fixed_all_equal_solo"] and r["checks"]["streamed_text_equals_decode"] for r in rows), rows
 
 
+@pytest.mark.usefixtures("shared_data")
 def test_bench_peers_ours_only(smoke_model, tmp_path):
     """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
     with every variant of ours and the int8 bundle's rows, and the lossless ones equal our AR ids."""
@@ -190,11 +193,10 @@ def lora_run(tmp_path_factory) -> tuple[Path, Path]:
     return root / "run", data
 
 
-def test_tpf_vs_training(lora_run, tmp_path):
+def test_tpf_vs_training(lora_run, tmp_path, shared_data):
     run_dir, data = lora_run
-    shared = ROOT.parent / "shared" / "data"
-    python("bench/tpf_vs_training.py", run_dir, "--gsm8k", shared / "gsm8k" / "test.jsonl", "--chat",
-           shared / "chat_multiturn" / "oasst_en_100_tree.jsonl", "--num-prompts", "1", "--max-new-tokens", "4",
+    python("bench/tpf_vs_training.py", run_dir, "--gsm8k", shared_data / "gsm8k" / "test.jsonl", "--chat",
+           shared_data / "chat_multiturn" / "oasst_en_100_tree.jsonl", "--num-prompts", "1", "--max-new-tokens", "4",
            "--every", "1", "--data", data, "--name", "curve", "--out", tmp_path)
     rows = assert_results(tmp_path, "curve", (".json", ".png"))["rows"]
     assert [r["step"] for r in rows] == [0, 1]  # base, checkpoint-1

@@ -214,7 +214,8 @@ def test_profile_bounds_are_enforced(engine_bundle, standin):
         backend.step(ids, ids, np.ones((3, 1, 4, 4), bool), past)
     with pytest.raises(ValueError, match="max_batch_size 3 exceeds the backend's largest batch 2"):
         Engine(backend, config, EngineConfig(max_batch_size=3))
-    with pytest.raises(ValueError, match="max_seq_len 100 exceeds the 60 positions of past the backend takes"):
+    with pytest.raises(ValueError, match=r"max_seq_len 100 exceeds the 60 positions a slot can hold \(the backend's "
+                                         "largest past"):
         Engine(backend, config, EngineConfig(max_batch_size=2, max_seq_len=100))
     assert Engine(backend, config, EngineConfig(max_batch_size=2)).cache.max_len == 60
 

@@ -3,10 +3,9 @@
 The backend owns the session and nothing else: it takes explicit inputs and past KV and
 returns logits and the new KV; caching and acceptance live elsewhere.
 
-onnxruntime comes from one of two packages that share the ``onnxruntime`` module:
-``onnxruntime`` (CPU, the ``[cpu]`` extra) or ``onnxruntime-gpu`` (CUDA and TensorRT
-providers, the ``[gpu]`` extra or NVIDIA's Jetson wheel). :func:`require_provider` says
-which one to install when a requested provider is missing.
+onnxruntime comes from one of two packages (:mod:`runtime.backends.providers`); importing
+this module without either raises :class:`~runtime.backends.providers.OnnxRuntimeMissing`,
+and :func:`require_provider` says which one to install when a requested provider is missing.
 """
 
 from __future__ import annotations
@@ -16,27 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-PROVIDERS = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-}
-_GPU_INSTALL = ("pip install 'mars-edge[gpu]' (onnxruntime-gpu; on Jetson NVIDIA's onnxruntime-gpu wheel, "
-                "samples/jetson/README.md)")
-INSTALL = {
-    "cpu": "pip install 'mars-edge[cpu]' (onnxruntime) or, for a GPU, " + _GPU_INSTALL,
-    "cuda": _GPU_INSTALL + " with CUDA 12 and cuDNN 9",
-    "tensorrt": _GPU_INSTALL + " with CUDA 12 and TensorRT 10",
-}
-
-try:
-    import onnxruntime as ort
-    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
-except ImportError as e:  # installed without the [cpu] or [gpu] extra
-    raise ImportError(f"the runtime needs onnxruntime, which cannot be imported ({e}): {INSTALL['cpu']}") from e
-
 from runtime import bundle
+from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
+
+ort = import_onnxruntime()  # without the [cpu] or [gpu] extra: OnnxRuntimeMissing, naming the extra
+ort_state = ort.capi.onnxruntime_pybind11_state
 
 MAX_THREADS = 256
 _LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.InvalidArgument, ort_state.Fail,

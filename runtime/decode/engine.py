@@ -115,6 +115,23 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
         raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
+def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) -> int:
+    """The positions a slot holds: ``max_seq_len``, or when None the most any slot may hold,
+    min(the model's max context, the backend's largest past). The past fed is the whole
+    cache capacity, so the capacity never exceeds the backend's ``max_past``.
+
+    Raises:
+        ValueError: ``max_seq_len`` above that limit (never silently capped).
+    """
+    limit = min(max_context, max_past)
+    if max_seq_len is not None and max_seq_len > limit:
+        bound = ("the backend's largest past, its optimization profile; rebuild the engine for more"
+                 if max_past < max_context else "the model's max context")
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the {limit} positions a slot can hold ({bound}); "
+                         f"give at most {limit}")
+    return limit if max_seq_len is None else max_seq_len
+
+
 class Engine:
     """Continuous-batching MARS decoder over a backend with ``step`` (onnxruntime or TensorRT).
 
@@ -130,8 +147,9 @@ class Engine:
         engine_config: batch size, scheme and per-slot length.
 
     Raises:
-        ValueError: ``max_batch_size`` or ``max_seq_len`` exceeds what a bounded backend
-            (``max_batch`` not None: a TensorRT optimization profile) takes.
+        ValueError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
+            not None: a TensorRT optimization profile), or ``max_seq_len`` exceeds the model's
+            max context or the backend's largest past (:func:`check_max_seq_len`, every backend).
     """
 
     def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
@@ -139,11 +157,7 @@ class Engine:
         if backend.max_batch is not None and engine_config.max_batch_size > backend.max_batch:
             raise ValueError(f"max_batch_size {engine_config.max_batch_size} exceeds the backend's largest batch "
                              f"{backend.max_batch} (its optimization profile); lower it or rebuild the engine")
-        if backend.max_batch is not None and (engine_config.max_seq_len or 0) > backend.max_past:
-            raise ValueError(f"max_seq_len {engine_config.max_seq_len} exceeds the {backend.max_past} positions of "
-                             "past the backend takes (its optimization profile); lower it or rebuild the engine")
-        # The past fed is the whole cache capacity, so the capacity stays within the backend's max_past.
-        max_len = min(engine_config.max_seq_len or config.max_context, config.max_context, backend.max_past)
+        max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past)
         make_cache = getattr(backend, "make_cache", KVCache)  # a GPU backend keeps the cache in device memory
         self.cache = make_cache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                                 np.dtype(config.dtype), engine_config.max_batch_size)

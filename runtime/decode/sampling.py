@@ -2,13 +2,16 @@
 
 Dimension letters: M predictions one step offers a row, V vocabulary.
 
-Meaning of tau under sampling (our choice; the paper decodes greedily): every prediction
-j of a step is drawn from its own filtered distribution (temperature, then top-k, then
-top-p), and the confidence tested against tau is that of the same filtered distribution
-(for the probability metric: its largest probability). Prediction 0 is always accepted, so
-at tau >= 1 this is exactly ordinary AR sampling. Below 1, mask predictions are drawn from
-their marginals independently, which is an approximation of the joint the AR model would
-sample; higher temperatures flatten the distributions, so fewer tokens pass tau.
+Meaning of tau under sampling (our choice; the paper decodes greedily and DESIGN.md §3
+defines confidence on the model's prediction): every prediction j of a step is drawn from
+its own filtered distribution (temperature, then top-k, then top-p), but the confidence
+tested against tau is always that of the model's own distribution, the plain softmax of
+the logits (for the probability metric: p(argmax)), whatever the temperature, top-k and
+top-p. So the sampling settings never change which predictions pass tau: a small
+temperature sharpens the distribution drawn from, and scoring that one would make every
+mask look confident and accept junk. Prediction 0 is always accepted, so at tau >= 1 this
+is exactly ordinary AR sampling. Below 1, mask predictions are drawn from their marginals
+independently, an approximation of the joint the AR model would sample.
 
 Temperatures below :data:`MIN_TEMPERATURE` (0 included) are greedy (:func:`is_greedy`, the
 one place this rule lives): dividing float32 logits by such a temperature overflows them to
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.decode.acceptance import probability_confidence, softmax
+from runtime.decode.acceptance import confidence, softmax
 
 MIN_TEMPERATURE = 1e-5  # below it, greedy (the same epsilon as vLLM's sampler)
 
@@ -32,28 +35,29 @@ def is_greedy(temperature: float) -> bool:
 
 def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, metric: str,
            rng: np.random.Generator | None, with_confidence: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Pick one token per row and its confidence.
+    """Pick one token per row, and the confidence of the model's prediction there.
 
     Args:
         logits: float32 [M, V].
-        temperature: below :data:`MIN_TEMPERATURE` (0 included) greedy (argmax, confidence of
-            the plain softmax); else logits are divided by it.
+        temperature: below :data:`MIN_TEMPERATURE` (0 included) greedy (argmax); else the
+            token is drawn from the logits divided by it.
         top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest set whose
-            probability reaches top_p (1.0 = all).
-        metric: confidence metric (:data:`runtime.decode.acceptance.METRICS`).
+            probability reaches top_p (1.0 = all). Both shape only the draw.
+        metric: confidence metric (:data:`runtime.decode.acceptance.METRICS`) of the plain
+            softmax of ``logits``: untempered and unfiltered (module docstring).
         rng: the request's generator; required unless greedy.
-        with_confidence: False skips the softmax of greedy rows (confidences are then 0).
+        with_confidence: False skips the softmax for the confidence (confidences are then 0).
 
     Returns:
         ids int64 [M], confidences float32 [M].
     """
-    if is_greedy(temperature) and not with_confidence:
-        return logits.argmax(axis=-1), np.zeros(len(logits), np.float32)
     if is_greedy(temperature):
-        probs = softmax(logits)
-        return logits.argmax(axis=-1), probability_confidence(probs, metric)
-    probs = filtered_probs(logits, temperature, top_k, top_p)
-    return sample(probs, rng), probability_confidence(probs, metric)
+        ids = logits.argmax(axis=-1)
+    else:
+        ids = sample(filtered_probs(logits, temperature, top_k, top_p), rng)
+    if not with_confidence:
+        return ids, np.zeros(len(logits), np.float32)
+    return ids, confidence(logits, metric)
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:

@@ -24,7 +24,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from runtime.backends.onnx import PROVIDERS
+from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
 from runtime.evaluation import tasks
@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     """Check, decode, score, report; returns 0 (errors are raised)."""
     start = time.perf_counter()
     check_args(args)
+    import_onnxruntime()  # before anything is read or written
     items, labels = load_items(args), bundle_labels(args.bundles)
     settings = make_settings(args, describe_bundles(args, labels, items))
     if args.humaneval:
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``mars-eval``; returns the exit code (0 ok, 2 bad input)."""
     try:
         return run(parse_args(argv))
-    except (UsageError, BundleError, ValueError, OSError) as e:
+    except (UsageError, BundleError, ValueError, OSError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

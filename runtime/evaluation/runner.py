@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams, GenerationResult
@@ -107,6 +106,8 @@ def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: 
             (0: its choice); draft: draft source of the MARS runs (see :func:`plan_runs`);
             log: called with one progress line per prompt (default: stderr).
     """
+    from runtime.backends.onnx import OnnxBackend  # here: mars-eval imports this module without onnxruntime
+
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     config = load_config(bundle_dir)
     sizes, runs = plan_block_sizes(block_sizes, config.block_size), plan_runs(plan_taus(taus), draft)

@@ -18,6 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.serving.protocol import error_body
 
 
+_SEND_UTF8 = "JSON over HTTP must be UTF-8 (RFC 8259 §8.1): send the body as UTF-8"
+
+
 class APIError(Exception):
     """A request the server refuses (or, with status 5xx, failed to serve)."""
 
@@ -62,7 +65,10 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return respond(request, APIError(exc.status_code, str(exc.detail), code=_slug(str(exc.detail))).response())
+        # FastAPI's "error parsing the body" from a body that is not UTF-8 (json could not decode it)
+        not_utf8 = encoding_error(exc.__cause__.object) if isinstance(exc.__cause__, UnicodeDecodeError) else None
+        error = not_utf8 or APIError(exc.status_code, str(exc.detail), code=_slug(str(exc.detail)))
+        return respond(request, error.response())
 
 
 def validation_response(errors) -> JSONResponse:
@@ -122,17 +128,32 @@ def make_auth_check(api_key: str | None):
     return check
 
 
-async def require_utf8_json(request: Request) -> None:
-    """A FastAPI dependency: refuse a body encoded other than in UTF-8 with a 400 naming its encoding.
+def encoding_error(body: bytes) -> APIError | None:
+    """The one rule for request body encodings: None for UTF-8, else a 400 saying what the body is.
 
-    JSON exchanged over HTTP is UTF-8 (RFC 8259 §8.1); Python's ``json`` would detect and
-    accept UTF-16 and UTF-32 too. A leading UTF-8 byte order mark is ignored, as the RFC allows.
+    JSON exchanged over HTTP is UTF-8 (RFC 8259 §8.1). Python's ``json`` would detect and
+    accept UTF-16 and UTF-32 (named in the message); bytes that are no UTF-8 at all (Latin-1,
+    cp1252) fail its decoding (the message names the first bad byte). A leading UTF-8 byte
+    order mark is ignored, as the RFC allows.
     """
-    body = await request.body()  # already read (and cached) by FastAPI to parse the JSON
     encoding = json.detect_encoding(body) if body else "utf-8"
     if encoding not in ("utf-8", "utf-8-sig"):
-        raise APIError(400, f"the request body is encoded in {encoding.upper()}; JSON over HTTP must be UTF-8 "
-                            "(RFC 8259 §8.1): send the body as UTF-8", code="invalid_encoding")
+        return APIError(400, f"the request body is encoded in {encoding.upper()}; {_SEND_UTF8}",
+                        code="invalid_encoding")
+    try:
+        body.decode("utf-8", "surrogatepass")  # as json.loads decodes bytes
+    except UnicodeDecodeError as e:
+        return APIError(400, f"the request body is not UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}; Latin-1 "
+                             f"or another 8-bit encoding?); {_SEND_UTF8}", code="invalid_encoding")
+    return None
+
+
+async def require_utf8_json(request: Request) -> None:
+    """A FastAPI dependency: refuse a body that parsed but is not UTF-8 (UTF-16, UTF-32) by
+    :func:`encoding_error`; bodies json cannot decode at all reach it through the error handler."""
+    error = encoding_error(await request.body())  # already read (and cached) by FastAPI to parse the JSON
+    if error is not None:
+        raise error
 
 
 def _slug(text: str) -> str:

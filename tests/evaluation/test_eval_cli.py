@@ -164,6 +164,16 @@ def test_chat_items_end_with_a_user_turn(tmp_path):
         load_chat(path, 1)
 
 
+def test_real_chat_trees_give_conversations_ending_with_a_user_turn(shared_data):
+    from runtime.evaluation.tasks import load_chat
+    items = load_chat(shared_data / "chat_multiturn" / "oasst_en_100_tree.jsonl", 10)
+    assert len(items) == 10
+    for turns in (item.messages() for item in items):
+        assert turns[-1]["role"] == "user" and len(turns) in (1, 3)
+        assert [t["role"] for t in turns] == ["user", "assistant", "user"][:len(turns)]
+    assert any(len(item.messages()) == 3 for item in items)
+
+
 def test_lookup_drafts_add_a_lossless_tau_one_row(bundle, data, tmp_path, capsys):
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps(CHAT_TREE) + "\n")

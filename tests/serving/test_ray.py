@@ -1,7 +1,7 @@
 """The Ray Serve deployment (runtime/serve_ray.py) with real Ray on this machine: 2 replicas
 of the tiny random Llama (B = W = 4), driven by the openai client through Serve's proxy.
 
-One Ray instance for the module (2 CPUs, loopback only), shut down at the end. Waits poll
+One Ray instance for the module (2 CPUs; Serve's proxy on loopback), shut down at the end. Waits poll
 with deadlines far above a healthy run (:data:`DEADLINE_S`) and return as soon as the
 condition holds; nothing depends on the machine's speed.
 """
@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from server_support import DEADLINE_S, wait_until
 from test_server import MAX_NEW, PROMPTS, chat, complete, runtime_parts  # noqa: F401 (a fixture)
 
@@ -28,7 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from runtime import serve as single  # noqa: E402
 from runtime import serve_ray  # noqa: E402
-from runtime.serve_ray import NAMESPACE, FleetBoard, FleetOptions, deploy, merge_metrics  # noqa: E402
+from runtime.serve_ray import NAMESPACE, FleetBoard, FleetOptions, add_fleet_routes, deploy, merge_metrics  # noqa: E402
+from runtime.serving.errors import install_error_handlers  # noqa: E402
 from runtime.serving.metrics import ServerMetrics  # noqa: E402
 
 NUM_REPLICAS = 2
@@ -111,6 +114,24 @@ def test_fleet_options_default_to_the_servers_batch():
         (single.DEFAULT_MAX_BATCH, single.DEFAULT_MAX_BATCH + single.parse_args(["BUNDLE"]).queue_high)
     ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2", "--max-batch-size", "3"])
     assert serve_ray.fleet_options(ray_args, single.parse_args(serve_argv)).target_ongoing_requests == 3
+
+
+def test_fleet_routes_answer_a_503_json_error_when_the_board_is_gone(fleet):
+    """/fleet/* read the board actor; once it is gone (killed here) they answer an OpenAI-style
+    503, not a bare 500. (``fleet``: for its Ray instance.)"""
+    board = ray.remote(num_cpus=0)(FleetBoard).options(namespace=NAMESPACE).remote()
+    assert ray.get(board.replicas.remote(), timeout=DEADLINE_S) == {}
+    ray.kill(board)
+    app = FastAPI()
+    install_error_handlers(app, 1 << 20, lambda *_: None)
+    add_fleet_routes(app, board)
+    with TestClient(app) as client:
+        for route in ("/fleet/replicas", "/fleet/metrics"):
+            r = client.get(route)
+            assert r.status_code == 503, (route, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "fleet_board_unavailable" and "the fleet board (Ray actor) is gone" in \
+                error["message"], error
 
 
 def test_openai_client_chat_and_completions_streamed_and_not(fleet, runtime_parts):

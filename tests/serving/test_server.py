@@ -229,6 +229,23 @@ def test_a_body_not_in_utf8_is_a_400_naming_its_encoding(tiny_server, route, enc
                                  headers={"content-type": "application/json"}).status_code == 200  # a UTF-8 BOM is ignored
 
 
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("encoding", ["latin-1", "cp1252"])
+def test_a_body_in_an_8_bit_encoding_is_a_400_saying_it_is_not_utf8(tiny_server, route, encoding):
+    """The same rule as UTF-16: bytes that are no UTF-8 at all (here 'é' as 0xe9) are refused
+    with the encoding rule's message, not a generic parse error."""
+    field = {"messages": [{"role": "user", "content": "café"}]} if route == "chat/completions" else {"prompt": "café"}
+    r = tiny_server.http.post(f"/v1/{route}", content=json.dumps({"model": "tiny", "max_tokens": 2, **field},
+                                                                 ensure_ascii=False).encode(encoding),
+                              headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_encoding"
+    assert error["message"].startswith("the request body is not UTF-8 (byte 0xe9 at offset ")
+    assert "JSON over HTTP must be UTF-8 (RFC 8259 §8.1)" in error["message"], error["message"]
+
+
 ABORTED = 'mars_requests_total{outcome="aborted"}'
 
 

@@ -46,13 +46,22 @@ def run_chat(server, text, stream):
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), final.mars["token_ids"]
 
 
-@pytest.mark.parametrize("text", [t for _, t in real_prompts(2)] + MULTIBYTE_PROMPTS)
-def test_real_prompts_streamed_equals_non_streamed_equals_decoder(default_server, default_parts, text):
-    tokenizer, decoder = default_parts
+def check_streamed_equals_non_streamed_equals_decoder(server, parts, text):
+    tokenizer, decoder = parts
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
     expected = decoder.generate(prompt_ids, DecodeParams(tau=1.0, max_new_tokens=MAX_NEW)).token_ids
-    plain, streamed = run_chat(default_server, text, False), run_chat(default_server, text, True)
+    plain, streamed = run_chat(server, text, False), run_chat(server, text, True)
     assert plain == streamed == (tokenizer.decode(expected), expected)
+
+
+@pytest.mark.parametrize("index", range(4))  # real_prompts(2): two GSM8K questions, two HumanEval prompts
+def test_real_prompts_streamed_equals_non_streamed_equals_decoder(default_server, default_parts, shared_data, index):
+    check_streamed_equals_non_streamed_equals_decoder(default_server, default_parts, real_prompts(2)[index][1])
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_PROMPTS)
+def test_multibyte_prompts_streamed_equals_non_streamed_equals_decoder(default_server, default_parts, text):
+    check_streamed_equals_non_streamed_equals_decoder(default_server, default_parts, text)
 
 
 @pytest.mark.parametrize("text", ["你好，世界！日本語のテキスト。", "🤖🍕🇫🇷👩‍👩‍👧 emoji", "naïve café Ω≈ç√∫"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from tiny_mars import EOS_ID
@@ -13,9 +12,6 @@ from mars_export.training.data import (
     record_prompt_messages, record_response,
 )
 from mars_export.training.objective import IGNORE_INDEX, prepare_targets
-
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-
 
 @pytest.mark.parametrize("record, prompt, answer", [
     ({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
@@ -96,10 +92,9 @@ def test_collator_right_pads_and_reports_lengths():
     assert batch["lengths"].tolist() == [4, 2]
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="the shared data folder is not here")
 @pytest.mark.parametrize("name", ["gsm8k/train.jsonl", "instruct_tuning/code_alpaca_2k.json",
                                   "instruct_tuning/gpteacher_codegen-instruct.json"])
-def test_shared_training_files_parse(name, tokenizer):
-    record = read_records(SHARED_DATA / name)[0]
+def test_shared_training_files_parse(name, tokenizer, shared_data):
+    record = read_records(shared_data / name)[0]
     example = prepare_example(tokenizer, record_prompt_messages(record), record_response(record))
     assert example.response_ids[-1] == EOS_ID and len(example.response_ids) > 1

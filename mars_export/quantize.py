@@ -29,7 +29,7 @@ from onnx import numpy_helper
 
 from mars_export.gguf_blocks import BLOCK_TYPES
 from mars_export.gguf_import import GgufImport, import_gguf_matmuls, prepare_gguf_import
-from mars_export.model_source import LoadedModel
+from mars_export.model_source import LoadedModel, load_gguf_model
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import ParityError, measure_parity
 from runtime.backends.onnx import OnnxBackend
@@ -192,16 +192,18 @@ def prepare_gguf_graph(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
     """The float32 graph to quantize and, for int4 of a GGUF source, the blocks to import into it.
 
     Without an adapter that graph is the bundle's (:data:`REFERENCE_FILE`); with one (``default-mars``)
-    the base model's graph is exported to :data:`BASE_FILE` and the adapter becomes side paths.
+    the graph of the model re-read from the GGUF file is exported to :data:`BASE_FILE` and the
+    adapter becomes side paths.
     Other sources and dtypes: (the reference graph, None).
     """
     reference = bundle_dir / REFERENCE_FILE
     if config.weight_dtype not in GGUF_DTYPES or loaded.gguf_file is None:
         return reference, None
-    if loaded.base_model is None:
+    if loaded.adapter_dir is None:
         return reference, prepare_gguf_import(loaded.gguf_file, loaded.model)
-    export_step_graph(loaded.base_model, bundle_dir / BASE_FILE, config.window, config.max_context)
-    gguf = prepare_gguf_import(loaded.gguf_file, loaded.base_model, loaded.model, loaded.adapter_dir)
+    base = load_gguf_model(loaded.gguf_file)
+    export_step_graph(base, bundle_dir / BASE_FILE, config.window, config.max_context)
+    gguf = prepare_gguf_import(loaded.gguf_file, base, loaded.model, loaded.adapter_dir)
     return bundle_dir / BASE_FILE, gguf
 
 

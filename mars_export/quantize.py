@@ -19,6 +19,7 @@ keeps the float32 table (it reads only W rows per step).
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from mars_export.gguf_blocks import BLOCK_TYPES
+from mars_export.gguf_import import GgufImport, import_gguf_matmuls, prepare_gguf_import
+from mars_export.model_source import LoadedModel, load_gguf_model
+from mars_export.onnx_export import export_step_graph
 from mars_export.parity import ParityError, measure_parity
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import LOGITS, BundleConfig
@@ -52,18 +57,25 @@ IS_SYMMETRIC = {"int8": True, "int4": False}
 ACCURACY_LEVEL = 4
 QUANT_OP = "MatMulNBits"
 REFERENCE_FILE = "reference-float32.onnx"  # the float32 graph, kept in the temporary bundle while measuring
+BASE_FILE = "base-float32.onnx"  # the float32 graph of the model before its adapter, while importing GGUF blocks
+# Weight dtypes that take a GGUF source's blocks as they are (mars_export.gguf_import); int8
+# re-quantizes (8-bit codes of 4-bit blocks would double the bytes for the same weights).
+GGUF_DTYPES = ("int4",)
 # Gate of a quantized export: top-1 agreement with the float32 PyTorch model on the parity
 # prompts (quantized logits cannot meet the float32 |Δlogit| tolerance). A floor that
 # catches a broken graph, not a quality mark: the default model measured 0.96 (int8) and
 # 0.64 (int4) against its float32 graph on 6 real prompts; tiny random models 0.98-1.0 and
-# 0.92-0.97. See README "Quantized exports".
+# 0.92-0.97. int4 holding a GGUF file's own blocks (every layer imported, none re-quantized)
+# keeps much more: default-mars 0.894 against PyTorch on the parity prompts (accuracy level
+# 4; the rest is the int8 activations), so its floor is stricter. See README "Quantized exports".
 MIN_TOP1_AGREEMENT = {"int8": 0.9, "int4": 0.5}
+MIN_TOP1_GGUF_BLOCKS = 0.8
 AGREEMENT_TOKENS = 64
 
 
 def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head: bool = True,
                         block_size: int | None = None, is_symmetric: bool | None = None,
-                        accuracy_level: int | None = ACCURACY_LEVEL) -> dict:
+                        accuracy_level: int | None = ACCURACY_LEVEL, gguf: GgufImport | None = None) -> dict:
     """Write ``src`` (a float32 step graph) to ``dst`` with weight-only quantized MatMuls.
 
     Args:
@@ -72,9 +84,14 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
             (a tied head is untied first, see the module docstring).
         block_size, is_symmetric: None = the dtype's :data:`BLOCK_SIZE` / :data:`IS_SYMMETRIC`.
         accuracy_level: MatMulNBits compute type (see :data:`ACCURACY_LEVEL`); None = fp32.
+        gguf: the GGUF blocks of ``src``'s weights (``weight_dtype`` int4): the MatMuls they
+            hold are imported as they are (:mod:`mars_export.gguf_import`) and only the others
+            are quantized; None quantizes every MatMul.
 
     Returns:
-        ``{"weight_dtype", "block_size", "is_symmetric", "accuracy_level", "lm_head_quantized", "num_quantized"}``.
+        ``{"weight_dtype", "block_size", "is_symmetric", "accuracy_level", "lm_head_quantized", "num_quantized"}``,
+        with ``gguf``: also ``"gguf_imported"`` (ggml type -> number of layers imported) and
+        ``"gguf_requantized"`` (the same for layers quantized again).
 
     Raises:
         ValueError: unknown ``weight_dtype``, or the graph has no constant-weight MatMul.
@@ -89,9 +106,14 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
     head = _output_head(model.graph)
     if include_lm_head and head is not None:
         _untie(model.graph, head)
+    excluded = [head.name] if head is not None and not include_lm_head else []
+    imported = import_gguf_matmuls(model.graph, gguf, accuracy_level) if gguf is not None else None
+    if imported is not None:
+        excluded += imported["side_path_nodes"]
+        _say_requantized(imported["requantized"], weight_dtype)
     quantizer = MatMulNBitsQuantizer(model, bits=WEIGHT_BITS[weight_dtype], block_size=block_size,
                                      is_symmetric=is_symmetric, accuracy_level=accuracy_level,
-                                     nodes_to_exclude=[head.name] if head is not None and not include_lm_head else [])
+                                     nodes_to_exclude=excluded)
     with _quiet("onnxruntime.quantization"):
         quantizer.process()
     model = quantizer.model.model
@@ -99,21 +121,34 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
     if num_quantized == 0:
         raise ValueError(f"{src} has no MatMul with a constant weight: nothing to quantize")
     onnx.save(model, str(dst), save_as_external_data=model.ByteSize() > 2 * 1024**3 - 1)
-    return {"weight_dtype": weight_dtype, "block_size": block_size, "is_symmetric": is_symmetric,
-            "accuracy_level": accuracy_level, "lm_head_quantized": include_lm_head and head is not None,
-            "num_quantized": num_quantized}
+    summary = {"weight_dtype": weight_dtype, "block_size": block_size, "is_symmetric": is_symmetric,
+               "accuracy_level": accuracy_level, "lm_head_quantized": include_lm_head and head is not None,
+               "num_quantized": num_quantized}
+    if imported is not None:
+        summary.update(gguf_imported=imported["ggml_types"], gguf_requantized=imported["requantized"])
+    return summary
 
 
-def quantize_and_check(model, bundle_dir: Path, config: BundleConfig, prompts: list[list[int]],
+def _say_requantized(requantized: dict[str, int], weight_dtype: str) -> None:
+    """One line on stderr when some linear layers of a GGUF source are quantized a second time."""
+    if requantized:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in requantized.items())
+        print(f"{weight_dtype}: {sum(requantized.values())} linear layers are not held as {'/'.join(BLOCK_TYPES)} "
+              f"blocks of one width ({kinds}): quantized again from float32", file=sys.stderr)
+
+
+def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, prompts: list[list[int]],
                        min_top1: float | None = None) -> dict:
     """Quantize the bundle's float32 graph to ``config.weight_dtype`` and measure it; the export's parity step.
 
-    Measures the quantized graph against the float32 PyTorch ``model`` (max |Δlogit|, top-1
+    int4 of a model read from GGUF blocks imports them (:func:`prepare_gguf_graph`). Measures
+    the quantized graph against the float32 PyTorch ``loaded.model`` (max |Δlogit|, top-1
     agreement) and its greedy output against the float32 graph's (:func:`measure_greedy_agreement`),
     then removes the float32 graph.
 
     Args:
-        min_top1: lowest top-1 agreement allowed; None = :data:`MIN_TOP1_AGREEMENT` of the dtype.
+        min_top1: lowest top-1 agreement allowed; None = :data:`MIN_TOP1_AGREEMENT` of the dtype,
+            or :data:`MIN_TOP1_GGUF_BLOCKS` where every layer holds GGUF blocks as they are.
 
     Returns:
         the parity record for ``mars_config.json``.
@@ -121,10 +156,10 @@ def quantize_and_check(model, bundle_dir: Path, config: BundleConfig, prompts: l
     Raises:
         ParityError: top-1 agreement below ``min_top1``.
     """
-    floor = MIN_TOP1_AGREEMENT[config.weight_dtype] if min_top1 is None else min_top1
-    reference_config, weights = quantize_bundle_graph(bundle_dir, config)
+    reference_config, weights = quantize_bundle_graph(bundle_dir, config, loaded)
+    floor = default_top1_floor(weights) if min_top1 is None else min_top1
     backend = OnnxBackend(bundle_dir, config)
-    parity = {**measure_parity(model, backend, config, prompts), "backend": "onnxruntime-cpu",
+    parity = {**measure_parity(loaded.model, backend, config, prompts), "backend": "onnxruntime-cpu",
               "min_top1_agreement": floor, "weights": weights}
     check_top1_floor(parity, floor, config.weight_dtype)
     parity["greedy_vs_float32"] = measure_greedy_agreement(OnnxBackend(bundle_dir, reference_config), backend,
@@ -133,19 +168,43 @@ def quantize_and_check(model, bundle_dir: Path, config: BundleConfig, prompts: l
     return parity
 
 
-def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig) -> tuple[BundleConfig, dict]:
+def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig,
+                          loaded: LoadedModel | None = None) -> tuple[BundleConfig, dict]:
     """Quantize the float32 graph ``config.onnx_file`` of ``bundle_dir`` in place to ``config.weight_dtype``.
 
     The float32 graph is kept as :data:`REFERENCE_FILE` for the agreement measurement; the
-    caller removes it.
+    caller removes it. ``loaded``: the model of the graph, whose GGUF blocks int4 imports
+    (:func:`prepare_gguf_graph`); None quantizes every weight.
 
     Returns:
         the config of the float32 reference graph, and :func:`quantize_step_graph`'s summary.
     """
     graph = bundle_dir / config.onnx_file
     reference = graph.rename(bundle_dir / REFERENCE_FILE)
-    summary = quantize_step_graph(reference, graph, config.weight_dtype)
+    source, gguf = prepare_gguf_graph(loaded, bundle_dir, config) if loaded is not None else (reference, None)
+    summary = quantize_step_graph(source, graph, config.weight_dtype, gguf=gguf)
+    if source != reference:
+        source.unlink()
     return replace(config, onnx_file=REFERENCE_FILE, weight_dtype=None), summary
+
+
+def prepare_gguf_graph(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig) -> tuple[Path, GgufImport | None]:
+    """The float32 graph to quantize and, for int4 of a GGUF source, the blocks to import into it.
+
+    Without an adapter that graph is the bundle's (:data:`REFERENCE_FILE`); with one (``default-mars``)
+    the graph of the model re-read from the GGUF file is exported to :data:`BASE_FILE` and the
+    adapter becomes side paths.
+    Other sources and dtypes: (the reference graph, None).
+    """
+    reference = bundle_dir / REFERENCE_FILE
+    if config.weight_dtype not in GGUF_DTYPES or loaded.gguf_file is None:
+        return reference, None
+    if loaded.adapter_dir is None:
+        return reference, prepare_gguf_import(loaded.gguf_file, loaded.model)
+    base = load_gguf_model(loaded.gguf_file)
+    export_step_graph(base, bundle_dir / BASE_FILE, config.window, config.max_context)
+    gguf = prepare_gguf_import(loaded.gguf_file, base, loaded.model, loaded.adapter_dir)
+    return bundle_dir / BASE_FILE, gguf
 
 
 def measure_greedy_agreement(reference, backend, config: BundleConfig, prompts: list[list[int]],
@@ -164,6 +223,13 @@ def measure_greedy_agreement(reference, backend, config: BundleConfig, prompts: 
             "identical_fraction": sum(a == b for a, b in pairs) / len(pairs),
             "mean_common_prefix": float(np.mean(prefixes)),
             "mean_reference_tokens": float(np.mean([len(a) for a, _ in pairs]))}
+
+
+def default_top1_floor(summary: dict) -> float:
+    """The top-1 floor of a graph quantized as :func:`quantize_step_graph`'s ``summary`` says."""
+    if summary.get("gguf_imported") and not summary.get("gguf_requantized"):
+        return MIN_TOP1_GGUF_BLOCKS
+    return MIN_TOP1_AGREEMENT[summary["weight_dtype"]]
 
 
 def check_top1_floor(result: dict, floor: float, weight_dtype: str) -> None:

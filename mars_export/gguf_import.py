@@ -1,0 +1,289 @@
+"""An int4 step graph whose quantized weights are the GGUF file's own blocks (GitHub issue 11).
+
+Dimension letters: K input features, N output features of one MatMul (for a fused Q/K/V or
+gate/up MatMul the sum over its parts), NB = K / 32 blocks, R the rank of a side path.
+
+A model loaded from a GGUF file was dequantized from blocks (:mod:`mars_export.gguf_blocks`);
+quantizing its float32 graph again rounds every weight to a second grid. Instead, each
+``MatMul(x, Wᵀ)`` of the float32 graph whose weight came from Q4_0 / Q4_1 / Q8_0 blocks
+becomes ``com.microsoft::MatMulNBits`` holding those blocks: the codes as they are, the
+block scales d, and integer zero points (8 for Q4_0, 0 for Q4_1, 128 for Q8_0). Q4_1's
+block minimum m is not a zero point of that form (``-m / d`` is fractional, and
+onnxruntime 1.32's CPU kernel with float zero points runs ~20x slower than float32, at any
+accuracy level), so it goes into a low-rank float32 side path: ``Σ_blocks m · Σ x`` is
+``(x @ S) @ Mᵀ`` with S [K, NB] the 0/1 block indicator. The same side path carries a LoRA
+adapter left unmerged, ``x @ Aᵀ @ (scale · B)ᵀ``, and the rows of the output head that an
+adapter's trainable tokens changed. Per MatMul the graph computes
+
+    y = MatMulNBits(x) + (x @ L) @ Rm,   L = [S | Aᵀ | ...] [K, R],  Rm [R, N]
+
+which equals the GGUF weights plus the adapter, with no second rounding of any weight.
+
+Which float32 MatMul holds which linear layer is found by value: the columns of the graph's
+constant weight are compared bit for bit with the weights of the model it was exported
+from, and a layer is imported only where its blocks dequantize bit for bit to that weight.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from transformers import PreTrainedModel
+
+from mars_export.gguf_blocks import GGUF_BLOCK, BlockWeight, read_block_weights
+
+QUANT_OP = "MatMulNBits"
+SIDE_PATH_SUFFIX = ".side"  # node names of the side path's MatMuls (kept float32)
+
+
+@dataclass
+class GgufImport:
+    """The weights an int4 export takes from a GGUF file, and the float32 additions on top of them.
+
+    Attributes:
+        weights: linear module name -> its float32 weight [N, K] in the graph's source model.
+        blocks: linear module name -> the GGUF blocks of that weight (bit-exact ones only).
+        side_paths: linear module name -> [(L [K, r], Rm [r, N])] float32 terms added to its output.
+        embedding_rows: (row ids int64 [T], rows float32 [T, K]) to write into the input
+            embedding table (an adapter's trainable tokens), or None.
+        requantized: linear module name -> ggml type of weights that have no usable blocks.
+    """
+
+    weights: dict[str, np.ndarray]
+    blocks: dict[str, BlockWeight]
+    side_paths: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    embedding_rows: tuple[np.ndarray, np.ndarray] | None = None
+    requantized: dict[str, str] = field(default_factory=dict)
+
+
+def prepare_gguf_import(gguf_file: Path, base: PreTrainedModel, merged: PreTrainedModel | None = None,
+                        adapter_dir: Path | None = None) -> GgufImport:
+    """Read ``gguf_file``'s blocks for the linear layers of ``base`` (the model loaded from it).
+
+    Args:
+        base: the model as transformers loaded it from ``gguf_file`` (its graph is the one
+            :func:`import_gguf_matmuls` rewrites). With an adapter it is wrapped by peft here:
+            export its graph first.
+        merged: ``base`` with ``adapter_dir`` merged in (its embedding rows are the adapter's
+            trainable tokens); None when there is no adapter.
+        adapter_dir: a peft LoRA adapter kept unmerged as side paths, or None.
+
+    Raises:
+        ValueError: the GGUF file cannot be read, or the adapter uses what a side path cannot
+            express (DoRA, a LoRA bias, fan_in_fan_out).
+    """
+    linears = {name: module for name, module in base.named_modules() if isinstance(module, _linear_type())}
+    weights = {name: module.weight.detach().numpy().copy() for name, module in linears.items()}
+    stored, others = read_block_weights(gguf_file, base)
+    blocks, requantized = {}, {}
+    for name, module in linears.items():
+        key = _parameter_name(base, module.weight)
+        if key in stored and np.array_equal(stored[key].dequantize(), weights[name]):
+            blocks[name] = stored[key]
+        else:
+            requantized[name] = others.get(key, stored[key].ggml_type + " (not bit-exact)" if key in stored else "float")
+    result = GgufImport(weights, blocks, requantized=requantized)
+    for name, block in blocks.items():
+        if block.mins is not None:
+            result.side_paths.setdefault(name, []).append(_min_term(block))
+    if adapter_dir is not None:
+        _add_token_rows(result, base, merged)
+        for name, term in _lora_terms(base, adapter_dir).items():
+            result.side_paths.setdefault(name, []).append(term)
+    return result
+
+
+def import_gguf_matmuls(graph: onnx.GraphProto, source: GgufImport, accuracy_level: int | None) -> dict:
+    """Rewrite the constant-weight MatMuls of ``graph`` (float32, output head untied) in place.
+
+    Each MatMul whose parts all have blocks of one bit width becomes MatMulNBits; every
+    MatMul with side paths gets them added. Other MatMuls stay for the re-quantizer.
+
+    Returns:
+        ``{"num_imported", "ggml_types"`` (type -> count of imported layers), ``"requantized"``
+        (type -> count of the layers left to the re-quantizer), ``"side_path_nodes"`` (names of
+        the float32 side-path MatMuls, which must not be quantized)}.
+    """
+    initializers = {t.name: t for t in graph.initializer}
+    summary = {"num_imported": 0, "ggml_types": collections.Counter(), "requantized": collections.Counter(),
+               "side_path_nodes": []}
+    for node in [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in initializers]:
+        weight = numpy_helper.to_array(initializers[node.input[1]])  # [K, N]
+        parts = _match_columns(weight, source.weights) if weight.ndim == 2 else None
+        if parts is None:
+            continue
+        output = node.output[0]
+        if all(name in source.blocks for name in parts) and len({source.blocks[n].bits for n in parts}) == 1 \
+                and weight.shape[0] % GGUF_BLOCK == 0:
+            _replace_with_blocks(graph, node, [source.blocks[n] for n in parts], accuracy_level)
+            summary["num_imported"] += 1
+            summary["ggml_types"].update(source.blocks[name].ggml_type for name in parts)
+        else:
+            summary["requantized"].update(source.requantized.get(name) or source.blocks[name].ggml_type
+                                          for name in parts)
+        terms = [(offset, term) for offset, name in _offsets(parts, source.weights)
+                 for term in source.side_paths.get(name, [])]
+        if terms:
+            summary["side_path_nodes"] += _add_side_path(graph, output, terms, weight.shape)
+    if source.embedding_rows is not None:
+        _write_embedding_rows(graph, *source.embedding_rows)
+    return {**summary, "ggml_types": dict(summary["ggml_types"]), "requantized": dict(summary["requantized"])}
+
+
+def _linear_type():
+    import torch
+    return torch.nn.Linear
+
+
+def _parameter_name(model: PreTrainedModel, parameter) -> str:
+    """The first state-dict name of ``parameter`` (a tied output head answers with the embedding's name)."""
+    return next(name for name, p in model.named_parameters(remove_duplicate=True) if p is parameter)
+
+
+def _min_term(block: BlockWeight) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1's block minima as a side path: (S [K, NB] 0/1 block indicator, Mᵀ [NB, N])."""
+    return _block_indicator(block.scales.shape[1]), np.ascontiguousarray(block.mins.T)
+
+
+@functools.cache
+def _block_indicator(num_blocks: int) -> np.ndarray:
+    """S [K, NB] with S[k, k // 32] = 1: ``x @ S`` sums x per block. One array per NB, so that the
+    parts of a fused MatMul share its columns in the side path (:func:`_add_side_path`)."""
+    return np.repeat(np.eye(num_blocks, dtype=np.float32), GGUF_BLOCK, axis=0)
+
+
+def _lora_terms(base: PreTrainedModel, adapter_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """linear module name -> (Aᵀ [K, r], (scale · B)ᵀ [r, N]) of the adapter's LoRA layers (wraps ``base``)."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = PeftModel.from_pretrained(base, str(adapter_dir))
+    terms = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+            continue
+        if module.use_dora.get("default") or module.fan_in_fan_out or module.lora_bias.get("default"):
+            raise ValueError(f"{adapter_dir}: LoRA layer {name} uses DoRA, a bias or fan_in_fan_out, which an "
+                             "unmerged int4 export cannot hold; export without --int4")
+        a = module.lora_A["default"].weight.detach().numpy()  # [r, K]
+        b = module.lora_B["default"].weight.detach().numpy()  # [N, r]
+        terms[name] = (np.ascontiguousarray(a.T), np.ascontiguousarray((b * module.scaling["default"]).T))
+    return terms
+
+
+def _add_token_rows(result: GgufImport, base: PreTrainedModel, merged: PreTrainedModel) -> None:
+    """The embedding rows an adapter's trainable tokens changed: into the table, and (tied head) a side path."""
+    old = base.get_input_embeddings().weight.detach().numpy()  # [V, K]
+    new = merged.get_input_embeddings().weight.detach().numpy()
+    rows = np.flatnonzero((old != new).any(axis=1))
+    if rows.size:
+        result.embedding_rows = (rows, new[rows].copy())
+    head_name = next(n for n, m in base.named_modules() if m is base.get_output_embeddings())
+    head_old = result.weights[head_name]  # [V, K]
+    head_new = merged.get_output_embeddings().weight.detach().numpy()
+    rows = np.flatnonzero((head_old != head_new).any(axis=1))
+    if rows.size:
+        one_hot = np.zeros((rows.size, head_old.shape[0]), np.float32)  # [T, V]
+        one_hot[np.arange(rows.size), rows] = 1
+        result.side_paths.setdefault(head_name, []).append((np.ascontiguousarray((head_new[rows] - head_old[rows]).T),
+                                                            one_hot))
+
+
+def _match_columns(weight: np.ndarray, linears: dict[str, np.ndarray]) -> list[str] | None:
+    """The linear modules whose weights, transposed and side by side, are ``weight`` [K, N] bit for bit."""
+    parts, column = [], 0
+    while column < weight.shape[1]:
+        first = weight[:, column]
+        name = next((n for n, w in linears.items() if w.shape[1] == weight.shape[0]
+                     and column + w.shape[0] <= weight.shape[1] and np.array_equal(w[0], first)
+                     and np.array_equal(w.T, weight[:, column:column + w.shape[0]])), None)
+        if name is None:
+            return None
+        parts.append(name)
+        column += linears[name].shape[0]
+    return parts
+
+
+def _offsets(parts: list[str] | None, linears: dict[str, np.ndarray]):
+    """(first output column, name) of each part."""
+    column = 0
+    for name in parts or []:
+        yield column, name
+        column += linears[name].shape[0]
+
+
+def _replace_with_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, blocks: list[BlockWeight],
+                         accuracy_level: int | None) -> None:
+    """Turn ``node`` into MatMulNBits over ``blocks`` (rows concatenated: the fused parts in order)."""
+    bits = blocks[0].bits
+    codes = np.concatenate([b.codes for b in blocks])  # [N, NB, 32]
+    scales = np.concatenate([b.scales for b in blocks])  # [N, NB]
+    zero_points = np.concatenate([np.full(b.scales.shape, b.zero_point, np.uint8) for b in blocks])  # [N, NB]
+    if bits == 4:  # two codes per byte, the even one in the low nibble; zero points likewise along NB
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [N, NB, 16]
+        if zero_points.shape[1] % 2:
+            zero_points = np.pad(zero_points, ((0, 0), (0, 1)))
+        zero_points = zero_points[:, 0::2] | (zero_points[:, 1::2] << 4)  # [N, ceil(NB / 2)]
+    prefix = f"{node.input[1]}.gguf"
+    graph.initializer.extend([numpy_helper.from_array(codes, f"{prefix}.codes"),
+                              numpy_helper.from_array(scales, f"{prefix}.scales"),
+                              numpy_helper.from_array(zero_points, f"{prefix}.zero_points")])
+    num_rows, num_blocks = scales.shape
+    attributes = {"K": num_blocks * GGUF_BLOCK, "N": num_rows, "bits": bits, "block_size": GGUF_BLOCK}
+    if accuracy_level is not None:
+        attributes["accuracy_level"] = accuracy_level
+    new = helper.make_node(QUANT_OP, [node.input[0], f"{prefix}.codes", f"{prefix}.scales", f"{prefix}.zero_points"],
+                           list(node.output), name=f"{node.name}.gguf", domain="com.microsoft", **attributes)
+    _drop_unused_initializer(graph, node.input[1], node)
+    graph.node.insert(list(graph.node).index(node), new)
+    graph.node.remove(node)
+
+
+def _add_side_path(graph: onnx.GraphProto, output: str, terms, shape) -> list[str]:
+    """Add ``(x @ L) @ Rm`` to ``output``, written by a MatMul or its MatMulNBits replacement.
+
+    terms: [(first output column, (L [K, r], Rm [r, n]))]; shape: (K, N) of the whole MatMul.
+    Returns the names of the two new MatMuls.
+    """
+    node = next(n for n in graph.node if output in n.output)  # the MatMul or its MatMulNBits replacement
+    lefts = list({id(term[0]): term[0] for _, term in terms}.values())  # one copy of a shared L (the block sums)
+    first_rows = np.cumsum([0] + [left.shape[1] for left in lefts])
+    row_of = {id(left): first_rows[i] for i, left in enumerate(lefts)}
+    left = np.concatenate(lefts, axis=1)  # [K, R]
+    right = np.zeros((left.shape[1], shape[1]), np.float32)  # [R, N]
+    for column, (term_left, rm) in terms:
+        row = row_of[id(term_left)]
+        right[row:row + rm.shape[0], column:column + rm.shape[1]] = rm
+    name = f"{node.name}{SIDE_PATH_SUFFIX}"
+    graph.initializer.extend([numpy_helper.from_array(left, f"{name}.left"),
+                              numpy_helper.from_array(right, f"{name}.right")])
+    node.output[0] = f"{output}.main"
+    new = [helper.make_node("MatMul", [node.input[0], f"{name}.left"], [f"{name}.low"], name=f"{name}.down"),
+           helper.make_node("MatMul", [f"{name}.low", f"{name}.right"], [f"{name}.out"], name=f"{name}.up"),
+           helper.make_node("Add", [f"{output}.main", f"{name}.out"], [output], name=f"{name}.add")]
+    position = list(graph.node).index(node) + 1
+    for offset, added in enumerate(new):
+        graph.node.insert(position + offset, added)
+    return [new[0].name, new[1].name]
+
+
+def _write_embedding_rows(graph: onnx.GraphProto, rows: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` into rows ``rows`` of the table every Gather of token ids reads."""
+    initializers = {t.name: t for t in graph.initializer}
+    tables = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in initializers
+              and len(initializers[n.input[0]].dims) == 2 and initializers[n.input[0]].dims[1] == values.shape[1]}
+    assert len(tables) == 1, f"expected one embedding table, found {sorted(tables)}"
+    table = numpy_helper.to_array(initializers[next(iter(tables))]).copy()  # [V, K]
+    table[rows] = values
+    initializers[next(iter(tables))].CopyFrom(numpy_helper.from_array(table, next(iter(tables))))
+
+
+def _drop_unused_initializer(graph: onnx.GraphProto, name: str, reader: onnx.NodeProto) -> None:
+    if not any(name in n.input for n in graph.node if n is not reader):
+        graph.initializer.remove(next(t for t in graph.initializer if t.name == name))

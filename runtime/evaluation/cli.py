@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         records += run_bundle(bundle, labels[bundle], items, args.taus, args.block_sizes, args.max_new_tokens,
                               args.metric, args.provider, args.threads, args.draft)
     decoded = time.perf_counter()
-    print("scoring (HumanEval tests run in subprocesses) ...", file=sys.stderr, flush=True)
+    print("scoring" + (" (HumanEval tests run in subprocesses)" if args.humaneval else "") + " ...",
+          file=sys.stderr, flush=True)
     score_all(records, items, args.exec_timeout, check_completion)
     summary = summarize(records)
     settings["seconds"] = {"decoding": round(decoded - start, 1), "scoring": round(time.perf_counter() - decoded, 1)}

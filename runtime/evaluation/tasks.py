@@ -151,13 +151,22 @@ def load_chat(path: str | Path, limit: int, from_end: bool = False) -> list[Eval
     items = []
     for number, index, record in read_jsonl(path, limit, from_end):
         node, turns = record.get("prompt"), []
-        if not isinstance(node, dict) or not isinstance(node.get("text"), str) or "role" not in node:
-            raise DataError(f"{path}:{number}: expected an OpenAssistant tree ('prompt': {{'text', 'role', "
-                            "'replies'}), as in chat_multiturn/oasst_en_100_tree.jsonl")
-        while node is not None and len(turns) < CHAT_MAX_TURNS:
+        while len(turns) < CHAT_MAX_TURNS and (node is not None or not turns):
+            if not _is_chat_node(node):
+                raise DataError(f"{path}:{number}: expected an OpenAssistant tree: every message an object with a "
+                                "string 'text', a 'role' of 'prompter' or 'assistant' and a list of 'replies', "
+                                "as in chat_multiturn/oasst_en_100_tree.jsonl")
             turns.append({"role": "user" if node["role"] == "prompter" else "assistant", "content": node["text"]})
             node = (node.get("replies") or [None])[0]
         if turns[-1]["role"] == "assistant":
             turns.pop()
+        if not turns or turns[0]["role"] != "user":
+            raise DataError(f"{path}:{number}: the conversation must start with a 'prompter' message")
         items.append(EvalItem(CHAT, f"chat/{index}", turns[-1]["content"], history=tuple(turns[:-1])))
     return items
+
+
+def _is_chat_node(node) -> bool:
+    """Whether ``node`` is one message of an OpenAssistant tree (text, role, optional replies list)."""
+    return (isinstance(node, dict) and isinstance(node.get("text"), str)
+            and node.get("role") in ("prompter", "assistant") and isinstance(node.get("replies", []), list))

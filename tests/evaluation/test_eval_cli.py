@@ -164,6 +164,22 @@ def test_chat_items_end_with_a_user_turn(tmp_path):
         load_chat(path, 1)
 
 
+@pytest.mark.parametrize("tree, message", [
+    ({"prompt": {"text": "Hi", "role": "prompter", "replies": [{"text": "Hello"}]}}, "expected an OpenAssistant tree"),
+    ({"prompt": {"text": "Hi", "role": "prompter", "replies": [{"text": None, "role": "assistant"}]}},
+     "expected an OpenAssistant tree"),
+    ({"prompt": {"text": "Hi", "role": "prompter", "replies": "Hello"}}, "expected an OpenAssistant tree"),
+    ({"prompt": {"text": "Hi", "role": "bot"}}, "expected an OpenAssistant tree"),
+    ({"prompt": {"text": "Hello", "role": "assistant"}}, "must start with a 'prompter' message"),
+])
+def test_malformed_chat_trees_give_one_error_line(bundle, tmp_path, capsys, tree, message):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(tree) + "\n")
+    assert main([str(bundle), "--chat", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}:1: ") and message in err[0], err
+
+
 def test_real_chat_trees_give_conversations_ending_with_a_user_turn(shared_data):
     from runtime.evaluation.tasks import load_chat
     items = load_chat(shared_data / "chat_multiturn" / "oasst_en_100_tree.jsonl", 10)

@@ -333,6 +333,17 @@ def test_api_key_and_body_limit(tiny_bundle):
             server.client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=2)
         assert info.value.status_code == 413
         assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+        # no Content-Length (Transfer-Encoding: chunked): refused while the bytes stream in, same 413
+        body = json.dumps({"prompt": "x" * 3000, "max_tokens": 2}).encode()
+        r = server.http.post("/v1/completions", content=(body[i:i + 500] for i in range(0, len(body), 500)),
+                             headers={"Authorization": "Bearer sesame", "Content-Type": "application/json"})
+        assert r.request.headers["transfer-encoding"] == "chunked" and "content-length" not in r.request.headers
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large" and "--max-body-bytes" in r.json()["error"]["message"]
+        small = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()  # under the limit, chunked: served
+        r = server.http.post("/v1/completions", content=iter([small[:10], small[10:]]),
+                             headers={"Authorization": "Bearer sesame", "Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["choices"], r.text
 
 
 class FailingBackend:

@@ -32,16 +32,23 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    """The tiny model served with an API key; ``server.sent`` collects each request's DecodeParams."""
+    """The tiny model served with an API key; ``server.sent`` collects each request's DecodeParams,
+    ``server.prompts`` its prompt ids."""
     _, bundle = tiny_bundle("llama", 4)
-    sent = []
+    sent, prompts = [], []
 
     def record(app):
         loop = app.state.ctx.engine_thread
-        loop.submit = lambda submission, submit=loop.submit: (sent.append(submission.params), submit(submission))
+
+        def submit(submission, submit=loop.submit):
+            sent.append(submission.params)
+            prompts.append(submission.prompt_ids)
+            submit(submission)
+
+        loop.submit = submit
 
     with serve(str(bundle), "--api-key", KEY, "--tau-min", "0.5", prepare=record) as running:
-        running.sent = sent
+        running.sent, running.prompts = sent, prompts
         yield running
 
 
@@ -151,6 +158,42 @@ def test_moving_the_slider_changes_the_tau_sent(page, server):
     assert max(counts) > 1 and sum(counts) <= MAX_TOKENS  # multi-token forwards are shaded as such
     shaded = answer.find_elements(By.CSS_SELECTOR, '.text .step:not([data-level="1"])')
     assert shaded and shaded[0].value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
+
+
+def test_new_chat_aborts_the_answer_streaming(page, server):
+    """New chat while an answer streams: the fetch is aborted (the server counts the request aborted
+    and frees its KV slot), Send works at once and the next prompt starts an empty conversation.
+    The engine waits at the test gate, so the answer is still streaming when New chat is clicked."""
+    gate = server.gate
+    aborted = server.metric('mars_requests_total{outcome="aborted"}')
+    type_into(page, "max-tokens", "300")
+
+    def advanced_until(condition):  # one more forward each time the condition is not met yet
+        def check(driver):
+            if condition(driver):
+                return True
+            if gate.is_holding():
+                gate.allow(1)
+            return False
+        return check
+
+    with gate.closed():
+        type_into(page, "prompt", "Write a long story about a dragon.")
+        page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+        wait(page, advanced_until(lambda d: d.find_elements(By.CSS_SELECTOR, "#transcript .answer .text .step")))
+        assert not page.find_element(By.ID, "send").is_enabled()
+        page.find_element(By.ID, "clear").click()
+        assert page.find_element(By.ID, "send").is_enabled()
+        assert page.find_elements(By.CSS_SELECTOR, "#transcript > *") == []
+        wait(page, advanced_until(lambda d: server.metric('mars_requests_total{outcome="aborted"}') > aborted))
+    assert server.wait_idle()["active_slots"] == 0
+    type_into(page, "prompt", "And 2+2?")
+    page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+    answer = screenshot.wait_answers(page, "#transcript .answer", 1, DEADLINE_S)[0]
+    assert answer.get_attribute("data-state") == "done"
+    tokenizer = server.app.state.ctx.tokenizer
+    assert server.prompts[-1] == tokenizer.encode_chat([{"role": "user", "content": "And 2+2?"}])
+    assert [e.text for e in page.find_elements(By.CSS_SELECTOR, "#transcript .user")] == ["And 2+2?"]
 
 
 def test_the_compare_view_shows_two_answers_with_their_tpf(page, server):

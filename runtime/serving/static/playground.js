@@ -8,6 +8,7 @@ const KEY_STORAGE = "mars-edge-api-key";
 
 const $ = (id) => document.getElementById(id);
 const turns = [];  // chat turns: {role, content}
+let chatRequest = null;  // the AbortController of the chat answer streaming now, if any
 
 // ---- settings -------------------------------------------------------------------
 
@@ -172,8 +173,9 @@ async function* events(response) {
   }
 }
 
-// Send `messages` at `fields`, stream the answer into `answer`; resolve with its text (null on error).
-async function streamChat(messages, fields, answer) {
+// Send `messages` at `fields`, stream the answer into `answer`; resolve with its text (null on error
+// or when `signal` aborts the request: the server sees the disconnect and frees the KV slot).
+async function streamChat(messages, fields, answer, signal) {
   const body = { messages: messages, stream: true, stream_options: { include_usage: true },
                  return_step_tokens: true, ...fields };
   const sent = `tau ${fields.tau.toFixed(2)}, ${fields.mode}, draft ${fields.draft}` +
@@ -181,8 +183,10 @@ async function streamChat(messages, fields, answer) {
   const started = performance.now();
   let response;
   try {
-    response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body),
+                                                     signal: signal });
   } catch (e) {
+    if (e.name === "AbortError") return null;
     showError(answer, `could not reach the server: ${e.message}`);
     return null;
   }
@@ -209,7 +213,7 @@ async function streamChat(messages, fields, answer) {
       appendStep(answer, content, steps);
     }
   } catch (e) {
-    showError(answer, `the server failed mid-answer: ${e.message}`);
+    if (e.name !== "AbortError") showError(answer, `the server failed mid-answer: ${e.message}`);
     return null;
   }
   const ended = performance.now();
@@ -239,6 +243,7 @@ async function sendChat(event) {
   const prompt = $("prompt").value;
   if (!prompt.trim() || $("send").disabled) return;
   setBusy($("send"), true);
+  const request = chatRequest = new AbortController();
   const turn = document.createElement("div");
   turn.className = "user";
   turn.textContent = prompt;
@@ -246,7 +251,9 @@ async function sendChat(event) {
   $("prompt").value = "";
   turns.push({ role: "user", content: prompt });
   const answer = makeAnswer($("transcript"), "assistant");
-  const text = await streamChat(turns.slice(), requestFields(Number($("tau").value)), answer);
+  const text = await streamChat(turns.slice(), requestFields(Number($("tau").value)), answer, request.signal);
+  if (request.signal.aborted) return;  // New chat: the page belongs to the next conversation now
+  chatRequest = null;
   if (text === null) turns.pop();  // a failed turn is not part of the conversation
   else turns.push({ role: "assistant", content: text });
   setBusy($("send"), false);
@@ -268,6 +275,15 @@ async function runCompare(event) {
     await streamChat(messages, requestFields(Number($(runs[i][1]).value)), answers[i]);
   }
   setBusy($("compare-run"), false);
+}
+
+// New chat: abort the answer streaming now (if any), forget the turns, accept a prompt again.
+function newChat() {
+  if (chatRequest !== null) chatRequest.abort();
+  chatRequest = null;
+  turns.length = 0;
+  $("transcript").replaceChildren();
+  setBusy($("send"), false);
 }
 
 function showTab(name) {
@@ -339,7 +355,7 @@ function main() {
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) sendChat(e);
   });
-  $("clear").addEventListener("click", () => { turns.length = 0; $("transcript").replaceChildren(); });
+  $("clear").addEventListener("click", newChat);
   $("compare-form").addEventListener("submit", runCompare);
   $("tab-chat").addEventListener("click", () => showTab("chat"));
   $("tab-compare").addEventListener("click", () => showTab("compare"));

@@ -160,6 +160,34 @@ def test_moving_the_slider_changes_the_tau_sent(page, server):
     assert shaded and shaded[0].value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
 
 
+def test_the_chat_tau_follows_the_server_default_until_the_slider_moves(page, server):
+    """Following (the start): the slider shows the server's default tau and requests send no tau, so
+    the server's live default applies; moving the slider sends its value, whatever the server's default."""
+    follow, slider, shown = (page.find_element(By.ID, name) for name in ("tau-follow", "tau", "tau-value"))
+    assert follow.is_selected() and shown.text == "1.00"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert server.http.post("/admin/tau", json={"tau": 0.9}, headers=auth).status_code == 200
+    try:
+        wait(page, lambda d: shown.text == "0.90")
+        assert slider.get_property("value") == "0.9"
+        answer = chat_in_page(page, "Hi")
+        assert server.sent[-1].tau is None
+        assert answer.find_element(By.CLASS_NAME, "sent").text == "tau server default, threshold, draft both, B 4"
+        expected, _ = api_chat(server, "Hi", 0.9, "both")
+        assert text_of(answer.find_element(By.CLASS_NAME, "text")) == expected
+        slider.send_keys(Keys.END)  # the user's tau from now on
+        assert not follow.is_selected() and shown.text == "1.00"
+        chat_in_page(page, "Hi")
+        assert server.sent[-1].tau == 1.0
+        assert server.http.post("/admin/tau", json={"tau": 0.8}, headers=auth).status_code == 200
+        wait(page, lambda d: "default tau 0.80" in d.find_element(By.ID, "server-status").text)
+        assert shown.text == "1.00"  # not followed any more
+        follow.click()
+        assert shown.text == "0.80" and slider.get_property("value") == "0.8"
+    finally:
+        server.http.post("/admin/tau", json={"tau": 1.0}, headers=auth)
+
+
 def test_new_chat_aborts_the_answer_streaming(page, server):
     """New chat while an answer streams: the fetch is aborted (the server counts the request aborted
     and frees its KV slot), Send works at once and the next prompt starts an empty conversation.
@@ -215,13 +243,13 @@ def test_the_draft_sent_follows_the_select(page, server):
     for draft in ("both", "lookup", "masks"):
         choose(page, "draft", draft)
         answer = chat_in_page(page, "Hi Hi Hi Hi Hi Hi")
-        assert server.sent[-1].draft == draft and server.sent[-1].tau == 1.0
+        assert server.sent[-1].draft == draft and server.sent[-1].tau is None  # the server's default, 1
         expected, mars = api_chat(server, "Hi Hi Hi Hi Hi Hi", 1.0, draft)
         text = text_of(answer.find_element(By.CLASS_NAME, "text"))
         assert text == expected
         texts.add(text)
         assert answer.find_element(By.CLASS_NAME, "tpf").text == f"{mars['tpf']:.2f}"
-        assert answer.find_element(By.CLASS_NAME, "sent").text == f"tau 1.00, threshold, draft {draft}, B 4"
+        assert answer.find_element(By.CLASS_NAME, "sent").text == f"tau server default, threshold, draft {draft}, B 4"
     assert len(texts) == 1  # lossless at tau 1 whatever the draft source
 
 

@@ -53,15 +53,35 @@ function syncDraft() {
   note.classList.toggle("blocked", blocked !== null);
 }
 
-// The body fields of a request at the given tau, from the settings panel.
+// The chat's tau: the server's default (sent as no tau, so each request follows the live default,
+// which the load policy may lower) while "follow" is checked; the slider's value once the user moves it.
+function followServerTau() {
+  const follow = $("tau-follow");
+  follow.addEventListener("change", () => { if (follow.checked) showServerTau(); });
+  $("tau").addEventListener("input", () => { follow.checked = false; });
+}
+
+// While following, put the server's default tau (from the last /metrics) on the slider.
+function showServerTau() {
+  const tau = Number($("server-status").dataset.defaultTau);
+  if (!$("tau-follow").checked || !Number.isFinite(tau)) return;
+  $("tau").value = String(tau);
+  $("tau-value").textContent = tau.toFixed(2);
+}
+
+function chatTau() {
+  return $("tau-follow").checked ? null : Number($("tau").value);
+}
+
+// The body fields of a request at the given tau (null: the server's default), from the settings panel.
 function requestFields(tau) {
   const fields = {
-    tau: tau,
     mode: $("mode").value,
     draft: $("draft").value,
     temperature: Number($("temperature").value),
     max_tokens: Number($("max-tokens").value),
   };
+  if (tau !== null) fields.tau = tau;
   if ($("block-size").value !== "") fields.block_size = Number($("block-size").value);
   return fields;
 }
@@ -178,7 +198,8 @@ async function* events(response) {
 async function streamChat(messages, fields, answer, signal) {
   const body = { messages: messages, stream: true, stream_options: { include_usage: true },
                  return_step_tokens: true, ...fields };
-  const sent = `tau ${fields.tau.toFixed(2)}, ${fields.mode}, draft ${fields.draft}` +
+  const tau = fields.tau === undefined ? "server default" : fields.tau.toFixed(2);
+  const sent = `tau ${tau}, ${fields.mode}, draft ${fields.draft}` +
                (fields.block_size ? `, B ${fields.block_size}` : "");
   const started = performance.now();
   let response;
@@ -251,7 +272,7 @@ async function sendChat(event) {
   $("prompt").value = "";
   turns.push({ role: "user", content: prompt });
   const answer = makeAnswer($("transcript"), "assistant");
-  const text = await streamChat(turns.slice(), requestFields(Number($("tau").value)), answer, request.signal);
+  const text = await streamChat(turns.slice(), requestFields(chatTau()), answer, request.signal);
   if (request.signal.aborted) return;  // New chat: the page belongs to the next conversation now
   chatRequest = null;
   if (text === null) turns.pop();  // a failed turn is not part of the conversation
@@ -312,6 +333,7 @@ async function refreshStatus() {
     const m = parseMetrics(await response.text());
     const status = $("server-status");
     status.dataset.defaultTau = String(m.mars_default_tau);
+    showServerTau();
     status.textContent =
       `default tau ${m.mars_default_tau.toFixed(2)} (base ${m.mars_base_tau.toFixed(2)}) · ` +
       `queue ${m.mars_queue_depth} · slots ${m.mars_active_slots}/${m.mars_max_slots} · ` +
@@ -341,6 +363,7 @@ async function loadModel() {
 
 function main() {
   showTau($("tau"), $("tau-value"));
+  followServerTau();
   showTau($("tau-a"), $("tau-a-value"));
   showTau($("tau-b"), $("tau-b-value"));
   const key = $("api-key");

@@ -224,6 +224,19 @@ def test_new_chat_aborts_the_answer_streaming(page, server):
     assert [e.text for e in page.find_elements(By.CSS_SELECTOR, "#transcript .user")] == ["And 2+2?"]
 
 
+def test_enter_while_an_ime_composes_does_not_send(page, server):
+    """Enter that confirms an IME composition (keydown with isComposing) is the IME's, not a send."""
+    num_sent = len(server.sent)
+    type_into(page, "prompt", "nihon")
+    page.execute_script("""document.getElementById('prompt').dispatchEvent(new KeyboardEvent('keydown',
+        {key: 'Enter', isComposing: true, bubbles: true, cancelable: true}));""")
+    assert page.find_elements(By.CSS_SELECTOR, "#transcript > *") == []
+    assert page.find_element(By.ID, "prompt").get_property("value") == "nihon"
+    page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)  # composition over: Enter sends
+    answer = screenshot.wait_answers(page, "#transcript .answer", 1, DEADLINE_S)[0]
+    assert answer.get_attribute("data-state") == "done" and len(server.sent) == num_sent + 1
+
+
 def test_the_compare_view_shows_two_answers_with_their_tpf(page, server):
     num_sent = len(server.sent)
     answers = screenshot.run_compare(page, "Hi", 1.0, 0.5, DEADLINE_S)

@@ -376,7 +376,7 @@ function main() {
   syncDraft();
   $("chat-form").addEventListener("submit", sendChat);
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) sendChat(e);
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) sendChat(e);  // not while an IME composes
   });
   $("clear").addEventListener("click", newChat);
   $("compare-form").addEventListener("submit", runCompare);

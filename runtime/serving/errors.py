@@ -82,7 +82,11 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable
 
 
 def validation_response(errors) -> JSONResponse:
-    """400 naming every bad field (pydantic's ``loc``) and what it expected."""
+    """400 naming every bad field (pydantic's ``loc``) and what it expected.
+
+    A ValueError of a validator in :mod:`runtime.serving.protocol` is already one sentence naming
+    the field and the value: it is the message as it is (without pydantic's "Value error, ").
+    """
     messages, params = [], []
     for error in errors:
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
@@ -92,6 +96,8 @@ def validation_response(errors) -> JSONResponse:
             messages.append(f"unknown field '{field}': this server does not accept it")
         elif error.get("type") == "json_invalid":
             messages.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
+        elif isinstance(error.get("ctx", {}).get("error"), ValueError):  # the protocol's own validators
+            messages.append(str(error["ctx"]["error"]))  # one sentence that names the field and the value
         else:
             messages.append(f"{field}: {error.get('msg')}, got {repr(error.get('input'))[:80]}")
     return APIError(400, "; ".join(messages), param=params[0] if params else None, code="invalid_value").response()

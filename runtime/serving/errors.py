@@ -34,7 +34,13 @@ class APIError(Exception):
 
 
 class BodyTooLarge(Exception):
-    pass
+    """Raised by :class:`BodyLimit` while a body without Content-Length (chunked) streams in past the limit."""
+
+
+def body_too_large(max_body_bytes: int) -> APIError:
+    """The 413 of a body over the server's ``--max-body-bytes`` (one message for every way it is found)."""
+    return APIError(413, f"the request body exceeds {max_body_bytes} bytes (the server's --max-body-bytes)",
+                    code="request_too_large")
 
 
 def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable[[Request, int], None]) -> None:
@@ -59,20 +65,28 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable
         return respond(request, validation_response(exc.errors()))
 
     @app.exception_handler(BodyTooLarge)
-    async def body_too_large(request: Request, exc: BodyTooLarge):
-        return respond(request, APIError(413, f"the request body exceeds {max_body_bytes} bytes (the server's "
-                                              "--max-body-bytes)", code="request_too_large").response())
+    async def too_large(request: Request, exc: BodyTooLarge):
+        return respond(request, body_too_large(max_body_bytes).response())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        # FastAPI's "error parsing the body" from a body that is not UTF-8 (json could not decode it)
-        not_utf8 = encoding_error(exc.__cause__.object) if isinstance(exc.__cause__, UnicodeDecodeError) else None
-        error = not_utf8 or APIError(exc.status_code, str(exc.detail), code=_slug(str(exc.detail)))
+        # FastAPI's "error parsing the body" wraps what reading or decoding the body raised: BodyLimit's
+        # BodyTooLarge (a chunked body past the limit), or a body that is not UTF-8 (json could not decode it)
+        cause, error = exc.__cause__, None
+        if isinstance(cause, BodyTooLarge):
+            error = body_too_large(max_body_bytes)
+        elif isinstance(cause, UnicodeDecodeError):
+            error = encoding_error(cause.object)
+        error = error or APIError(exc.status_code, str(exc.detail), code=_slug(str(exc.detail)))
         return respond(request, error.response())
 
 
 def validation_response(errors) -> JSONResponse:
-    """400 naming every bad field (pydantic's ``loc``) and what it expected."""
+    """400 naming every bad field (pydantic's ``loc``) and what it expected.
+
+    A ValueError of a validator in :mod:`runtime.serving.protocol` is already one sentence naming
+    the field and the value: it is the message as it is (without pydantic's "Value error, ").
+    """
     messages, params = [], []
     for error in errors:
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
@@ -82,13 +96,16 @@ def validation_response(errors) -> JSONResponse:
             messages.append(f"unknown field '{field}': this server does not accept it")
         elif error.get("type") == "json_invalid":
             messages.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
+        elif isinstance(error.get("ctx", {}).get("error"), ValueError):  # the protocol's own validators
+            messages.append(str(error["ctx"]["error"]))  # one sentence that names the field and the value
         else:
             messages.append(f"{field}: {error.get('msg')}, got {repr(error.get('input'))[:80]}")
     return APIError(400, "; ".join(messages), param=params[0] if params else None, code="invalid_value").response()
 
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` (by Content-Length, or while reading)."""
+    """ASGI middleware: refuse bodies over ``max_bytes``: by Content-Length before reading, else (a
+    chunked body) by counting the bytes as they stream in, raising :class:`BodyTooLarge` at the limit."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -98,9 +115,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = APIError(413, f"the request body exceeds {self.max_bytes} bytes (the server's "
-                                     "--max-body-bytes)", code="request_too_large").response()
-            return await response(scope, receive, send)
+            return await body_too_large(self.max_bytes).response()(scope, receive, send)
         received = 0
 
         async def limited_receive():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4
 
@@ -76,9 +76,9 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, value: float) -> float:
+    def _no_penalty(cls, value: float, info: ValidationInfo) -> float:
         if value != 0:
-            raise ValueError(f"penalties are not supported; only 0 is allowed, got {value}")
+            raise ValueError(f"{info.field_name} must be 0 (penalties are not supported), got {value}")
         return value
 
     @field_validator("stop")
@@ -135,7 +135,8 @@ class CompletionRequest(_GenerationRequest):
     def _one_prompt(cls, prompt):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"give one prompt per request (a string or a list of token ids), got {len(prompt)}")
+                raise ValueError(f"prompt must be one prompt per request (a string or a list of token ids), got "
+                                 f"{len(prompt)}")
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: give at least one character or token id")

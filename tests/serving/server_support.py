@@ -77,6 +77,11 @@ class GatedBackend:
             self._permits += num_forwards
             self._changed.notify_all()
 
+    def is_holding(self) -> bool:
+        """Whether a forward waits at the closed gate now."""
+        with self._changed:
+            return self._is_waiting and self._permits == 0
+
     def wait_held(self) -> None:
         """Return once a forward waits at the closed gate (the engine thread is paused there).
 

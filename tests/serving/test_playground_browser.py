@@ -32,16 +32,23 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    """The tiny model served with an API key; ``server.sent`` collects each request's DecodeParams."""
+    """The tiny model served with an API key; ``server.sent`` collects each request's DecodeParams,
+    ``server.prompts`` its prompt ids."""
     _, bundle = tiny_bundle("llama", 4)
-    sent = []
+    sent, prompts = [], []
 
     def record(app):
         loop = app.state.ctx.engine_thread
-        loop.submit = lambda submission, submit=loop.submit: (sent.append(submission.params), submit(submission))
+
+        def submit(submission, submit=loop.submit):
+            sent.append(submission.params)
+            prompts.append(submission.prompt_ids)
+            submit(submission)
+
+        loop.submit = submit
 
     with serve(str(bundle), "--api-key", KEY, "--tau-min", "0.5", prepare=record) as running:
-        running.sent = sent
+        running.sent, running.prompts = sent, prompts
         yield running
 
 
@@ -153,6 +160,83 @@ def test_moving_the_slider_changes_the_tau_sent(page, server):
     assert shaded and shaded[0].value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
 
 
+def test_the_chat_tau_follows_the_server_default_until_the_slider_moves(page, server):
+    """Following (the start): the slider shows the server's default tau and requests send no tau, so
+    the server's live default applies; moving the slider sends its value, whatever the server's default."""
+    follow, slider, shown = (page.find_element(By.ID, name) for name in ("tau-follow", "tau", "tau-value"))
+    assert follow.is_selected() and shown.text == "1.00"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert server.http.post("/admin/tau", json={"tau": 0.9}, headers=auth).status_code == 200
+    try:
+        wait(page, lambda d: shown.text == "0.90")
+        assert slider.get_property("value") == "0.9"
+        answer = chat_in_page(page, "Hi")
+        assert server.sent[-1].tau is None
+        assert answer.find_element(By.CLASS_NAME, "sent").text == "tau server default, threshold, draft both, B 4"
+        expected, _ = api_chat(server, "Hi", 0.9, "both")
+        assert text_of(answer.find_element(By.CLASS_NAME, "text")) == expected
+        slider.send_keys(Keys.END)  # the user's tau from now on
+        assert not follow.is_selected() and shown.text == "1.00"
+        chat_in_page(page, "Hi")
+        assert server.sent[-1].tau == 1.0
+        assert server.http.post("/admin/tau", json={"tau": 0.8}, headers=auth).status_code == 200
+        wait(page, lambda d: "default tau 0.80" in d.find_element(By.ID, "server-status").text)
+        assert shown.text == "1.00"  # not followed any more
+        follow.click()
+        assert shown.text == "0.80" and slider.get_property("value") == "0.8"
+    finally:
+        server.http.post("/admin/tau", json={"tau": 1.0}, headers=auth)
+
+
+def test_new_chat_aborts_the_answer_streaming(page, server):
+    """New chat while an answer streams: the fetch is aborted (the server counts the request aborted
+    and frees its KV slot), Send works at once and the next prompt starts an empty conversation.
+    The engine waits at the test gate, so the answer is still streaming when New chat is clicked."""
+    gate = server.gate
+    aborted = server.metric('mars_requests_total{outcome="aborted"}')
+    type_into(page, "max-tokens", "300")
+
+    def advanced_until(condition):  # one more forward each time the condition is not met yet
+        def check(driver):
+            if condition(driver):
+                return True
+            if gate.is_holding():
+                gate.allow(1)
+            return False
+        return check
+
+    with gate.closed():
+        type_into(page, "prompt", "Write a long story about a dragon.")
+        page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+        wait(page, advanced_until(lambda d: d.find_elements(By.CSS_SELECTOR, "#transcript .answer .text .step")))
+        assert not page.find_element(By.ID, "send").is_enabled()
+        page.find_element(By.ID, "clear").click()
+        assert page.find_element(By.ID, "send").is_enabled()
+        assert page.find_elements(By.CSS_SELECTOR, "#transcript > *") == []
+        wait(page, advanced_until(lambda d: server.metric('mars_requests_total{outcome="aborted"}') > aborted))
+    assert server.wait_idle()["active_slots"] == 0
+    type_into(page, "prompt", "And 2+2?")
+    page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+    answer = screenshot.wait_answers(page, "#transcript .answer", 1, DEADLINE_S)[0]
+    assert answer.get_attribute("data-state") == "done"
+    tokenizer = server.app.state.ctx.tokenizer
+    assert server.prompts[-1] == tokenizer.encode_chat([{"role": "user", "content": "And 2+2?"}])
+    assert [e.text for e in page.find_elements(By.CSS_SELECTOR, "#transcript .user")] == ["And 2+2?"]
+
+
+def test_enter_while_an_ime_composes_does_not_send(page, server):
+    """Enter that confirms an IME composition (keydown with isComposing) is the IME's, not a send."""
+    num_sent = len(server.sent)
+    type_into(page, "prompt", "nihon")
+    page.execute_script("""document.getElementById('prompt').dispatchEvent(new KeyboardEvent('keydown',
+        {key: 'Enter', isComposing: true, bubbles: true, cancelable: true}));""")
+    assert page.find_elements(By.CSS_SELECTOR, "#transcript > *") == []
+    assert page.find_element(By.ID, "prompt").get_property("value") == "nihon"
+    page.find_element(By.ID, "prompt").send_keys(Keys.ENTER)  # composition over: Enter sends
+    answer = screenshot.wait_answers(page, "#transcript .answer", 1, DEADLINE_S)[0]
+    assert answer.get_attribute("data-state") == "done" and len(server.sent) == num_sent + 1
+
+
 def test_the_compare_view_shows_two_answers_with_their_tpf(page, server):
     num_sent = len(server.sent)
     answers = screenshot.run_compare(page, "Hi", 1.0, 0.5, DEADLINE_S)
@@ -172,13 +256,13 @@ def test_the_draft_sent_follows_the_select(page, server):
     for draft in ("both", "lookup", "masks"):
         choose(page, "draft", draft)
         answer = chat_in_page(page, "Hi Hi Hi Hi Hi Hi")
-        assert server.sent[-1].draft == draft and server.sent[-1].tau == 1.0
+        assert server.sent[-1].draft == draft and server.sent[-1].tau is None  # the server's default, 1
         expected, mars = api_chat(server, "Hi Hi Hi Hi Hi Hi", 1.0, draft)
         text = text_of(answer.find_element(By.CLASS_NAME, "text"))
         assert text == expected
         texts.add(text)
         assert answer.find_element(By.CLASS_NAME, "tpf").text == f"{mars['tpf']:.2f}"
-        assert answer.find_element(By.CLASS_NAME, "sent").text == f"tau 1.00, threshold, draft {draft}, B 4"
+        assert answer.find_element(By.CLASS_NAME, "sent").text == f"tau server default, threshold, draft {draft}, B 4"
     assert len(texts) == 1  # lossless at tau 1 whatever the draft source
 
 

@@ -197,6 +197,22 @@ def test_bad_requests_are_clear_400s(tiny_server, route, fields, param):
     assert chat(tiny_server, "still there?", max_tokens=4)[1] == "length"  # and the server keeps serving
 
 
+CLEAN_MESSAGES = [
+    ({"n": 2}, "n must be 1 (this server returns one choice per request), got 2"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty must be 0 (penalties are not supported), got 0.5"),
+    ({"stop": ""}, "stop must be a non-empty string or a list of at most 4 non-empty strings, got ''"),
+    ({"max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("fields, message", CLEAN_MESSAGES, ids=[next(iter(f)) for f, _ in CLEAN_MESSAGES])
+def test_validation_messages_are_one_sentence_naming_the_field(tiny_server, fields, message):
+    """No pydantic "Value error, " prefix, the value said once."""
+    r = tiny_server.http.post("/v1/chat/completions",
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} | fields)
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+
+
 def test_openai_client_sees_bad_request_errors(tiny_server):
     with pytest.raises(openai.BadRequestError) as info:
         tiny_server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
@@ -333,6 +349,17 @@ def test_api_key_and_body_limit(tiny_bundle):
             server.client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=2)
         assert info.value.status_code == 413
         assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+        # no Content-Length (Transfer-Encoding: chunked): refused while the bytes stream in, same 413
+        body = json.dumps({"prompt": "x" * 3000, "max_tokens": 2}).encode()
+        r = server.http.post("/v1/completions", content=(body[i:i + 500] for i in range(0, len(body), 500)),
+                             headers={"Authorization": "Bearer sesame", "Content-Type": "application/json"})
+        assert r.request.headers["transfer-encoding"] == "chunked" and "content-length" not in r.request.headers
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large" and "--max-body-bytes" in r.json()["error"]["message"]
+        small = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()  # under the limit, chunked: served
+        r = server.http.post("/v1/completions", content=iter([small[:10], small[10:]]),
+                             headers={"Authorization": "Bearer sesame", "Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["choices"], r.text
 
 
 class FailingBackend:

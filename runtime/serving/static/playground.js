@@ -8,6 +8,7 @@ const KEY_STORAGE = "mars-edge-api-key";
 
 const $ = (id) => document.getElementById(id);
 const turns = [];  // chat turns: {role, content}
+let chatRequest = null;  // the AbortController of the chat answer streaming now, if any
 
 // ---- settings -------------------------------------------------------------------
 
@@ -52,15 +53,35 @@ function syncDraft() {
   note.classList.toggle("blocked", blocked !== null);
 }
 
-// The body fields of a request at the given tau, from the settings panel.
+// The chat's tau: the server's default (sent as no tau, so each request follows the live default,
+// which the load policy may lower) while "follow" is checked; the slider's value once the user moves it.
+function followServerTau() {
+  const follow = $("tau-follow");
+  follow.addEventListener("change", () => { if (follow.checked) showServerTau(); });
+  $("tau").addEventListener("input", () => { follow.checked = false; });
+}
+
+// While following, put the server's default tau (from the last /metrics) on the slider.
+function showServerTau() {
+  const tau = Number($("server-status").dataset.defaultTau);
+  if (!$("tau-follow").checked || !Number.isFinite(tau)) return;
+  $("tau").value = String(tau);
+  $("tau-value").textContent = tau.toFixed(2);
+}
+
+function chatTau() {
+  return $("tau-follow").checked ? null : Number($("tau").value);
+}
+
+// The body fields of a request at the given tau (null: the server's default), from the settings panel.
 function requestFields(tau) {
   const fields = {
-    tau: tau,
     mode: $("mode").value,
     draft: $("draft").value,
     temperature: Number($("temperature").value),
     max_tokens: Number($("max-tokens").value),
   };
+  if (tau !== null) fields.tau = tau;
   if ($("block-size").value !== "") fields.block_size = Number($("block-size").value);
   return fields;
 }
@@ -172,17 +193,21 @@ async function* events(response) {
   }
 }
 
-// Send `messages` at `fields`, stream the answer into `answer`; resolve with its text (null on error).
-async function streamChat(messages, fields, answer) {
+// Send `messages` at `fields`, stream the answer into `answer`; resolve with its text (null on error
+// or when `signal` aborts the request: the server sees the disconnect and frees the KV slot).
+async function streamChat(messages, fields, answer, signal) {
   const body = { messages: messages, stream: true, stream_options: { include_usage: true },
                  return_step_tokens: true, ...fields };
-  const sent = `tau ${fields.tau.toFixed(2)}, ${fields.mode}, draft ${fields.draft}` +
+  const tau = fields.tau === undefined ? "server default" : fields.tau.toFixed(2);
+  const sent = `tau ${tau}, ${fields.mode}, draft ${fields.draft}` +
                (fields.block_size ? `, B ${fields.block_size}` : "");
   const started = performance.now();
   let response;
   try {
-    response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
+    response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body),
+                                                     signal: signal });
   } catch (e) {
+    if (e.name === "AbortError") return null;
     showError(answer, `could not reach the server: ${e.message}`);
     return null;
   }
@@ -209,7 +234,7 @@ async function streamChat(messages, fields, answer) {
       appendStep(answer, content, steps);
     }
   } catch (e) {
-    showError(answer, `the server failed mid-answer: ${e.message}`);
+    if (e.name !== "AbortError") showError(answer, `the server failed mid-answer: ${e.message}`);
     return null;
   }
   const ended = performance.now();
@@ -239,6 +264,7 @@ async function sendChat(event) {
   const prompt = $("prompt").value;
   if (!prompt.trim() || $("send").disabled) return;
   setBusy($("send"), true);
+  const request = chatRequest = new AbortController();
   const turn = document.createElement("div");
   turn.className = "user";
   turn.textContent = prompt;
@@ -246,7 +272,9 @@ async function sendChat(event) {
   $("prompt").value = "";
   turns.push({ role: "user", content: prompt });
   const answer = makeAnswer($("transcript"), "assistant");
-  const text = await streamChat(turns.slice(), requestFields(Number($("tau").value)), answer);
+  const text = await streamChat(turns.slice(), requestFields(chatTau()), answer, request.signal);
+  if (request.signal.aborted) return;  // New chat: the page belongs to the next conversation now
+  chatRequest = null;
   if (text === null) turns.pop();  // a failed turn is not part of the conversation
   else turns.push({ role: "assistant", content: text });
   setBusy($("send"), false);
@@ -268,6 +296,15 @@ async function runCompare(event) {
     await streamChat(messages, requestFields(Number($(runs[i][1]).value)), answers[i]);
   }
   setBusy($("compare-run"), false);
+}
+
+// New chat: abort the answer streaming now (if any), forget the turns, accept a prompt again.
+function newChat() {
+  if (chatRequest !== null) chatRequest.abort();
+  chatRequest = null;
+  turns.length = 0;
+  $("transcript").replaceChildren();
+  setBusy($("send"), false);
 }
 
 function showTab(name) {
@@ -296,6 +333,7 @@ async function refreshStatus() {
     const m = parseMetrics(await response.text());
     const status = $("server-status");
     status.dataset.defaultTau = String(m.mars_default_tau);
+    showServerTau();
     status.textContent =
       `default tau ${m.mars_default_tau.toFixed(2)} (base ${m.mars_base_tau.toFixed(2)}) · ` +
       `queue ${m.mars_queue_depth} · slots ${m.mars_active_slots}/${m.mars_max_slots} · ` +
@@ -325,6 +363,7 @@ async function loadModel() {
 
 function main() {
   showTau($("tau"), $("tau-value"));
+  followServerTau();
   showTau($("tau-a"), $("tau-a-value"));
   showTau($("tau-b"), $("tau-b-value"));
   const key = $("api-key");
@@ -337,9 +376,9 @@ function main() {
   syncDraft();
   $("chat-form").addEventListener("submit", sendChat);
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) sendChat(e);
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) sendChat(e);  // not while an IME composes
   });
-  $("clear").addEventListener("click", () => { turns.length = 0; $("transcript").replaceChildren(); });
+  $("clear").addEventListener("click", newChat);
   $("compare-form").addEventListener("submit", runCompare);
   $("tab-chat").addEventListener("click", () => showTab("chat"));
   $("tab-compare").addEventListener("click", () => showTab("compare"));

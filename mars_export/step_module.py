@@ -13,8 +13,14 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
 - Attention (:func:`step_attention`, through transformers' ``AttentionInterface``): the
   query heads of one KV head are stacked along the query axis, [B, Hkv, G·W, D], so the
   KV heads are never repeated; scores against the past and against the W new keys are
-  two MatMuls whose small score tensors are concatenated, so the past KV is read in
-  place and never copied into a past + new tensor (no Concat over the past).
+  two MatMuls whose small score tensors are concatenated, so the past keys are read in
+  place (each score is its own dot product over D, the same bits however the keys are
+  split). The values are one MatMul over past + new values (one Concat over the past
+  values per layer): p·v then sums the keys in one order, so a token scored inside a
+  window gets the same bits as the same token fed one step at a time. Two MatMuls there
+  (past part + new part) round the sum differently for each split of past and window;
+  1-ulp differences that int8 activations (MatMulNBits ``accuracy_level`` 4) grow into
+  logit differences above 1 and make verification disagree with greedy AR.
 - RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with
   the sign of rotate_half folded into the sine: one half-swap instead of two, no Neg.
 - RMSNorm (:func:`rms_norm_div_form`) is traced as ``x / sqrt(mean(x²) + eps) * w``, the
@@ -99,7 +105,9 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
 
     Scores, mask and softmax run in float32 (in fp16, q·k over D = 64..128 can pass 65504
     and a softmax over K keys loses the small terms); the weights go back to the model
-    dtype (in [0, 1]) for p·v. Query head h uses KV head h // G, as ``repeat_kv`` would.
+    dtype (in [0, 1]) for p·v, one MatMul over past + new values so that the sum over keys has
+    the same order for every split of past and window (windowed = one-at-a-time, bit for bit,
+    on onnxruntime's CPU kernels). Query head h uses KV head h // G, as ``repeat_kv`` would.
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -119,7 +127,7 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, K]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     weights = weights.view(batch, num_kv_heads, group * window, past + window)  # [B, Hkv, G·W, K]
-    out = weights[..., :past] @ past_value + weights[..., past:] @ value  # [B, Hkv, G·W, D]
+    out = weights @ torch.cat([past_value, value], dim=2)  # [B, Hkv, G·W, D]; keys summed in one order
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]
     return out.transpose(1, 2), None  # [B, W, H, D]
 

@@ -4,7 +4,9 @@ A tiny random Llama is written as a GGUF file (Q4_1, Q4_0, Q8_0 and one Q5_0 wei
 loaded by transformers' GGUF loader. The blocks read back dequantize bit for bit to what
 that loader gives; the int4 graph built from them at the float32 compute level gives the
 float32 graph's logits to float32 rounding (no second quantization), also with a LoRA
-adapter and a trainable token kept unmerged as side paths.
+adapter and a trainable token kept unmerged as side paths. At the fast compute level
+(int8 activations) a window scores each token with the same bits as one-at-a-time steps,
+so verification gives greedy AR's tokens; the re-quantized int8 graph too.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from mars_export.gguf_blocks import read_block_weights
 from mars_export.gguf_import import prepare_gguf_import
 from mars_export.model_source import load_gguf_model
 from mars_export.onnx_export import export_step_graph
-from mars_export.quantize import quantize_step_graph
+from mars_export.quantize import ACCURACY_LEVEL, quantize_step_graph
 from runtime import bundle
+from runtime.backends.onnx import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
 
 LAYER_TYPES = [{"attn_v": "Q4_0", "ffn_down": "Q8_0"}, {"attn_q": "Q5_0"}]
 WINDOW, CONTEXT = 4, 64
@@ -112,3 +118,52 @@ def test_unmerged_adapter_matches_merged_float32_graph(tmp_path):
     reference = run_graph(tmp_path / "merged.onnx", ids)
     assert np.abs(run_graph(tmp_path / "base.onnx", ids) - reference).max() > 0.1  # the adapter matters ...
     np.testing.assert_allclose(run_graph(tmp_path / "int4.onnx", ids), reference, atol=1e-4, rtol=0)  # ... and is kept
+
+
+def step_logits(session: ort.InferenceSession, ids: list[int], past: list[np.ndarray]) -> tuple[np.ndarray, list]:
+    """(logits [W, V], past + the W new KV entries) of one forward of ``ids`` after ``past`` (per input, [1, Hkv, P, D])."""
+    length, window = past[0].shape[2], len(ids)
+    mask = np.ones((1, 1, window, length + window), bool)
+    mask[0, 0, :, length:] = np.tril(np.ones((window, window), bool))
+    feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(length, length + window)[None],
+             "attention_mask": mask, **dict(zip(bundle.input_names(LAYERS)[3:], past))}
+    logits, *present = session.run(None, feeds)
+    return logits[0], [np.concatenate([p, n], axis=2) for p, n in zip(past, present)]
+
+
+@pytest.mark.parametrize("weight_dtype", ["int4", "int8"])
+def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight_dtype):
+    """At accuracy level 4 (int8 activations, the shipped setting) a token scored inside a W-token
+    window after a cached prompt gets the logits of the same token fed one step at a time, and
+    verification (mask and lookup drafts) decodes greedy AR's ids. Before the values were summed in
+    one MatMul, a 1-ulp difference in attention flipped int8 roundings and the logits differed by ~1."""
+    path, model = tiny_gguf
+    export_step_graph(model, tmp_path / "f32.onnx", WINDOW, CONTEXT)
+    (tmp_path / "bundle").mkdir()
+    gguf = prepare_gguf_import(path, model) if weight_dtype == "int4" else None  # int8: every MatMul re-quantized
+    quantize_step_graph(tmp_path / "f32.onnx", tmp_path / "bundle" / bundle.ONNX_FILE, weight_dtype,
+                        accuracy_level=ACCURACY_LEVEL, gguf=gguf)
+    session = ort.InferenceSession(str(tmp_path / "bundle" / bundle.ONNX_FILE), providers=["CPUExecutionProvider"])
+    shapes = [session.get_inputs()[i].shape for i in range(3, 3 + 2 * LAYERS)]
+    empty = [np.zeros((1, shape[1], 0, shape[3]), np.float32) for shape in shapes]
+    prompt, tokens = [3, 17, 42, 90, 5, 61, 23, 8, 77], np.random.default_rng(0).integers(3, 94, 40).tolist()
+    _, past = step_logits(session, prompt, empty)
+    for start in range(0, len(tokens), WINDOW):  # each window after the cache of the ones before
+        windowed, _ = step_logits(session, tokens[start:start + WINDOW], past)
+        for position, token in enumerate(tokens[start:start + WINDOW]):
+            single, past = step_logits(session, [token], past)
+            np.testing.assert_allclose(windowed[position], single[0], atol=1e-4, rtol=0,
+                                       err_msg=f"position {len(prompt) + start + position}")
+
+    config = bundle.BundleConfig(block_size=WINDOW, window=WINDOW, mask_token="<mask>", mask_token_id=95,
+                                 eos_token_ids=(94,), pad_token_id=94, bos_token_id=None, num_layers=LAYERS,
+                                 num_kv_heads=shapes[0][1], head_dim=shapes[0][3], vocab_size=96, max_context=CONTEXT,
+                                 dtype="float32", source_model=str(path), weight_dtype=weight_dtype)
+    backend = OnnxBackend(tmp_path / "bundle", config, num_threads=1)
+    prompts = [prompt, [7, 7, 30, 7, 7, 30], [60]]
+    params = {"max_new_tokens": 40}
+    greedy = [Decoder(backend, config).generate(p, DecodeParams(mode="ar", **params)).token_ids for p in prompts]
+    for draft in ("masks", "lookup"):
+        engine = Engine(backend, config, EngineConfig(max_batch_size=1))
+        results = engine.generate(prompts, DecodeParams(mode="verify", draft=draft, **params))
+        assert [r.token_ids for r in results] == greedy, draft

@@ -120,23 +120,28 @@ def test_unmerged_adapter_matches_merged_float32_graph(tmp_path):
     np.testing.assert_allclose(run_graph(tmp_path / "int4.onnx", ids), reference, atol=1e-4, rtol=0)  # ... and is kept
 
 
-def step_logits(session: ort.InferenceSession, ids: list[int], past: list[np.ndarray]) -> tuple[np.ndarray, list]:
-    """(logits [W, V], past + the W new KV entries) of one forward of ``ids`` after ``past`` (per input, [1, Hkv, P, D])."""
-    length, window = past[0].shape[2], len(ids)
-    mask = np.ones((1, 1, window, length + window), bool)
-    mask[0, 0, :, length:] = np.tril(np.ones((window, window), bool))
+def step_logits(session: ort.InferenceSession, ids: list[int], cache: list[np.ndarray], length: int) -> np.ndarray:
+    """logits [W, V] of one forward of ``ids`` at positions ``length``.. over a cache laid out as the
+    runtime's (per past input a buffer [1, Hkv, S, D] holding positions < ``length`` at their index,
+    stale values after them, hidden by the mask); the W new KV entries are written into it."""
+    window, capacity = len(ids), cache[0].shape[2]
+    mask = np.zeros((1, 1, window, capacity + window), bool)
+    mask[..., :length] = True
+    mask[0, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
     feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(length, length + window)[None],
-             "attention_mask": mask, **dict(zip(bundle.input_names(LAYERS)[3:], past))}
+             "attention_mask": mask, **dict(zip(bundle.input_names(LAYERS)[3:], cache))}
     logits, *present = session.run(None, feeds)
-    return logits[0], [np.concatenate([p, n], axis=2) for p, n in zip(past, present)]
+    for buffer, new in zip(cache, present):
+        buffer[:, :, length:length + window] = new
+    return logits[0]
 
 
 @pytest.mark.parametrize("weight_dtype", ["int4", "int8"])
 def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight_dtype):
     """At accuracy level 4 (int8 activations, the shipped setting) a token scored inside a W-token
-    window after a cached prompt gets the logits of the same token fed one step at a time, and
-    verification (mask and lookup drafts) decodes greedy AR's ids. Before the values were summed in
-    one MatMul, a 1-ulp difference in attention flipped int8 roundings and the logits differed by ~1."""
+    window over the runtime's capacity-padded cache gets the logits of the same token fed one step at
+    a time, and verification (mask and lookup drafts) decodes greedy AR's ids. Before keys sat at their
+    positions (step_module.at_positions), 1-ulp differences in attention flipped int8 roundings."""
     path, model = tiny_gguf
     export_step_graph(model, tmp_path / "f32.onnx", WINDOW, CONTEXT)
     (tmp_path / "bundle").mkdir()
@@ -145,15 +150,17 @@ def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight
                         accuracy_level=ACCURACY_LEVEL, gguf=gguf)
     session = ort.InferenceSession(str(tmp_path / "bundle" / bundle.ONNX_FILE), providers=["CPUExecutionProvider"])
     shapes = [session.get_inputs()[i].shape for i in range(3, 3 + 2 * LAYERS)]
-    empty = [np.zeros((1, shape[1], 0, shape[3]), np.float32) for shape in shapes]
-    prompt, tokens = [3, 17, 42, 90, 5, 61, 23, 8, 77], np.random.default_rng(0).integers(3, 94, 40).tolist()
-    _, past = step_logits(session, prompt, empty)
+    rng = np.random.default_rng(0)
+    cache = [rng.standard_normal((1, shape[1], CONTEXT, shape[3])).astype(np.float32) for shape in shapes]
+    prompt, tokens = [3, 17, 42, 90, 5, 61, 23, 8, 77], rng.integers(3, 94, 40).tolist()
+    step_logits(session, prompt, cache, 0)
     for start in range(0, len(tokens), WINDOW):  # each window after the cache of the ones before
-        windowed, _ = step_logits(session, tokens[start:start + WINDOW], past)
-        for position, token in enumerate(tokens[start:start + WINDOW]):
-            single, past = step_logits(session, [token], past)
-            np.testing.assert_allclose(windowed[position], single[0], atol=1e-4, rtol=0,
-                                       err_msg=f"position {len(prompt) + start + position}")
+        window = tokens[start:start + WINDOW]
+        windowed = step_logits(session, window, cache, len(prompt) + start)
+        for offset, token in enumerate(window):
+            position = len(prompt) + start + offset
+            single = step_logits(session, [token], cache, position)
+            np.testing.assert_allclose(windowed[offset], single[0], atol=1e-4, rtol=0, err_msg=f"position {position}")
 
     config = bundle.BundleConfig(block_size=WINDOW, window=WINDOW, mask_token="<mask>", mask_token_id=95,
                                  eos_token_ids=(94,), pad_token_id=94, bos_token_id=None, num_layers=LAYERS,

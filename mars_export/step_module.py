@@ -13,8 +13,16 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
 - Attention (:func:`step_attention`, through transformers' ``AttentionInterface``): the
   query heads of one KV head are stacked along the query axis, [B, Hkv, G·W, D], so the
   KV heads are never repeated; scores against the past and against the W new keys are
-  two MatMuls whose small score tensors are concatenated, so the past KV is read in
-  place and never copied into a past + new tensor (no Concat over the past).
+  one MatMul against all keys and one against all values, each over the past + new KV
+  with every new entry also written at the index of its position (:func:`at_positions`;
+  the mask is moved likewise, and the copy left after the past is hidden). A key then
+  sits at the same index whether it is fed in a window or was committed by an earlier
+  step into the runtime's cache (which holds position p at index p, capacity padded), so
+  the softmax sum and p·v add the same terms in the same lanes and blocks: a token scored
+  inside a window gets the bits of the same token fed one step at a time. Otherwise
+  1-ulp differences appear, which int8 activations (MatMulNBits ``accuracy_level`` 4)
+  grow into logit differences above 1, so verification left greedy AR. The price is one
+  copy of the past K and V per layer and step (measured: no slower, CPU, int4).
 - RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with
   the sign of rotate_half folded into the sine: one half-swap instead of two, no Neg.
 - RMSNorm (:func:`rms_norm_div_form`) is traced as ``x / sqrt(mean(x²) + eps) * w``, the
@@ -47,12 +55,15 @@ class StepKV:
     """The KV of one step, handed to every layer's attention through the model's kwargs.
 
     Attributes:
-        past: per layer (key, value) [B, Hkv, P, D], read in place.
+        past: per layer (key, value) [B, Hkv, P, D].
+        positions: int64 [B, W], the step's position ids: new entry j of row b also goes to
+            index ``positions[b, j]`` (< P + W) of the keys and values (:func:`at_positions`).
         present: filled by :func:`step_attention`, layer by layer, with the new
             (key, value) [B, Hkv, W, D] (after RoPE).
     """
 
     past: list[tuple[torch.Tensor, torch.Tensor]]
+    positions: torch.Tensor
     present: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -66,7 +77,9 @@ class StepModule(torch.nn.Module):
     The bool mask becomes an additive mask filled with the dtype's finite minimum
     (never -inf: a fully masked row must stay finite; in fp16 that minimum is -65504,
     finite in fp16). Positions come from ``position_ids``, so RoPE is not tied to the
-    length of the example used at export. The model must run :func:`step_attention`
+    length of the example used at export; ``position_ids[b, j]`` must be below P + W and
+    must not be a past index that row b may see (the runtime feeds position p at cache
+    index p, after the row's committed length). The model must run :func:`step_attention`
     (see :func:`step_graph_model`).
     """
 
@@ -76,8 +89,13 @@ class StepModule(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, past):
         dtype = self.model.dtype
-        step_kv = StepKV(past=list(past))
+        step_kv = StepKV(past=list(past), positions=position_ids)
         bias = torch.where(attention_mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)  # [B, 1, W, K]
+        window = input_ids.shape[1]
+        new_bias = bias[..., -window:]  # [B, 1, W, W]: the new keys' columns, moved to their positions
+        index = position_ids[:, None, None, :].expand(new_bias.shape)
+        bias = torch.cat([bias[..., :-window], torch.full_like(new_bias, torch.finfo(dtype).min)], dim=-1)
+        bias = bias.scatter(-1, index, new_bias)  # [B, 1, W, K] in the layout of at_positions
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=bias, use_cache=False,
                          step_kv=step_kv)
         return out.logits.float(), step_kv.present
@@ -89,7 +107,8 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     Args:
         module: the attention layer (``layer_idx`` picks its past from ``step_kv``).
         query: [B, H, W, D]; key, value: the W new entries [B, Hkv, W, D], in the model dtype.
-        attention_mask: additive [B, 1, W, P + W] (past keys first, then the new ones).
+        attention_mask: additive [B, 1, W, P + W] over the keys as :func:`at_positions` lays
+            them out (StepModule moves the new keys' columns there).
         scaling: score scale (1 / sqrt(D) for these models).
         step_kv: the step's :class:`StepKV`; this layer's new (key, value) is appended to
             ``step_kv.present``.
@@ -99,7 +118,9 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
 
     Scores, mask and softmax run in float32 (in fp16, q·k over D = 64..128 can pass 65504
     and a softmax over K keys loses the small terms); the weights go back to the model
-    dtype (in [0, 1]) for p·v. Query head h uses KV head h // G, as ``repeat_kv`` would.
+    dtype (in [0, 1]) for p·v. Keys and values are laid out by :func:`at_positions`, so a
+    token scored in a window gets the bits of one-at-a-time steps over the runtime's cache
+    (onnxruntime CPU). Query head h uses KV head h // G, as ``repeat_kv`` would.
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -113,15 +134,26 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     num_kv_heads, past = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
     grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
-    scores = torch.cat([grouped @ _float(past_key).transpose(2, 3),
-                        grouped @ _float(key).transpose(2, 3)], dim=-1)  # [B, Hkv, G·W, K]
+    scores = grouped @ _float(at_positions(past_key, key, step_kv.positions)).transpose(2, 3)  # [B, Hkv, G·W, K]
     scores = scores.view(batch, num_kv_heads, group, window, past + window)  # [B, Hkv, G, W, K]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, K]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     weights = weights.view(batch, num_kv_heads, group * window, past + window)  # [B, Hkv, G·W, K]
-    out = weights[..., :past] @ past_value + weights[..., past:] @ value  # [B, Hkv, G·W, D]
+    out = weights @ at_positions(past_value, value, step_kv.positions)  # [B, Hkv, G·W, D]
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]
     return out.transpose(1, 2), None  # [B, W, H, D]
+
+
+def at_positions(past: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """past [B, Hkv, P, D] followed by new [B, Hkv, W, D], new entry j of row b also written at
+    index ``positions[b, j]`` -> [B, Hkv, P + W, D].
+
+    The runtime's cache holds position p at index p (StepModule's mask hides the rest), so
+    each key lands where a later step will read it from the cache; the copies at P.. stay
+    hidden by the mask unless they are that index (a past of exactly the committed length).
+    """
+    index = positions[:, None, :, None].expand(new.shape)  # [B, Hkv, W, D]
+    return torch.cat([past, new], dim=2).scatter(2, index, new)
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ A tiny random Llama is written as a GGUF file (Q4_1, Q4_0, Q8_0 and one Q5_0 wei
 loaded by transformers' GGUF loader. The blocks read back dequantize bit for bit to what
 that loader gives; the int4 graph built from them at the float32 compute level gives the
 float32 graph's logits to float32 rounding (no second quantization), also with a LoRA
-adapter and a trainable token kept unmerged as side paths.
+adapter and a trainable token kept unmerged as side paths. At the fast compute level
+(int8 activations) a window scores each token with the same bits as one-at-a-time steps,
+so verification gives greedy AR's tokens; the re-quantized int8 graph too.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from mars_export.gguf_blocks import read_block_weights
 from mars_export.gguf_import import prepare_gguf_import
 from mars_export.model_source import load_gguf_model
 from mars_export.onnx_export import export_step_graph
-from mars_export.quantize import quantize_step_graph
+from mars_export.quantize import ACCURACY_LEVEL, quantize_step_graph
 from runtime import bundle
+from runtime.backends.onnx import OnnxBackend
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
 
 LAYER_TYPES = [{"attn_v": "Q4_0", "ffn_down": "Q8_0"}, {"attn_q": "Q5_0"}]
 WINDOW, CONTEXT = 4, 64
@@ -112,3 +118,59 @@ def test_unmerged_adapter_matches_merged_float32_graph(tmp_path):
     reference = run_graph(tmp_path / "merged.onnx", ids)
     assert np.abs(run_graph(tmp_path / "base.onnx", ids) - reference).max() > 0.1  # the adapter matters ...
     np.testing.assert_allclose(run_graph(tmp_path / "int4.onnx", ids), reference, atol=1e-4, rtol=0)  # ... and is kept
+
+
+def step_logits(session: ort.InferenceSession, ids: list[int], cache: list[np.ndarray], length: int) -> np.ndarray:
+    """logits [W, V] of one forward of ``ids`` at positions ``length``.. over a cache laid out as the
+    runtime's (per past input a buffer [1, Hkv, S, D] holding positions < ``length`` at their index,
+    stale values after them, hidden by the mask); the W new KV entries are written into it."""
+    window, capacity = len(ids), cache[0].shape[2]
+    mask = np.zeros((1, 1, window, capacity + window), bool)
+    mask[..., :length] = True
+    mask[0, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
+    feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(length, length + window)[None],
+             "attention_mask": mask, **dict(zip(bundle.input_names(LAYERS)[3:], cache))}
+    logits, *present = session.run(None, feeds)
+    for buffer, new in zip(cache, present):
+        buffer[:, :, length:length + window] = new
+    return logits[0]
+
+
+@pytest.mark.parametrize("weight_dtype", ["int4", "int8"])
+def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight_dtype):
+    """At accuracy level 4 (int8 activations, the shipped setting) a token scored inside a W-token
+    window over the runtime's capacity-padded cache gets the logits of the same token fed one step at
+    a time, and verification (mask and lookup drafts) decodes greedy AR's ids. Before keys sat at their
+    positions (step_module.at_positions), 1-ulp differences in attention flipped int8 roundings."""
+    path, model = tiny_gguf
+    export_step_graph(model, tmp_path / "f32.onnx", WINDOW, CONTEXT)
+    (tmp_path / "bundle").mkdir()
+    gguf = prepare_gguf_import(path, model) if weight_dtype == "int4" else None  # int8: every MatMul re-quantized
+    quantize_step_graph(tmp_path / "f32.onnx", tmp_path / "bundle" / bundle.ONNX_FILE, weight_dtype,
+                        accuracy_level=ACCURACY_LEVEL, gguf=gguf)
+    session = ort.InferenceSession(str(tmp_path / "bundle" / bundle.ONNX_FILE), providers=["CPUExecutionProvider"])
+    shapes = [session.get_inputs()[i].shape for i in range(3, 3 + 2 * LAYERS)]
+    rng = np.random.default_rng(0)
+    cache = [rng.standard_normal((1, shape[1], CONTEXT, shape[3])).astype(np.float32) for shape in shapes]
+    prompt, tokens = [3, 17, 42, 90, 5, 61, 23, 8, 77], rng.integers(3, 94, 40).tolist()
+    step_logits(session, prompt, cache, 0)
+    for start in range(0, len(tokens), WINDOW):  # each window after the cache of the ones before
+        window = tokens[start:start + WINDOW]
+        windowed = step_logits(session, window, cache, len(prompt) + start)
+        for offset, token in enumerate(window):
+            position = len(prompt) + start + offset
+            single = step_logits(session, [token], cache, position)
+            np.testing.assert_allclose(windowed[offset], single[0], atol=1e-4, rtol=0, err_msg=f"position {position}")
+
+    config = bundle.BundleConfig(block_size=WINDOW, window=WINDOW, mask_token="<mask>", mask_token_id=95,
+                                 eos_token_ids=(94,), pad_token_id=94, bos_token_id=None, num_layers=LAYERS,
+                                 num_kv_heads=shapes[0][1], head_dim=shapes[0][3], vocab_size=96, max_context=CONTEXT,
+                                 dtype="float32", source_model=str(path), weight_dtype=weight_dtype)
+    backend = OnnxBackend(tmp_path / "bundle", config, num_threads=1)
+    prompts = [prompt, [7, 7, 30, 7, 7, 30], [60]]
+    params = {"max_new_tokens": 40}
+    greedy = [Decoder(backend, config).generate(p, DecodeParams(mode="ar", **params)).token_ids for p in prompts]
+    for draft in ("masks", "lookup"):
+        engine = Engine(backend, config, EngineConfig(max_batch_size=1))
+        results = engine.generate(prompts, DecodeParams(mode="verify", draft=draft, **params))
+        assert [r.token_ids for r in results] == greedy, draft

@@ -36,7 +36,7 @@ def random_attention_inputs(dtype=torch.float32):
 def test_grouped_attention_equals_repeated_kv_attention(dtype):
     query, key, value, past, bias = random_attention_inputs(dtype)
     layer = types.SimpleNamespace(layer_idx=0, num_key_value_groups=H // HKV, training=False)
-    step_kv = StepKV(past=past)
+    step_kv = StepKV(past=past, positions=torch.arange(P, P + W).expand(B, W))  # a past of the committed length
     out, _ = step_attention(layer, query, key, value, bias, scaling=D**-0.5, step_kv=step_kv)
     full_key = torch.cat([past[0][0], key], dim=2).float()  # [B, Hkv, P + W, D]
     full_value = torch.cat([past[0][1], value], dim=2).float()
@@ -63,9 +63,10 @@ def test_joint_rotary_equals_transformers_rotary():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_graph_reads_past_in_place_and_fuses_norms(tiny_bundle, arch, tmp_path):
-    """No KV-head Expand and no Concat over a past input in the file; one MatMul for Q/K/V and one
-    for gate/up per layer; onnxruntime's optimizer turns every RMSNorm into one SimplifiedLayerNormalization."""
+def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
+    """No KV-head Expand (only position indices are expanded), each past key and value concatenated with the new ones once (at_positions);
+    one MatMul for Q/K/V and one for gate/up per layer; onnxruntime's optimizer turns every RMSNorm
+    into one SimplifiedLayerNormalization."""
     path = tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE
     graph = onnx.load(str(path)).graph
     weights = {t.name for t in graph.initializer}
@@ -73,8 +74,13 @@ def test_graph_reads_past_in_place_and_fuses_norms(tiny_bundle, arch, tmp_path):
     num_layers = 2
     assert len(projection_inputs) == len(set(projection_inputs)) >= num_layers * 4  # QKV, o, gate/up, down (+ head)
     past_inputs = {i.name for i in graph.input if i.name.startswith("past_key_values.")}
-    assert not [n for n in graph.node if n.op_type == "Expand"]
-    assert not [n for n in graph.node if n.op_type == "Concat" and past_inputs & set(n.input)]
+    types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(onnx.load(str(path))).graph.value_info}
+    constants = {n.output[0] for n in graph.node if n.op_type == "Constant"} | weights
+    # only position indices (int64) and the mask filler (a scalar constant) are expanded, never KV heads
+    assert all(types.get(n.output[0]) == onnx.TensorProto.INT64 or n.input[0] in constants
+               for n in graph.node if n.op_type == "Expand")
+    concatenated = [i for n in graph.node if n.op_type == "Concat" for i in n.input if i in past_inputs]
+    assert sorted(concatenated) == sorted(past_inputs)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")

@@ -65,7 +65,8 @@ class OursAttention(torch.nn.Module):
         v = v.view(1, window, kv_heads, head_dim).transpose(1, 2)
         q, k = rotary_joint(q, k, cos, sin)
         bias = torch.where(mask, torch.zeros(()), torch.finfo(torch.float32).min)  # [1, 1, W, P + W]
-        step_kv = StepKV(past=[(past_key, past_value)])
+        past = past_key.shape[2]  # the past here is exactly the committed length: position P + j is index P + j
+        step_kv = StepKV(past=[(past_key, past_value)], positions=torch.arange(past, past + window)[None])
         out, _ = step_attention(self, q, k, v, bias, head_dim**-0.5, step_kv=step_kv)  # [1, W, H, D]
         return out.reshape(1, window, heads * head_dim), k, v
 

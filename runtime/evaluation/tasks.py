@@ -77,19 +77,18 @@ def read_jsonl(path: str | Path, limit: int, from_end: bool = False) -> list[tup
     if not path.is_file():
         raise DataError(f"{path} not found")
     opener = gzip.open if path.suffix == ".gz" else open
-    lines = []  # (line number, text) of the non-empty lines, in file order
+    lines = []  # (line number, record index, text) of the non-empty lines, in file order
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if len(lines) == limit and not from_end:
                     break
                 if line.strip():
-                    lines.append((number, line))
+                    lines.append((number, len(lines), line))
     except (UnicodeDecodeError, OSError, EOFError) as e:
         raise DataError(f"{path}: not a JSON-lines file ({e})") from e
-    indexed = [(number, index, line) for index, (number, line) in enumerate(lines)]
     records = []
-    for number, index, line in (indexed[-limit:] if from_end else indexed):
+    for number, index, line in (lines[-limit:] if from_end else lines):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:

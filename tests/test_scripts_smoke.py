@@ -171,8 +171,9 @@ def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
     assert [r["ratio_to_first"] for r in rows[0::2]] == [1.0] * 4
     for row in rows[:4]:  # the op breakdown is taken at the first past
         assert row["ops"]["MatMul"]["nodes"] > 0 and abs(sum(o["share"] for o in row["ops"].values()) - 1) < 1e-6
+        assert 0 < row["profiled_ms"] <= row["profiled_run_ms"]  # the kernels run inside the profiled run
     assert all(not row["ops"] for row in rows[4:])
-    assert "| op type | nodes | ms/step | share |" in stdout
+    assert "| op type | nodes | ms/step | share |" in stdout and "outside kernels)" in stdout
 
 
 def test_demo_on_another_bundle(smoke_model):

@@ -42,6 +42,9 @@ class ServerLimits:
         max_prompt_tokens: longest prompt in tokens (None: as much as the context allows).
         max_tokens: largest ``max_tokens`` a request may ask for.
         default_max_tokens: ``max_tokens`` of a request that sets none (cut to the context left).
+
+    Raises:
+        ValueError: a limit below 1, or ``default_max_tokens`` above ``max_tokens``.
     """
 
     max_body_bytes: int = 1 << 20
@@ -55,6 +58,10 @@ class ServerLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.default_max_tokens > self.max_tokens:  # else a request that sets none would pass the limit
+            raise ValueError(f"the default max_tokens ({self.default_max_tokens}, --default-max-tokens) is above the "
+                             f"largest one accepted ({self.max_tokens}, --max-tokens-limit): lower the first or raise "
+                             "the second")
 
 
 @dataclass

@@ -50,3 +50,6 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
     assert main([str(tmp_path), "--tau", "0.5", "--tau-min", "0.9"]) == 2
     assert "--tau-min" in capsys.readouterr().err
+    assert main([str(tmp_path), "--max-tokens-limit", "64", "--default-max-tokens", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "--default-max-tokens" in err and "--max-tokens-limit" in err and err.count("\n") == 1

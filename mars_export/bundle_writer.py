@@ -13,8 +13,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import onnxruntime as ort
-
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import check_parity, measure_parity, parity_prompts
@@ -27,7 +25,7 @@ from runtime.bundle import (
     BundleConfig,
     BundleError,
 )
-from runtime.backends.onnx import PROVIDERS, OnnxBackend
+from runtime.backends.onnx import PROVIDERS, OnnxBackend, ort
 
 
 def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str = "float32") -> BundleConfig:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
+from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import BundleError
 
 FP32_PARITY_TOL = 1e-3
@@ -86,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{block}" + (f", --window {args.window}" if args.window is not None else ""), file=sys.stderr)
         return 2
     _log_choice(f"block size {block}", block_origin, "--block")
-    from mars_export.bundle_writer import (
-        write_bundle,  # torch import: after argument errors
-    )
+    try:  # torch and onnxruntime imports: after argument errors
+        from mars_export.bundle_writer import write_bundle
+    except OnnxRuntimeMissing as e:  # installed with [export] but without [cpu] or [gpu]
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from mars_export.model_source import load_model
     from mars_export.parity import ParityError
 

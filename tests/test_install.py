@@ -58,6 +58,7 @@ CLIS = {
                 'runpy.run_module("runtime.generate", run_name="__main__")',
     "serve": 'import runpy; sys.argv = ["serve", "bundle"]; runpy.run_module("runtime.serve", run_name="__main__")',
     "mars-eval": 'from runtime.evaluation.cli import main; sys.exit(main(["bundle", "--gsm8k", "test.jsonl"]))',
+    "mars-export": 'from mars_export.cli import main; sys.exit(main(["default", "-o", "bundle", "--block", "4"]))',
 }
 
 

@@ -157,6 +157,15 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     assert not (tmp_path / "peers" / "ckpt").exists()
 
 
+def test_bench_peers_quantize_gguf_needs_the_f32_file(tmp_path):
+    """quantize-gguf stops before loading llama.cpp when its F32 input is missing, naming the file and the fix."""
+    done = subprocess.run([sys.executable, "bench/peers.py", "quantize-gguf", "--type", "q4_1", "--input",
+                           str(tmp_path / "m.f32.gguf"), "--out", str(tmp_path / "m.q4_1.gguf")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2 and f"--input {tmp_path / 'm.f32.gguf'} is no file" in done.stderr
+    assert "convert_hf_to_gguf.py --outtype f32" in done.stderr and not list(tmp_path.iterdir())
+
+
 def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
     """Two bundles interleaved over pasts x windows: per-row times and ratios, the op breakdown at the first past."""
     _, bundle = smoke_model

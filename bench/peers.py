@@ -16,7 +16,7 @@ Every engine is fed the same prompt token ids (the bundle's chat template, GSM8K
 questions and HumanEval prompts alternating, from $MARS_SHARED_DATA, else ../shared/data beside
 the checkout), greedy, fp32 (plus llama.cpp Q8_0, Q4_0 and Q4_1 and our int8 / int4 bundles,
 tagged rows of ``ours``; Q8_0 is our int8's scheme and Q4_1 the blocks our int4 bundle of the
-default model imports), the same thread count.
+default model imports, and the report gives our AR speed against each), the same thread count.
 Prompts run in static chunks of the batch size (the same workload for every engine; ours gets
 no continuous-batching refill). Per chunk: time to first token
 (TTFT: until every sequence of the chunk has its first token; transformers and optimum
@@ -386,7 +386,7 @@ def unused_token_id(settings: dict) -> int:
 # llama.cpp's rows: (variant, GGUF type of ``{stem}.{type}.gguf``, with prompt-lookup drafts). f32 and q8_0 come
 # from convert_hf_to_gguf.py, q4_0 and q4_1 from llama.cpp's own quantizer on the f32 file (quantize_gguf).
 # q8_0 is the scheme of our --int8 bundle. q4_1 holds the kind of weights our --int4 bundle of the default model
-# imports from its GGUF, the closest like-for-like row for it: for default-mars both are
+# imports from its GGUF, the closest like-for-like row for it (see LIKE_FOR_LIKE): for default-mars both are
 # 210 Q4_1 linear weights and a Q8_0 tied head (llama.cpp falls back from Q6_K: 576 columns are no multiple of
 # 256). Not the same bits: this file quantizes the merged MARS weights, ours keeps the GGUF's blocks and the
 # LoRA adapter as a float32 side path.
@@ -556,8 +556,46 @@ def compare_to_reference(rows: list[dict]) -> None:
         row["common_prefix_mean"] = sum(prefixes) / len(prefixes)
 
 
+# Our quantized AR against llama.cpp on the same kind of weights: (variant of ours, variant of llamacpp).
+# Q8_0 is our --int8 scheme (symmetric blocks of 32); Q4_1 (blocks of 32 with a minimum) is what our --int4
+# bundle of the default model imports from its GGUF.
+LIKE_FOR_LIKE = (("int8 ar", "gguf q8_0"), ("int4 ar", "gguf q4_1"))
+
+
+def like_for_like(rows: list[dict]) -> list[dict]:
+    """Speed ratios ours / llama.cpp for each pair of :data:`LIKE_FOR_LIKE` at each batch size both ran (status ok).
+
+    Returns dicts with ``ours``, ``llamacpp`` (variant names), ``batch_size``, ``tokens_per_second_ratio``
+    (end to end) and ``decode_tokens_per_second_ratio`` (None when a decode speed is missing); above 1:
+    ours is faster. Pairs of which a side did not run are left out.
+    """
+    ok = {(r["engine"], r["variant"], r["batch_size"]): r for r in rows if r["status"] == OK}
+    batch_sizes = sorted({r["batch_size"] for r in rows if r["batch_size"]})
+    pairs = []
+    for ours, peer in LIKE_FOR_LIKE:
+        for bs in batch_sizes:
+            mine, theirs = ok.get(("ours", ours, bs)), ok.get(("llamacpp", peer, bs))
+            if mine is None or theirs is None:
+                continue
+            decode = (mine["decode_tokens_per_second"], theirs["decode_tokens_per_second"])
+            pairs.append({"ours": ours, "llamacpp": peer, "batch_size": bs,
+                          "tokens_per_second_ratio": mine["tokens_per_second"] / theirs["tokens_per_second"],
+                          "decode_tokens_per_second_ratio": decode[0] / decode[1] if all(decode) else None})
+    return pairs
+
+
+def like_for_like_lines(pairs: list[dict]) -> str:
+    """One Markdown list line per :func:`like_for_like` pair."""
+    lines = []
+    for p in pairs:
+        decode = f"{p['decode_tokens_per_second_ratio']:.2f}x" if p["decode_tokens_per_second_ratio"] else "-"
+        lines.append(f"- ours {p['ours']} / llamacpp {p['llamacpp']}, batch {p['batch_size']}: "
+                     f"{p['tokens_per_second_ratio']:.2f}x end-to-end tok/s, {decode} decode tok/s")
+    return "\n".join(lines)
+
+
 def report(args) -> None:
-    """Merge DIR/rows-*.json into peers.json/csv/png under --out and print a Markdown table."""
+    """Merge DIR/rows-*.json into peers.json/csv/png under --out; print a Markdown table and the ratios to llama.cpp."""
     settings = json.loads((args.work / "prompts.json").read_text())
     parts = [json.loads(path.read_text()) for path in rows_files(args.work)]
     stale = [p["engine"] for p in parts if p["info"].get("settings", run_key(settings)) != run_key(settings)]
@@ -569,15 +607,18 @@ def report(args) -> None:
     if len(counts) > 1:
         raise SystemExit(f"error: engines consumed different prompt token counts: {sorted(counts)}")
     compare_to_reference(rows)
+    pairs = like_for_like(rows)
     meta = {"machine": machine_info(), "engines": {p["engine"]: p["info"] for p in parts},
             "setup_steps": read_setup_steps(args.work / "setup.tsv"),
             "prompts": [{"id": p["id"], "num_tokens": len(p["ids"])} for p in settings["prompts"]],
             **{k: settings[k] for k in ("bundle", "source_model", "max_new_tokens", "batch_sizes", "threads")}}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows, "like_for_like": pairs}, indent=1))
     write_csv(args.out / "peers.csv", rows)
     plot(rows, meta, args.out / "peers.png")
     print(markdown_table(rows, len(settings["prompts"])))
+    if pairs:
+        print("\nQuantized, ours / llama.cpp on the same kind of weights:\n" + like_for_like_lines(pairs))
 
 
 def read_setup_steps(path: Path) -> list[dict]:

@@ -9,14 +9,16 @@ runs the subcommands below, each engine in its own process and venv:
     python bench/peers.py prompts --work DIR [options]   # project venv: prompt ids + settings -> DIR/prompts.json
     python bench/peers.py run --engine E --work DIR --model PATH [--tag T]   # E's rows -> DIR/rows-E[-T].json
     python bench/peers.py record --engine E --work DIR --status S --log FILE [--tag T]   # could not install/run
+    python bench/peers.py quantize-gguf --type q4_0|q4_1 --input F32.gguf --out OUT.gguf   # llamacpp venv
     python bench/peers.py report --work DIR --out bench/results    # peers.{json,csv,png} + a Markdown table
 
 Every engine is fed the same prompt token ids (the bundle's chat template, GSM8K test
 questions and HumanEval prompts alternating, from $MARS_SHARED_DATA, else ../shared/data beside
-the checkout), greedy, fp32 (plus llama.cpp Q8_0 and our
-int8 / int4 bundles, tagged rows of ``ours``), the same thread count. Prompts run in static
-chunks of the batch size (the same workload for every engine; ours gets no continuous-batching
-refill). Per chunk: time to first token
+the checkout), greedy, fp32 (plus llama.cpp Q8_0, Q4_0 and Q4_1 and our int8 / int4 bundles,
+tagged rows of ``ours``; Q8_0 is our int8's scheme and Q4_1 the blocks our int4 bundle of the
+default model imports, and the report gives our AR speed against each), the same thread count.
+Prompts run in static chunks of the batch size (the same workload for every engine; ours gets
+no continuous-batching refill). Per chunk: time to first token
 (TTFT: until every sequence of the chunk has its first token; transformers and optimum
 measure it with a streamer, in the same ``generate`` call), then decode tokens/s (tokens
 after each sequence's first / time after TTFT) and end-to-end tokens/s. Each engine runs
@@ -381,21 +383,33 @@ def unused_token_id(settings: dict) -> int:
     return next(t for t in range(len(used) + 1) if t not in used)
 
 
-def run_llamacpp(settings: dict, model: str | None) -> tuple[list, dict]:
-    """llama.cpp through llama-cpp-python: F32 and Q8_0 GGUF, greedy; F32 with prompt-lookup decoding.
+# llama.cpp's rows: (variant, GGUF type of ``{stem}.{type}.gguf``, with prompt-lookup drafts). f32 and q8_0 come
+# from convert_hf_to_gguf.py, q4_0 and q4_1 from llama.cpp's own quantizer on the f32 file (quantize_gguf).
+# q8_0 is the scheme of our --int8 bundle. q4_1 holds the kind of weights our --int4 bundle of the default model
+# imports from its GGUF, the closest like-for-like row for it (see LIKE_FOR_LIKE): for default-mars both are
+# 210 Q4_1 linear weights and a Q8_0 tied head (llama.cpp falls back from Q6_K: 576 columns are no multiple of
+# 256). Not the same bits: this file quantizes the merged MARS weights, ours keeps the GGUF's blocks and the
+# LoRA adapter as a float32 side path.
+LLAMACPP_VARIANTS = (("gguf f32", "f32", False), ("gguf q8_0", "q8_0", False), ("gguf q4_0", "q4_0", False),
+                     ("gguf q4_1", "q4_1", False), ("gguf f32 + prompt lookup", "f32", True))
 
-    ``model`` is the GGUF stem: ``{model}.f32.gguf`` and ``{model}.q8_0.gguf``. Batch 1 only.
+
+def run_llamacpp(settings: dict, model: str | None) -> tuple[list, dict]:
+    """llama.cpp through llama-cpp-python: F32, Q8_0, Q4_0 and Q4_1 GGUF, greedy; F32 with prompt-lookup decoding.
+
+    ``model`` is the GGUF stem: ``{model}.{type}.gguf`` per type of :data:`LLAMACPP_VARIANTS`;
+    a missing file is a failed row of its variant. Batch 1 only.
     """
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    variants = [("gguf f32", f"{model}.f32.gguf", None), ("gguf q8_0", f"{model}.q8_0.gguf", None),
-                ("gguf f32 + prompt lookup", f"{model}.f32.gguf", LlamaPromptLookupDecoding)]
     rows = []
-    for name, path, draft in variants:
+    for name, gguf_type, is_lookup in LLAMACPP_VARIANTS:
+        path = f"{model}.{gguf_type}.gguf"
         if not Path(path).is_file():
             rows.append(status_row("llamacpp", name, None, FAILED, f"{path} not found (GGUF conversion failed?)"))
             continue
         try:
+            draft = LlamaPromptLookupDecoding if is_lookup else None
             rows += bench_variant("llamacpp", name, llamacpp_generate(path, draft, settings), settings, {1})
         except (ValueError, RuntimeError, OSError) as e:  # one variant failing leaves the others' rows
             rows.append(status_row("llamacpp", name, None, FAILED, first_line(e)))
@@ -433,6 +447,37 @@ def llamacpp_generate(path: str, draft, settings: dict):
         return Chunk([cut_at_eos(out, eos, max_new)], seconds, first - start, len(evals) - num_prompt_evals + 1,
                      [consumed])
     return generate
+
+
+GGUF_QUANTIZED_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}  # --type: llama_ftype
+
+
+def quantize_gguf(args) -> None:
+    """llamacpp venv: quantize an F32 GGUF to ``--type`` with llama.cpp's own quantizer, as llama-quantize does.
+
+    ``llama_model_quantize`` with ``llama_model_quantize_default_params()``: the 2-D weights in
+    blocks of 32 of that type, llama.cpp's own choice for the (tied) output head (Q6_K, or
+    Q8_0 where a row is no multiple of 256), 1-D tensors kept F32; it logs each tensor's type.
+    Writes ``OUT.partial`` and renames it to ``OUT`` when complete, so a file at ``OUT`` is
+    always whole. Stops with an error when llama.cpp reports a failure (its reason is in the
+    log above it).
+    """
+    import ctypes
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, GGUF_QUANTIZED_TYPES[args.type])
+    partial = args.out.with_name(args.out.name + ".partial")
+    start = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(args.input).encode(), str(partial).encode(), ctypes.byref(params))
+    if rc != 0:
+        partial.unlink(missing_ok=True)
+        raise SystemExit(f"error: llama_model_quantize {args.input} -> {args.type} returned {rc} "
+                         "(the reason is in the log above)")
+    os.replace(partial, args.out)
+    print(f"{args.input} -> {args.out} ({args.type}, {args.out.stat().st_size / 2**20:.1f} MiB, "
+          f"{time.perf_counter() - start:.0f} s)")
 
 
 RUNNERS = {"ours": run_ours, "transformers": run_transformers, "ortgenai": run_ortgenai,
@@ -511,8 +556,46 @@ def compare_to_reference(rows: list[dict]) -> None:
         row["common_prefix_mean"] = sum(prefixes) / len(prefixes)
 
 
+# Our quantized AR against llama.cpp on the same kind of weights: (variant of ours, variant of llamacpp).
+# Q8_0 is our --int8 scheme (symmetric blocks of 32); Q4_1 (blocks of 32 with a minimum) is what our --int4
+# bundle of the default model imports from its GGUF.
+LIKE_FOR_LIKE = (("int8 ar", "gguf q8_0"), ("int4 ar", "gguf q4_1"))
+
+
+def like_for_like(rows: list[dict]) -> list[dict]:
+    """Speed ratios ours / llama.cpp for each pair of :data:`LIKE_FOR_LIKE` at each batch size both ran (status ok).
+
+    Returns dicts with ``ours``, ``llamacpp`` (variant names), ``batch_size``, ``tokens_per_second_ratio``
+    (end to end) and ``decode_tokens_per_second_ratio`` (None when a decode speed is missing); above 1:
+    ours is faster. Pairs of which a side did not run are left out.
+    """
+    ok = {(r["engine"], r["variant"], r["batch_size"]): r for r in rows if r["status"] == OK}
+    batch_sizes = sorted({r["batch_size"] for r in rows if r["batch_size"]})
+    pairs = []
+    for ours, peer in LIKE_FOR_LIKE:
+        for bs in batch_sizes:
+            mine, theirs = ok.get(("ours", ours, bs)), ok.get(("llamacpp", peer, bs))
+            if mine is None or theirs is None:
+                continue
+            decode = (mine["decode_tokens_per_second"], theirs["decode_tokens_per_second"])
+            pairs.append({"ours": ours, "llamacpp": peer, "batch_size": bs,
+                          "tokens_per_second_ratio": mine["tokens_per_second"] / theirs["tokens_per_second"],
+                          "decode_tokens_per_second_ratio": decode[0] / decode[1] if all(decode) else None})
+    return pairs
+
+
+def like_for_like_lines(pairs: list[dict]) -> str:
+    """One Markdown list line per :func:`like_for_like` pair."""
+    lines = []
+    for p in pairs:
+        decode = f"{p['decode_tokens_per_second_ratio']:.2f}x" if p["decode_tokens_per_second_ratio"] else "-"
+        lines.append(f"- ours {p['ours']} / llamacpp {p['llamacpp']}, batch {p['batch_size']}: "
+                     f"{p['tokens_per_second_ratio']:.2f}x end-to-end tok/s, {decode} decode tok/s")
+    return "\n".join(lines)
+
+
 def report(args) -> None:
-    """Merge DIR/rows-*.json into peers.json/csv/png under --out and print a Markdown table."""
+    """Merge DIR/rows-*.json into peers.json/csv/png under --out; print a Markdown table and the ratios to llama.cpp."""
     settings = json.loads((args.work / "prompts.json").read_text())
     parts = [json.loads(path.read_text()) for path in rows_files(args.work)]
     stale = [p["engine"] for p in parts if p["info"].get("settings", run_key(settings)) != run_key(settings)]
@@ -524,15 +607,18 @@ def report(args) -> None:
     if len(counts) > 1:
         raise SystemExit(f"error: engines consumed different prompt token counts: {sorted(counts)}")
     compare_to_reference(rows)
+    pairs = like_for_like(rows)
     meta = {"machine": machine_info(), "engines": {p["engine"]: p["info"] for p in parts},
             "setup_steps": read_setup_steps(args.work / "setup.tsv"),
             "prompts": [{"id": p["id"], "num_tokens": len(p["ids"])} for p in settings["prompts"]],
             **{k: settings[k] for k in ("bundle", "source_model", "max_new_tokens", "batch_sizes", "threads")}}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows, "like_for_like": pairs}, indent=1))
     write_csv(args.out / "peers.csv", rows)
     plot(rows, meta, args.out / "peers.png")
     print(markdown_table(rows, len(settings["prompts"])))
+    if pairs:
+        print("\nQuantized, ours / llama.cpp on the same kind of weights:\n" + like_for_like_lines(pairs))
 
 
 def read_setup_steps(path: Path) -> list[dict]:
@@ -629,6 +715,10 @@ def main() -> None:
     ps.add_argument("--status", required=True)
     ps.add_argument("--log", default=None, help="log whose key error line is recorded")
     ps.add_argument("--error", default="")
+    pq = sub.add_parser("quantize-gguf", help="quantize an F32 GGUF with llama.cpp's quantizer (llamacpp venv)")
+    pq.add_argument("--type", required=True, choices=sorted(GGUF_QUANTIZED_TYPES))
+    pq.add_argument("--input", type=Path, required=True, help="the F32 GGUF (convert_hf_to_gguf.py --outtype f32)")
+    pq.add_argument("--out", type=Path, required=True)
     po = sub.add_parser("report", help="merge rows into peers.{json,csv,png}, print a Markdown table")
     po.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     for sp in (pr, ps):
@@ -640,7 +730,10 @@ def main() -> None:
         p.error(f"--tag must be lowercase letters and digits, got {args.tag!r}")
     if args.command == "prompts" and (args.num_prompts < 1 or min(args.batch_sizes) < 1 or args.max_new_tokens < 1):
         p.error("--num-prompts, --batch-sizes and --max-new-tokens must be >= 1")
-    {"prompts": prepare_prompts, "checkpoint": write_checkpoint, "run": run_engine, "record": record_status, "report": report}[args.command](args)
+    if args.command == "quantize-gguf" and not args.input.is_file():
+        p.error(f"--input {args.input} is no file: make the F32 GGUF first (convert_hf_to_gguf.py --outtype f32)")
+    {"prompts": prepare_prompts, "checkpoint": write_checkpoint, "run": run_engine, "record": record_status,
+     "report": report, "quantize-gguf": quantize_gguf}[args.command](args)
 
 
 if __name__ == "__main__":

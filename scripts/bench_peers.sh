@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Peer benchmark in one command (GitHub issue 6, item 1): our runtime against transformers,
 # ONNX Runtime GenAI, llama.cpp (llama-cpp-python) and optimum on the same weights, prompts,
-# precision and thread count, batch 1 and 4; our int8 / int4 bundles against llama.cpp Q8_0. Writes bench/results/peers.{json,csv,png} and
-# prints a Markdown table.
+# precision and thread count, batch 1 and 4; our int8 / int4 bundles against llama.cpp's Q8_0 / Q4_1 (Q4_0 too),
+# GGUFs of the same checkpoint. Writes bench/results/peers.{json,csv,png} and prints a Markdown table.
 #
 #   scripts/bench_peers.sh [--num-prompts 8] [--max-new-tokens 128] [--batch-sizes 1 4] [--threads N]
 #
@@ -22,9 +22,13 @@
 # Each peer gets its own venv with exact pins (their pins conflict with the project's).
 # Everything slow happens once and is reused: a venv is reinstalled only when its pins
 # change; the HF checkpoint, GenAI model, optimum export and GGUF files are kept (delete
-# them to redo). llama-cpp-python ships only a source distribution: it compiles llama.cpp
-# (10-30 min on 2 cores). A peer that cannot be installed or run becomes a row with its
-# status and the key line of its log. Setup and run logs: $PEER_ENVS/logs.
+# them to redo). GGUFs: F32 and Q8_0 from convert_hf_to_gguf.py, Q4_0 and Q4_1 from llama.cpp's
+# own quantizer on the F32 file (bench/peers.py quantize-gguf, in the llamacpp venv). Q8_0 is
+# our int8 bundle's scheme; Q4_1 holds the kind of weights our int4 bundle of the default model
+# imports from its GGUF (Q4_1 blocks): the closest like-for-like row for it. llama-cpp-python
+# ships only a source distribution: it compiles llama.cpp (10-30 min on 2 cores). A peer that
+# cannot be installed or run becomes a row with its status and the key line of its log. Setup
+# and run logs: $PEER_ENVS/logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -144,6 +148,11 @@ peer_llamacpp() {
         [ -f "$stem.$type.gguf" ] || step "convert gguf $type" "$LOGS/gguf-$type.log" "$PEER_ENVS/gguf-convert/bin/python" \
             "$LLAMACPP_SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$CKPT" --outtype "$type" --outfile "$stem.$type.gguf" \
             || true  # a missing file becomes a failed row of that variant
+    done
+    for type in q4_0 q4_1; do  # llama.cpp's quantizer (llama_model_quantize) on the F32 GGUF
+        [ -f "$stem.$type.gguf" ] || [ ! -f "$stem.f32.gguf" ] || step "quantize gguf $type" "$LOGS/gguf-$type.log" \
+            "$venv/bin/python" bench/peers.py quantize-gguf --type "$type" --input "$stem.f32.gguf" \
+            --out "$stem.$type.gguf" || true  # likewise; no F32 file: no step, a failed row
     done
     run_engine llamacpp "$venv/bin/python" --model "$stem"
 }

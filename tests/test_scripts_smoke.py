@@ -157,6 +157,39 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     assert not (tmp_path / "peers" / "ckpt").exists()
 
 
+def test_bench_peers_like_for_like_ratios():
+    """Our int8 / int4 AR over llama.cpp's Q8_0 / Q4_1 rows at the batch sizes both ran; pairs with a side
+    that did not run (failed, not supported, absent) are left out; a missing decode speed gives no decode ratio."""
+    peers = load_script(ROOT / "bench" / "peers.py")
+
+    def row(engine, variant, bs, tps, decode=None, status="ok"):
+        return {"engine": engine, "variant": variant, "batch_size": bs, "status": status,
+                "tokens_per_second": tps, "decode_tokens_per_second": decode}
+    rows = [row("ours", "int8 ar", 1, 60.0, 80.0), row("ours", "int8 ar", 4, 150.0, 200.0),
+            row("ours", "int4 ar", 1, 45.0), row("ours", "ar", 1, 50.0, 70.0),
+            row("llamacpp", "gguf q8_0", 1, 120.0, 100.0), row("llamacpp", "gguf q4_1", 1, 90.0, 95.0),
+            row("llamacpp", "gguf q8_0", 4, None, status="not supported"),
+            row("llamacpp", "gguf q4_0", 1, None, status="failed")]
+    pairs = peers.like_for_like(rows)
+    assert pairs == [{"ours": "int8 ar", "llamacpp": "gguf q8_0", "batch_size": 1, "tokens_per_second_ratio": 0.5,
+                      "decode_tokens_per_second_ratio": 0.8},
+                     {"ours": "int4 ar", "llamacpp": "gguf q4_1", "batch_size": 1, "tokens_per_second_ratio": 0.5,
+                      "decode_tokens_per_second_ratio": None}]
+    assert peers.like_for_like_lines(pairs).splitlines() == [
+        "- ours int8 ar / llamacpp gguf q8_0, batch 1: 0.50x end-to-end tok/s, 0.80x decode tok/s",
+        "- ours int4 ar / llamacpp gguf q4_1, batch 1: 0.50x end-to-end tok/s, - decode tok/s"]
+    assert peers.like_for_like([r for r in rows if r["engine"] == "ours"]) == []
+
+
+def test_bench_peers_quantize_gguf_needs_the_f32_file(tmp_path):
+    """quantize-gguf stops before loading llama.cpp when its F32 input is missing, naming the file and the fix."""
+    done = subprocess.run([sys.executable, "bench/peers.py", "quantize-gguf", "--type", "q4_1", "--input",
+                           str(tmp_path / "m.f32.gguf"), "--out", str(tmp_path / "m.q4_1.gguf")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2 and f"--input {tmp_path / 'm.f32.gguf'} is no file" in done.stderr
+    assert "convert_hf_to_gguf.py --outtype f32" in done.stderr and not list(tmp_path.iterdir())
+
+
 def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
     """Two bundles interleaved over pasts x windows: per-row times and ratios, the op breakdown at the first past."""
     _, bundle = smoke_model

@@ -304,3 +304,29 @@ def test_gpu_check(tmp_path):
     python("bench/gpu_check.py", "--num-prompts", "1", "--max-new-tokens", "8", "--work", tmp_path / "bundles",
            "--out", tmp_path / "gpu_check.json")
     assert json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_matmul_kernels_times_all_the_step_weights_in_every_format(smoke_model, tmp_path):
+    """One weights-only step per (format, M), over every constant MatMul weight of the graph, tied head included."""
+    import onnx
+
+    _, bundle = smoke_model
+    stdout = python("bench/matmul_kernels.py", bundle, "--formats", "fp32", "int8-32", "int4-16", "--rows", "1", "2",
+                    "--repeats", "2", "--stream-mib", "8", "--threads", "1", "--out", tmp_path, "--name", "k")
+    result = assert_results(tmp_path, "k")
+    graph = onnx.load(bundle / "model.onnx").graph
+    constant = {t.name for t in graph.initializer}
+    constant |= {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in constant}
+    num_matmuls = sum(n.op_type == "MatMul" and n.input[1] in constant for n in graph.node)
+    assert sum(s["count"] for s in result["shapes"]) == num_matmuls > 0
+    assert [(r["format"], r["rows"]) for r in result["rows"]] == \
+        [(f, m) for f in ("fp32", "int8-32", "int4-16") for m in (1, 2)]
+    fp32_bytes = sum(s["count"] * s["K"] * s["N"] * 4 for s in result["shapes"])
+    int8_bytes = sum(s["count"] * s["N"] * (s["K"] + 4 * -(-s["K"] // 32)) for s in result["shapes"])
+    assert result["rows"][0]["weight_gb"] * 1e9 == pytest.approx(fp32_bytes)
+    assert result["rows"][2]["weight_gb"] * 1e9 == pytest.approx(int8_bytes)
+    assert all(r["step_weights_ms"] > 0 and r["gbs"] > 0 and r["fraction_of_stream"] > 0 for r in result["rows"])
+    assert "| format | M | weights GB |" in stdout
+    done = subprocess.run([sys.executable, "bench/matmul_kernels.py", bundle, "--formats", "int3-32"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1 and "unknown format 'int3-32'" in done.stderr

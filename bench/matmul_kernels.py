@@ -1,0 +1,237 @@
+"""How fast onnxruntime's CPU kernels read a decode step's weights, alone, beside STREAM.
+
+    python bench/matmul_kernels.py BUNDLE [--formats fp32 int8-32 int8-128 int4-32 int4-128] [--rows 1 4]
+                                   [--threads N] [--repeats 20] [--stream-mib 512]
+                                   [--out bench/results] [--name matmul_kernels]
+
+Dimension letters: M rows of the activation (B·W of a decode step; ``--rows``), K input and N
+output features of one weight, NB = ceil(K / block) blocks. Times in ms, bytes in decimal GB
+(1e9), bandwidth in GB/s.
+
+A decode step at batch 1 is a chain of matrix-vector products over the weights; whatever else
+it does, it cannot be faster than its kernels reading those weights. This script measures that
+floor for each weight format the exporter can write:
+
+- ``fp32``: ``MatMul`` over a float32 [K, N] weight (4 bytes a weight);
+- ``int8-S`` / ``int4-S``: ``com.microsoft::MatMulNBits`` with ``bits`` 8 / 4, symmetric blocks of
+  S weights along K (no zero points, a float32 scale per block) at ``accuracy_level`` 4, the
+  setting ``mars-export --int8 / --int4`` writes (bits / 8 + 4 / S bytes a weight).
+
+The shapes are the bundle's: every constant weight [K, N] of its MatMul (or MatMulNBits) nodes,
+fused projections and the output head (tied or not) included. Per format, one graph holds
+**all** of them, each with its own random weights (values do not change a kernel's speed) and
+fed by one input x_K [M, K] per distinct K, so that, as in a real step, the weights stream from
+memory instead of staying in cache. Its median wall time over ``--repeats`` runs at
+``--threads`` is the **weights-only step**: the least time a step of M rows could take with
+these kernels. Bytes read / that time is compared with the STREAM copy and triad at the same
+thread count (``bench/scaling.py``).
+
+Writes {name}.json (machine, STREAM, shapes, rows), {name}.csv (one row per format and M)
+and {name}.png (bandwidth per format and M against STREAM) to --out, and prints a Markdown
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from runtime import bundle
+from scaling import GB, machine_info, stream_bandwidth  # bench/ is on the path when this file runs as a script
+
+FORMAT = re.compile(r"^(fp32|int(8|4)-(\d+))$")
+QUANT_OP = "MatMulNBits"
+
+
+def weight_shapes(onnx_path: Path) -> collections.Counter:
+    """(K, N) -> how many MatMul / MatMulNBits nodes of the graph multiply by a constant weight of that shape
+    (a weight may be an initializer or the Transpose of one, as a tied output head is).
+
+    Raises:
+        ValueError: the graph has no such node.
+    """
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    dims = {t.name: tuple(t.dims) for t in graph.initializer}
+    for node in graph.node:  # a transposed constant is a constant (onnxruntime folds it)
+        if node.op_type == "Transpose" and len(dims.get(node.input[0], ())) == 2:
+            dims[node.output[0]] = dims[node.input[0]][::-1]
+    shapes = collections.Counter()
+    for node in graph.node:
+        if node.op_type == "MatMul" and len(dims.get(node.input[1], ())) == 2:
+            shapes[dims[node.input[1]]] += 1
+        elif node.op_type == QUANT_OP:
+            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            shapes[(attributes["K"], attributes["N"])] += 1
+    if not shapes:
+        raise ValueError(f"{onnx_path} has no MatMul with a constant 2-D weight; is it a bundle's step graph?")
+    return shapes
+
+
+def parse_format(name: str) -> tuple[int, int]:
+    """``fp32`` -> (32, 0); ``intB-S`` -> (B, S). Raises ValueError naming the accepted forms."""
+    match = FORMAT.match(name)
+    if not match:
+        raise ValueError(f"unknown format {name!r}: use fp32, int8-S or int4-S (S a block size such as 32 or 128)")
+    if match.group(1) == "fp32":
+        return 32, 0
+    block = int(match.group(3))
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"{name}: the block size must be a power of 2 >= 16 (MatMulNBits), got {block}")
+    return int(match.group(2)), block
+
+
+def weights_graph(shapes: collections.Counter, bits: int, block: int, rng: np.random.Generator
+                  ) -> tuple[onnx.ModelProto, int]:
+    """One graph of every weight in ``shapes`` (count copies of each), and the bytes of its weights.
+
+    Inputs x_K float32 [M, K], one per distinct K; one output y_i [M, N] per weight. ``bits`` 32:
+    float32 MatMul over [K, N]; 8 or 4: symmetric MatMulNBits with ``block`` weights per block
+    (codes uint8 [N, NB, block · bits / 8], scales float32 [N, NB]), accuracy level 4.
+    """
+    nodes, arrays, outputs = [], {}, []
+    for (k, n), count in sorted(shapes.items()):
+        for copy in range(count):
+            name = f"w{k}x{n}_{copy}"
+            if bits == 32:
+                arrays[name] = rng.standard_normal((k, n), dtype=np.float32)
+                nodes.append(helper.make_node("MatMul", [f"x{k}", name], [f"y_{name}"]))
+            else:
+                blocks = -(-k // block)
+                arrays[name] = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
+                arrays[f"{name}_scales"] = rng.random((n, blocks), dtype=np.float32) / 64
+                nodes.append(helper.make_node(QUANT_OP, [f"x{k}", name, f"{name}_scales"], [f"y_{name}"],
+                                              domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
+                                              accuracy_level=4))
+            outputs.append(helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, ["M", n]))
+    inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, ["M", k]) for k in sorted({k for k, _ in shapes})]
+    weights = [numpy_helper.from_array(array, name) for name, array in arrays.items()]
+    model = helper.make_model(helper.make_graph(nodes, "weights_only_step", inputs, outputs, weights),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return model, sum(array.nbytes for array in arrays.values())
+
+
+def time_graph(model: onnx.ModelProto, rows: int, threads: int, repeats: int, rng: np.random.Generator) -> float:
+    """Median wall ms of one run at M = ``rows`` (after two warm-up runs)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {i.name: rng.standard_normal((rows, i.type.tensor_type.shape.dim[1].dim_value), dtype=np.float32)
+             for i in model.graph.input}
+    for _ in range(2):
+        session.run(None, feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1000
+
+
+def run(args) -> dict:
+    """All measurements: {"meta", "stream", "shapes", "rows"}."""
+    rng = np.random.default_rng(0)
+    config = bundle.load_config(args.bundle)
+    shapes = weight_shapes(args.bundle / config.onnx_file)
+    stream = stream_bandwidth(args.threads, args.stream_mib, 3)
+    reference = max(stream["copy_gbs"], stream["triad_gbs"])
+    rows = []
+    for name in args.formats:
+        bits, block = parse_format(name)
+        model, nbytes = weights_graph(shapes, bits, block, rng)
+        for m in args.rows:
+            ms = time_graph(model, m, args.threads, args.repeats, rng)
+            gbs = nbytes / (ms / 1000) / GB
+            rows.append({"format": name, "rows": m, "weight_gb": nbytes / GB, "step_weights_ms": ms, "gbs": gbs,
+                         "fraction_of_stream": gbs / reference})
+            print(f"{name} M={m}: {ms:.2f} ms for {nbytes / GB:.3f} GB, {gbs:.1f} GB/s", flush=True)
+        del model
+    meta = {"command": "python bench/matmul_kernels.py " + " ".join(sys.argv[1:]), "bundle": str(args.bundle),
+            "threads": args.threads, "repeats": args.repeats, "machine": machine_info(),
+            "loadavg_end": os.getloadavg()}
+    return {"meta": meta, "stream": stream, "shapes": [{"K": k, "N": n, "count": c} for (k, n), c in shapes.items()],
+            "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    """The weights-only step per format and M."""
+    stream = result["stream"]
+    lines = [f"STREAM at {stream['threads']} thread(s): copy {stream['copy_gbs']:.1f} GB/s, triad "
+             f"{stream['triad_gbs']:.1f} GB/s", "",
+             "| format | M | weights GB | weights-only step ms | GB/s | of STREAM |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['rows']} | {r['weight_gb']:.3f} | {r['step_weights_ms']:.2f} | {r['gbs']:.1f} | "
+              f"{r['fraction_of_stream']:.2f} |" for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def write(result: dict, out: Path, name: str) -> None:
+    """{name}.json, {name}.csv and {name}.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    plot(result, out / f"{name}.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Weights-only step bandwidth per format, one bar group per M, STREAM as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    formats = list(dict.fromkeys(r["format"] for r in result["rows"]))
+    ms = list(dict.fromkeys(r["rows"] for r in result["rows"]))
+    gbs = {(r["format"], r["rows"]): r["gbs"] for r in result["rows"]}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(ms)
+    for i, m in enumerate(ms):
+        ax.bar([f + i * width for f in range(len(formats))], [gbs[(f, m)] for f in formats], width, label=f"M = {m}")
+    stream = result["stream"]
+    ax.axhline(max(stream["copy_gbs"], stream["triad_gbs"]), color="k", linestyle="--",
+               label=f"STREAM, {stream['threads']} thread(s)")
+    ax.set_xticks([f + width * (len(ms) - 1) / 2 for f in range(len(formats))], formats)
+    ax.set(title="weights-only decode step: bytes read / kernel time", ylabel="GB/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle", type=Path, help="bundle directory whose weight shapes are measured")
+    p.add_argument("--formats", nargs="+", default=["fp32", "int8-32", "int8-128", "int4-32", "int4-128"],
+                   help="weight formats: fp32, int8-S, int4-S (S the block size)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="activation rows M (B x W)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per (format, M)")
+    p.add_argument("--stream-mib", type=int, default=512, help="STREAM array size in MiB")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="matmul_kernels", help="stem of the output files")
+    args = p.parse_args()
+    if min(args.rows) < 1 or args.repeats < 1 or args.stream_mib < 1 or not 1 <= args.threads <= 256:
+        p.error("--rows, --repeats and --stream-mib must be >= 1, --threads in 1..256")
+    try:
+        for name in args.formats:
+            parse_format(name)
+        result = run(args)
+    except (ValueError, bundle.BundleError) as e:
+        sys.exit(f"error: {e}")
+    write(result, args.out, args.name)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,13 +12,17 @@ computes, with s = ReduceSum of x reshaped to [..., NB, 32] and one MatMul for e
     out_p = [s | x @ L_p] @ [mᵀ ; Rm_p]     per piece p (one part, or neighbouring parts alike)
     y     = MatMulNBits(x) + Concat_p(out_p)
 
-Why this form (BENCHMARKS.md / GitHub issue 11): at one thread the side path costs the bytes of
-its float32 weights plus roughly a microsecond or two per node, and bytes dominate. The first
-form, ``(x @ [S | L]) @ R`` with S the 0/1 block indicator [K, NB] and one R for all parts, was
-two MatMuls but read S (K·NB floats, 12.6 MB per default-mars step), the padding of
-``[S | L]`` to 16 columns in onnxruntime's packed layout, and the zero rows where one part's
-rank-r rows met another part's columns (9.6 MB). This form reads only mᵀ and the terms, at
-the price of Reshape, ReduceSum, Split and Concat nodes.
+Why this form (GitHub issue 11): at one thread a side path costs the bytes of its float32
+weights plus about a microsecond per node. The first form, ``(x @ [S | L]) @ R`` with S the
+0/1 block indicator [K, NB] and one R for all parts, was two MatMuls but read S (12.6 MB per
+default-mars step), the padding of ``[S | L]`` to 16 columns in onnxruntime's packed layout,
+and zero rows where one part's rank-r rows met another part's columns (9.6 MB). This form
+reads only mᵀ and the terms (22 MB less per step) at the price of Reshape, ReduceSum, Split
+and Concat nodes; default-mars' step took 0.92x (W = 1) / 0.96x (W = 4) of the first form's
+CPU time. Measured and not kept (whole step, W = 1, against the first form): the block sums
+as NB extra rows of the MatMulNBits itself (codes 0/1, scale 1) with one R, 0.98x, or per
+part, 0.97x; the minima as their own MatMul (s @ mᵀ) beside one R for the terms, 1.0x, or
+beside per-part terms, 0.97-1.0x.
 """
 
 from __future__ import annotations

@@ -15,9 +15,12 @@ path carries a LoRA adapter left unmerged, ``(x @ Aᵀ) @ (scale · B)ᵀ``, and
 output head that an adapter's trainable tokens changed. Per part of a MatMul (the Q, K and V
 of a fused Q/K/V MatMul, ...) the graph computes (:mod:`mars_export.side_path`)
 
-    y_p = MatMulNBits(x)_p + [s | x @ Aᵀ_p] @ [mᵀ ; (scale · B_p)ᵀ],   s = block sums of x
+    y_p = MatMulNBits(x)_p + [s | x @ Aᵀ_p] @ [mᵀ ; (scale · B_p)ᵀ]
 
-which equals the GGUF weights plus the adapter, with no second rounding of any weight.
+with s the block sums of x, NB more output rows of the same MatMulNBits (codes 0 / 1), which
+equals the GGUF weights plus the adapter, with no second rounding of any weight. (Why float
+zero points are slow: onnxruntime's MatMulNBits skips prepacking with them and dequantizes B
+to a float32 [K, N] buffer on every call.)
 
 Which float32 MatMul holds which linear layer is found by value: the columns of the graph's
 constant weight are compared bit for bit with the weights of the model it was exported
@@ -116,11 +119,12 @@ def import_gguf_matmuls(graph: onnx.GraphProto, source: GgufImport, accuracy_lev
         parts = _match_columns(weight, source.weights) if weight.ndim == 2 else None
         if parts is None:
             continue
-        output = node.output[0]
+        x, output = node.input[0], node.output[0]
         is_imported = all(name in source.blocks for name in parts) \
             and len({source.blocks[n].bits for n in parts}) == 1 and weight.shape[0] % GGUF_BLOCK == 0
+        sums = None
         if is_imported:
-            _replace_with_blocks(graph, node, [source.blocks[n] for n in parts], accuracy_level)
+            sums = _replace_with_blocks(graph, node, [source.blocks[n] for n in parts], accuracy_level)
             summary["num_imported"] += 1
             summary["ggml_types"].update(source.blocks[name].ggml_type for name in parts)
         else:
@@ -129,7 +133,7 @@ def import_gguf_matmuls(graph: onnx.GraphProto, source: GgufImport, accuracy_lev
         side = [Part(column, source.weights[name].shape[0], source.blocks[name].mins if is_imported else None,
                      source.low_rank.get(name, [])) for column, name in _offsets(parts, source.weights)]
         if not all(part.is_empty for part in side):
-            summary["side_path_nodes"] += add_side_path(graph, output, side, _rank(graph, node.input[0]))
+            summary["side_path_nodes"] += add_side_path(graph, x, output, side, sums)
     if source.embedding_rows is not None:
         _write_embedding_rows(graph, *source.embedding_rows)
     return {**summary, "ggml_types": dict(summary["ggml_types"]), "requantized": dict(summary["requantized"])}
@@ -206,12 +210,24 @@ def _offsets(parts: list[str] | None, linears: dict[str, np.ndarray]):
 
 
 def _replace_with_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, blocks: list[BlockWeight],
-                         accuracy_level: int | None) -> None:
-    """Turn ``node`` into MatMulNBits over ``blocks`` (rows concatenated: the fused parts in order)."""
+                         accuracy_level: int | None) -> str | None:
+    """Turn ``node`` into MatMulNBits over ``blocks`` (rows concatenated: the fused parts in order).
+
+    With Q4_1 blocks among them the MatMulNBits gets NB rows more, the 0/1 block indicator (codes
+    0 / 1, scale 1, zero point 0, exact at any accuracy level): their outputs, split off, are the
+    block sums of x, at accuracy level 4 of the same int8 input the weights meet, as llama.cpp's
+    Q8_1 sums are for Q4_1. Returns the name of the block sums [..., NB], or None.
+    """
     bits = blocks[0].bits
     codes = np.concatenate([b.codes for b in blocks])  # [N, NB, 32]
     scales = np.concatenate([b.scales for b in blocks])  # [N, NB]
     zero_points = np.concatenate([np.full(b.scales.shape, b.zero_point, np.uint8) for b in blocks])  # [N, NB]
+    num_rows, num_blocks = scales.shape
+    has_sums = any(b.mins is not None for b in blocks)
+    if has_sums:  # [N + NB, ...]
+        codes = np.concatenate([codes, np.repeat(np.eye(num_blocks, dtype=np.uint8)[..., None], GGUF_BLOCK, axis=2)])
+        scales = np.concatenate([scales, np.ones((num_blocks, num_blocks), np.float32)])
+        zero_points = np.concatenate([zero_points, np.zeros((num_blocks, num_blocks), np.uint8)])
     if bits == 4:  # two codes per byte, the even one in the low nibble; zero points likewise along NB
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [N, NB, 16]
         if zero_points.shape[1] % 2:
@@ -221,15 +237,23 @@ def _replace_with_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, blocks: l
     graph.initializer.extend([numpy_helper.from_array(codes, f"{prefix}.codes"),
                               numpy_helper.from_array(scales, f"{prefix}.scales"),
                               numpy_helper.from_array(zero_points, f"{prefix}.zero_points")])
-    num_rows, num_blocks = scales.shape
-    attributes = {"K": num_blocks * GGUF_BLOCK, "N": num_rows, "bits": bits, "block_size": GGUF_BLOCK}
+    attributes = {"K": num_blocks * GGUF_BLOCK, "N": scales.shape[0], "bits": bits, "block_size": GGUF_BLOCK}
     if accuracy_level is not None:
         attributes["accuracy_level"] = accuracy_level
-    new = helper.make_node(QUANT_OP, [node.input[0], f"{prefix}.codes", f"{prefix}.scales", f"{prefix}.zero_points"],
-                           list(node.output), name=f"{node.name}.gguf", domain="com.microsoft", **attributes)
+    output, sums = node.output[0], f"{node.output[0]}.block_sums"
+    new = [helper.make_node(QUANT_OP, [node.input[0], f"{prefix}.codes", f"{prefix}.scales", f"{prefix}.zero_points"],
+                            [f"{output}.with_sums" if has_sums else output], name=f"{node.name}.gguf",
+                            domain="com.microsoft", **attributes)]
+    if has_sums:
+        graph.initializer.append(numpy_helper.from_array(np.array([num_rows, num_blocks], np.int64), f"{prefix}.rows"))
+        new.append(helper.make_node("Split", [f"{output}.with_sums", f"{prefix}.rows"], [output, sums], axis=-1,
+                                    name=f"{node.name}.gguf.sums"))  # [..., N], [..., NB]
     _drop_unused_initializer(graph, node.input[1], node)
-    graph.node.insert(list(graph.node).index(node), new)
+    position = list(graph.node).index(node)
     graph.node.remove(node)
+    for offset, added in enumerate(new):
+        graph.node.insert(position + offset, added)
+    return sums if has_sums else None
 
 
 def _write_embedding_rows(graph: onnx.GraphProto, rows: np.ndarray, values: np.ndarray) -> None:
@@ -247,9 +271,3 @@ def _drop_unused_initializer(graph: onnx.GraphProto, name: str, reader: onnx.Nod
     if not any(name in n.input for n in graph.node if n is not reader):
         graph.initializer.remove(next(t for t in graph.initializer if t.name == name))
 
-
-def _rank(graph: onnx.GraphProto, name: str) -> int:
-    """The rank of tensor ``name`` as the exporter recorded it (value_info or a graph input)."""
-    info = next((v for v in [*graph.value_info, *graph.input] if v.name == name), None)
-    assert info is not None and info.type.tensor_type.HasField("shape"), f"no recorded shape for {name}"
-    return len(info.type.tensor_type.shape.dim)

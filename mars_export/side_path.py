@@ -5,24 +5,26 @@ n the output features of one part (a fused Q/K/V or gate/up MatMul has several, 
 order), r the rank of one low-rank term.
 
 A part's output gets ``Σ_b m[:, b] · s_b + Σ_terms (x @ L) @ Rm``, where ``s_b`` is the sum of x
-over block b and m the part's Q4_1 block minima (:mod:`mars_export.gguf_import`). The graph
-computes, with s = ReduceSum of x reshaped to [..., NB, 32] and one MatMul for every term's
-``x @ L`` together,
+over block b and m the part's Q4_1 block minima (:mod:`mars_export.gguf_import`). The block
+sums s come from NB more output rows of the MatMulNBits itself (0/1 codes, scale 1), split
+off its output; one MatMul computes every term's ``x @ L`` together; then
 
     out_p = [s | x @ L_p] @ [mᵀ ; Rm_p]     per piece p (one part, or neighbouring parts alike)
-    y     = MatMulNBits(x) + Concat_p(out_p)
+    y     = MatMulNBits(x)[:N] + Concat_p(out_p)
 
 Why this form (GitHub issue 11): at one thread a side path costs the bytes of its float32
 weights plus about a microsecond per node. The first form, ``(x @ [S | L]) @ R`` with S the
-0/1 block indicator [K, NB] and one R for all parts, was two MatMuls but read S (12.6 MB per
-default-mars step), the padding of ``[S | L]`` to 16 columns in onnxruntime's packed layout,
-and zero rows where one part's rank-r rows met another part's columns (9.6 MB). This form
-reads only mᵀ and the terms (22 MB less per step) at the price of Reshape, ReduceSum, Split
-and Concat nodes; default-mars' step took 0.92x (W = 1) / 0.96x (W = 4) of the first form's
-CPU time. Measured and not kept (whole step, W = 1, against the first form): the block sums
-as NB extra rows of the MatMulNBits itself (codes 0/1, scale 1) with one R, 0.98x, or per
-part, 0.97x; the minima as their own MatMul (s @ mᵀ) beside one R for the terms, 1.0x, or
-beside per-part terms, 0.97-1.0x.
+0/1 block indicator [K, NB] in float32 and one R for all parts, was two MatMuls but read S
+(12.6 MB per default-mars step), the padding of ``[S | L]`` to 16 columns in onnxruntime's
+packed layout, and zero rows where one part's rank-r rows met another part's columns (9.6 MB).
+This form reads mᵀ, the terms and NB 4-bit rows per MatMul, at the price of Split and Concat
+nodes. At accuracy level 4 the sums are of the int8 input that the weights' codes meet, so
+``codes · d + m`` is applied to one input, as llama.cpp does with Q8_1 sums; float sums of x
+beside the int8 product (the first form, and ReduceSum) left top-1 agreement with the float32
+graph at 0.906 / 0.920, these sums give 0.946 (default-mars, 872 positions). Step CPU time,
+interleaved against the first form (W = 1, busy machine): this form 0.97x, ReduceSum sums
+per part 0.96x; not kept: MatMulNBits sums with one R 0.98x, the minima as their own MatMul
+beside one R / beside per-part terms 1.0x / 0.97-1.0x.
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-
-from mars_export.gguf_blocks import GGUF_BLOCK
 
 SIDE_PATH_SUFFIX = ".side"  # prefix of the side path's node and initializer names, after the MatMul's name
 
@@ -59,34 +59,26 @@ class Part:
         return self.mins is None and not self.terms
 
 
-def add_side_path(graph: onnx.GraphProto, output: str, parts: list[Part], rank: int) -> list[str]:
-    """Add the side path of ``parts`` to ``output``, written by a MatMul or its MatMulNBits replacement.
+def add_side_path(graph: onnx.GraphProto, x: str, output: str, parts: list[Part], sums: str | None) -> list[str]:
+    """Add the side path of ``parts`` to ``output``, the result of a MatMul of ``x`` [..., K] or of its replacement.
 
     Args:
         parts: every part of the MatMul in column order, at least one not empty.
-        rank: rank of the MatMul's input x [..., K] (the block sums reshape it to [..., NB, 32]).
+        sums: the block sums s [..., NB] of the MatMul's input x (a tensor of the graph), or None
+            when no part has minima.
 
     Returns:
         The names of the new float32 MatMuls (which the re-quantizer must leave alone).
     """
-    node = next(n for n in graph.node if output in n.output)
-    name = f"{node.name}{SIDE_PATH_SUFFIX}"
+    node = next(n for n in graph.node if output in n.output)  # the MatMul(Nbits), or the Split of its block sums
+    name = f"{output}{SIDE_PATH_SUFFIX}"
     new, initializers = [], []
-    sources = {}  # an input of the pieces' MatMuls: "sums" or id(L) -> tensor name
-    if any(p.mins is not None for p in parts):
-        num_blocks = next(p.mins for p in parts if p.mins is not None).shape[1]
-        initializers += [numpy_helper.from_array(np.array([0] * (rank - 1) + [num_blocks, GGUF_BLOCK], np.int64),
-                                                 f"{name}.block_shape"),
-                         numpy_helper.from_array(np.array([-1], np.int64), f"{name}.last_axis")]
-        new += [helper.make_node("Reshape", [node.input[0], f"{name}.block_shape"], [f"{name}.blocks"],
-                                 name=f"{name}.blocks"),  # [..., NB, 32]
-                helper.make_node("ReduceSum", [f"{name}.blocks", f"{name}.last_axis"], [f"{name}.sums"],
-                                 keepdims=0, name=f"{name}.sums")]  # [..., NB]
-        sources["sums"] = f"{name}.sums"
+    assert (sums is not None) == any(p.mins is not None for p in parts), "block sums are for minima"
+    sources = {"sums": sums}  # an input of the pieces' MatMuls: "sums" or id(L) -> tensor name
     terms = [term for p in parts for term in p.terms]
     if terms:
         initializers.append(numpy_helper.from_array(np.concatenate([left for left, _ in terms], axis=1), f"{name}.left"))
-        new.append(helper.make_node("MatMul", [node.input[0], f"{name}.left"], [f"{name}.low"], name=f"{name}.down"))
+        new.append(helper.make_node("MatMul", [x, f"{name}.left"], [f"{name}.low"], name=f"{name}.down"))
         outputs = [f"{name}.low.{i}" for i in range(len(terms))] if len(terms) > 1 else [f"{name}.low"]
         if len(terms) > 1:
             initializers.append(numpy_helper.from_array(np.array([left.shape[1] for left, _ in terms], np.int64),

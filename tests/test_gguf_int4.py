@@ -123,7 +123,8 @@ def test_unmerged_adapter_matches_merged_float32_graph(tmp_path):
     side = [weights[n.input[1]] for n in graph.node if n.op_type == "MatMul" and ".side." in n.name]
     assert len(side) == 2 * (4 + 2 + 3 + 2) + 2  # per MatMul one x @ Aᵀ and one per part (Q/K/V: 3); head: 2
     assert all(np.abs(w).max(axis=1).min() > 0 for w in side)  # no zero rows (one part's rank, another's columns)
-    assert sum(n.op_type == "ReduceSum" for n in graph.node) == 2 * 4  # block sums for every MatMul with Q4_1 parts
+    # the block sums are NB more output rows of every MatMulNBits holding Q4_1 blocks (head: Q8_0, none)
+    assert sum(n.op_type == "Split" and n.name.endswith(".gguf.sums") for n in graph.node) == 2 * 4
     ids = np.array([[7, 17, 42, 7]])
     reference = run_graph(tmp_path / "merged.onnx", ids)
     assert np.abs(run_graph(tmp_path / "base.onnx", ids) - reference).max() > 0.1  # the adapter matters ...

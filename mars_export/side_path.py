@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-SIDE_PATH_SUFFIX = ".side"  # prefix of the side path's node and initializer names, after the MatMul's name
+SIDE_PATH_SUFFIX = ".side"  # after the MatMul output's name: the prefix of its side path's nodes and initializers
 
 
 @dataclass

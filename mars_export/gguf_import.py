@@ -1,7 +1,7 @@
 """An int4 step graph whose quantized weights are the GGUF file's own blocks (GitHub issue 11).
 
 Dimension letters: K input features, N output features of one MatMul (for a fused Q/K/V or
-gate/up MatMul the sum over its parts), NB = K / 32 blocks, R the rank of a side path.
+gate/up MatMul the sum over its parts), NB = K / 32 blocks, r the rank of a LoRA term.
 
 A model loaded from a GGUF file was dequantized from blocks (:mod:`mars_export.gguf_blocks`);
 quantizing its float32 graph again rounds every weight to a second grid. Instead, each
@@ -10,14 +10,17 @@ becomes ``com.microsoft::MatMulNBits`` holding those blocks: the codes as they a
 block scales d, and integer zero points (8 for Q4_0, 0 for Q4_1, 128 for Q8_0). Q4_1's
 block minimum m is not a zero point of that form (``-m / d`` is fractional, and
 onnxruntime 1.32's CPU kernel with float zero points runs ~20x slower than float32, at any
-accuracy level), so it goes into a low-rank float32 side path: ``Σ_blocks m · Σ x`` is
-``(x @ S) @ Mᵀ`` with S [K, NB] the 0/1 block indicator. The same side path carries a LoRA
-adapter left unmerged, ``x @ Aᵀ @ (scale · B)ᵀ``, and the rows of the output head that an
-adapter's trainable tokens changed. Per MatMul the graph computes
+accuracy level), so ``Σ_blocks m · Σ_block x`` goes into a float32 side path. The same side
+path carries a LoRA adapter left unmerged, ``(x @ Aᵀ) @ (scale · B)ᵀ``, and the rows of the
+output head that an adapter's trainable tokens changed. Per part of a MatMul (the Q, K and V
+of a fused Q/K/V MatMul, ...) the graph computes (:mod:`mars_export.side_path`)
 
-    y = MatMulNBits(x) + (x @ L) @ Rm,   L = [S | Aᵀ | ...] [K, R],  Rm [R, N]
+    y_p = MatMulNBits(x)_p + [s | x @ Aᵀ_p] @ [mᵀ ; (scale · B_p)ᵀ]
 
-which equals the GGUF weights plus the adapter, with no second rounding of any weight.
+with s the block sums of x, NB more output rows of the same MatMulNBits (codes 0 / 1), which
+equals the GGUF weights plus the adapter, with no second rounding of any weight. (Why float
+zero points are slow: onnxruntime's MatMulNBits skips prepacking with them and dequantizes B
+to a float32 [K, N] buffer on every call.)
 
 Which float32 MatMul holds which linear layer is found by value: the columns of the graph's
 constant weight are compared bit for bit with the weights of the model it was exported
@@ -27,7 +30,6 @@ from, and a layer is imported only where its blocks dequantize bit for bit to th
 from __future__ import annotations
 
 import collections
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +39,9 @@ from onnx import helper, numpy_helper
 from transformers import PreTrainedModel
 
 from mars_export.gguf_blocks import GGUF_BLOCK, BlockWeight, read_block_weights
+from mars_export.side_path import Part, add_side_path
 
 QUANT_OP = "MatMulNBits"
-SIDE_PATH_SUFFIX = ".side"  # node names of the side path's MatMuls (kept float32)
 
 
 @dataclass
@@ -49,7 +51,8 @@ class GgufImport:
     Attributes:
         weights: linear module name -> its float32 weight [N, K] in the graph's source model.
         blocks: linear module name -> the GGUF blocks of that weight (bit-exact ones only).
-        side_paths: linear module name -> [(L [K, r], Rm [r, N])] float32 terms added to its output.
+        low_rank: linear module name -> [(L [K, r], Rm [r, N])] float32 terms added to its output
+            (the minima of Q4_1 blocks are added too, where the blocks are imported).
         embedding_rows: (row ids int64 [T], rows float32 [T, K]) to write into the input
             embedding table (an adapter's trainable tokens), or None.
         requantized: linear module name -> ggml type of weights that have no usable blocks.
@@ -57,7 +60,7 @@ class GgufImport:
 
     weights: dict[str, np.ndarray]
     blocks: dict[str, BlockWeight]
-    side_paths: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    low_rank: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     embedding_rows: tuple[np.ndarray, np.ndarray] | None = None
     requantized: dict[str, str] = field(default_factory=dict)
 
@@ -89,21 +92,19 @@ def prepare_gguf_import(gguf_file: Path, base: PreTrainedModel, merged: PreTrain
         else:
             requantized[name] = others.get(key, stored[key].ggml_type + " (not bit-exact)" if key in stored else "float")
     result = GgufImport(weights, blocks, requantized=requantized)
-    for name, block in blocks.items():
-        if block.mins is not None:
-            result.side_paths.setdefault(name, []).append(_min_term(block))
     if adapter_dir is not None:
         _add_token_rows(result, base, merged)
         for name, term in _lora_terms(base, adapter_dir).items():
-            result.side_paths.setdefault(name, []).append(term)
+            result.low_rank.setdefault(name, []).append(term)
     return result
 
 
 def import_gguf_matmuls(graph: onnx.GraphProto, source: GgufImport, accuracy_level: int | None) -> dict:
     """Rewrite the constant-weight MatMuls of ``graph`` (float32, output head untied) in place.
 
-    Each MatMul whose parts all have blocks of one bit width becomes MatMulNBits; every
-    MatMul with side paths gets them added. Other MatMuls stay for the re-quantizer.
+    Each MatMul whose parts all have blocks of one bit width becomes MatMulNBits, plus a side
+    path for its Q4_1 minima; low-rank terms go into the side path of every MatMul. Other
+    MatMuls stay for the re-quantizer (their float32 weights include the minima).
 
     Returns:
         ``{"num_imported", "ggml_types"`` (type -> count of imported layers), ``"requantized"``
@@ -118,19 +119,21 @@ def import_gguf_matmuls(graph: onnx.GraphProto, source: GgufImport, accuracy_lev
         parts = _match_columns(weight, source.weights) if weight.ndim == 2 else None
         if parts is None:
             continue
-        output = node.output[0]
-        if all(name in source.blocks for name in parts) and len({source.blocks[n].bits for n in parts}) == 1 \
-                and weight.shape[0] % GGUF_BLOCK == 0:
-            _replace_with_blocks(graph, node, [source.blocks[n] for n in parts], accuracy_level)
+        x, output = node.input[0], node.output[0]
+        is_imported = all(name in source.blocks for name in parts) \
+            and len({source.blocks[n].bits for n in parts}) == 1 and weight.shape[0] % GGUF_BLOCK == 0
+        sums = None
+        if is_imported:
+            sums = _replace_with_blocks(graph, node, [source.blocks[n] for n in parts], accuracy_level)
             summary["num_imported"] += 1
             summary["ggml_types"].update(source.blocks[name].ggml_type for name in parts)
         else:
             summary["requantized"].update(source.requantized.get(name) or source.blocks[name].ggml_type
                                           for name in parts)
-        terms = [(offset, term) for offset, name in _offsets(parts, source.weights)
-                 for term in source.side_paths.get(name, [])]
-        if terms:
-            summary["side_path_nodes"] += _add_side_path(graph, output, terms, weight.shape)
+        side = [Part(column, source.weights[name].shape[0], source.blocks[name].mins if is_imported else None,
+                     source.low_rank.get(name, [])) for column, name in _offsets(parts, source.weights)]
+        if not all(part.is_empty for part in side):
+            summary["side_path_nodes"] += add_side_path(graph, x, output, side, sums)
     if source.embedding_rows is not None:
         _write_embedding_rows(graph, *source.embedding_rows)
     return {**summary, "ggml_types": dict(summary["ggml_types"]), "requantized": dict(summary["requantized"])}
@@ -144,18 +147,6 @@ def _linear_type():
 def _parameter_name(model: PreTrainedModel, parameter) -> str:
     """The first state-dict name of ``parameter`` (a tied output head answers with the embedding's name)."""
     return next(name for name, p in model.named_parameters(remove_duplicate=True) if p is parameter)
-
-
-def _min_term(block: BlockWeight) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_1's block minima as a side path: (S [K, NB] 0/1 block indicator, Mᵀ [NB, N])."""
-    return _block_indicator(block.scales.shape[1]), np.ascontiguousarray(block.mins.T)
-
-
-@functools.cache
-def _block_indicator(num_blocks: int) -> np.ndarray:
-    """S [K, NB] with S[k, k // 32] = 1: ``x @ S`` sums x per block. One array per NB, so that the
-    parts of a fused MatMul share its columns in the side path (:func:`_add_side_path`)."""
-    return np.repeat(np.eye(num_blocks, dtype=np.float32), GGUF_BLOCK, axis=0)
 
 
 def _lora_terms(base: PreTrainedModel, adapter_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -191,7 +182,7 @@ def _add_token_rows(result: GgufImport, base: PreTrainedModel, merged: PreTraine
     if rows.size:
         one_hot = np.zeros((rows.size, head_old.shape[0]), np.float32)  # [T, V]
         one_hot[np.arange(rows.size), rows] = 1
-        result.side_paths.setdefault(head_name, []).append((np.ascontiguousarray((head_new[rows] - head_old[rows]).T),
+        result.low_rank.setdefault(head_name, []).append((np.ascontiguousarray((head_new[rows] - head_old[rows]).T),
                                                             one_hot))
 
 
@@ -219,12 +210,24 @@ def _offsets(parts: list[str] | None, linears: dict[str, np.ndarray]):
 
 
 def _replace_with_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, blocks: list[BlockWeight],
-                         accuracy_level: int | None) -> None:
-    """Turn ``node`` into MatMulNBits over ``blocks`` (rows concatenated: the fused parts in order)."""
+                         accuracy_level: int | None) -> str | None:
+    """Turn ``node`` into MatMulNBits over ``blocks`` (rows concatenated: the fused parts in order).
+
+    With Q4_1 blocks among them the MatMulNBits gets NB rows more, the 0/1 block indicator (codes
+    0 / 1, scale 1, zero point 0, exact at any accuracy level): their outputs, split off, are the
+    block sums of x, at accuracy level 4 of the same int8 input the weights meet, as llama.cpp's
+    Q8_1 sums are for Q4_1. Returns the name of the block sums [..., NB], or None.
+    """
     bits = blocks[0].bits
     codes = np.concatenate([b.codes for b in blocks])  # [N, NB, 32]
     scales = np.concatenate([b.scales for b in blocks])  # [N, NB]
     zero_points = np.concatenate([np.full(b.scales.shape, b.zero_point, np.uint8) for b in blocks])  # [N, NB]
+    num_rows, num_blocks = scales.shape
+    has_sums = any(b.mins is not None for b in blocks)
+    if has_sums:  # [N + NB, ...]
+        codes = np.concatenate([codes, np.repeat(np.eye(num_blocks, dtype=np.uint8)[..., None], GGUF_BLOCK, axis=2)])
+        scales = np.concatenate([scales, np.ones((num_blocks, num_blocks), np.float32)])
+        zero_points = np.concatenate([zero_points, np.zeros((num_blocks, num_blocks), np.uint8)])
     if bits == 4:  # two codes per byte, the even one in the low nibble; zero points likewise along NB
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [N, NB, 16]
         if zero_points.shape[1] % 2:
@@ -234,43 +237,23 @@ def _replace_with_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, blocks: l
     graph.initializer.extend([numpy_helper.from_array(codes, f"{prefix}.codes"),
                               numpy_helper.from_array(scales, f"{prefix}.scales"),
                               numpy_helper.from_array(zero_points, f"{prefix}.zero_points")])
-    num_rows, num_blocks = scales.shape
-    attributes = {"K": num_blocks * GGUF_BLOCK, "N": num_rows, "bits": bits, "block_size": GGUF_BLOCK}
+    attributes = {"K": num_blocks * GGUF_BLOCK, "N": scales.shape[0], "bits": bits, "block_size": GGUF_BLOCK}
     if accuracy_level is not None:
         attributes["accuracy_level"] = accuracy_level
-    new = helper.make_node(QUANT_OP, [node.input[0], f"{prefix}.codes", f"{prefix}.scales", f"{prefix}.zero_points"],
-                           list(node.output), name=f"{node.name}.gguf", domain="com.microsoft", **attributes)
+    output, sums = node.output[0], f"{node.output[0]}.block_sums"
+    new = [helper.make_node(QUANT_OP, [node.input[0], f"{prefix}.codes", f"{prefix}.scales", f"{prefix}.zero_points"],
+                            [f"{output}.with_sums" if has_sums else output], name=f"{node.name}.gguf",
+                            domain="com.microsoft", **attributes)]
+    if has_sums:
+        graph.initializer.append(numpy_helper.from_array(np.array([num_rows, num_blocks], np.int64), f"{prefix}.rows"))
+        new.append(helper.make_node("Split", [f"{output}.with_sums", f"{prefix}.rows"], [output, sums], axis=-1,
+                                    name=f"{node.name}.gguf.sums"))  # [..., N], [..., NB]
     _drop_unused_initializer(graph, node.input[1], node)
-    graph.node.insert(list(graph.node).index(node), new)
+    position = list(graph.node).index(node)
     graph.node.remove(node)
-
-
-def _add_side_path(graph: onnx.GraphProto, output: str, terms, shape) -> list[str]:
-    """Add ``(x @ L) @ Rm`` to ``output``, written by a MatMul or its MatMulNBits replacement.
-
-    terms: [(first output column, (L [K, r], Rm [r, n]))]; shape: (K, N) of the whole MatMul.
-    Returns the names of the two new MatMuls.
-    """
-    node = next(n for n in graph.node if output in n.output)  # the MatMul or its MatMulNBits replacement
-    lefts = list({id(term[0]): term[0] for _, term in terms}.values())  # one copy of a shared L (the block sums)
-    first_rows = np.cumsum([0] + [left.shape[1] for left in lefts])
-    row_of = {id(left): first_rows[i] for i, left in enumerate(lefts)}
-    left = np.concatenate(lefts, axis=1)  # [K, R]
-    right = np.zeros((left.shape[1], shape[1]), np.float32)  # [R, N]
-    for column, (term_left, rm) in terms:
-        row = row_of[id(term_left)]
-        right[row:row + rm.shape[0], column:column + rm.shape[1]] = rm
-    name = f"{node.name}{SIDE_PATH_SUFFIX}"
-    graph.initializer.extend([numpy_helper.from_array(left, f"{name}.left"),
-                              numpy_helper.from_array(right, f"{name}.right")])
-    node.output[0] = f"{output}.main"
-    new = [helper.make_node("MatMul", [node.input[0], f"{name}.left"], [f"{name}.low"], name=f"{name}.down"),
-           helper.make_node("MatMul", [f"{name}.low", f"{name}.right"], [f"{name}.out"], name=f"{name}.up"),
-           helper.make_node("Add", [f"{output}.main", f"{name}.out"], [output], name=f"{name}.add")]
-    position = list(graph.node).index(node) + 1
     for offset, added in enumerate(new):
         graph.node.insert(position + offset, added)
-    return [new[0].name, new[1].name]
+    return sums if has_sums else None
 
 
 def _write_embedding_rows(graph: onnx.GraphProto, rows: np.ndarray, values: np.ndarray) -> None:
@@ -287,3 +270,4 @@ def _write_embedding_rows(graph: onnx.GraphProto, rows: np.ndarray, values: np.n
 def _drop_unused_initializer(graph: onnx.GraphProto, name: str, reader: onnx.NodeProto) -> None:
     if not any(name in n.input for n in graph.node if n is not reader):
         graph.initializer.remove(next(t for t in graph.initializer if t.name == name))
+

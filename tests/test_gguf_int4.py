@@ -77,6 +77,10 @@ def test_int4_graph_holds_the_gguf_blocks(tiny_gguf, tmp_path, capsys):
     nodes = [n for n in onnx.load(str(tmp_path / "int4.onnx")).graph.node if n.op_type == "MatMulNBits"]
     bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in nodes)
     assert bits == [4] * 7 + [8] * 2  # 2 x (QKV, o, gate/up, down) + head; layer 0's down and the head Q8_0
+    # the re-quantized Q/K/V's float32 weight holds its Q4_1 parts' minima: no side path adds them again
+    ids = np.array([[3, 17, 42, 90]])
+    logits, reference = run_graph(tmp_path / "int4.onnx", ids), run_graph(tmp_path / "f32.onnx", ids)
+    assert (logits.argmax(-1) == reference.argmax(-1)).all() and np.abs(logits - reference).max() < 2  # twice: 12
 
 
 def test_int4_of_exact_blocks_matches_float32_graph(tmp_path):
@@ -114,6 +118,13 @@ def test_unmerged_adapter_matches_merged_float32_graph(tmp_path):
     summary = quantize_step_graph(tmp_path / "base.onnx", tmp_path / "int4.onnx", "int4", accuracy_level=None,
                                   gguf=gguf)
     assert summary["gguf_requantized"] == {} and summary["gguf_imported"] == {"Q4_1": 13, "Q4_0": 1, "Q8_0": 1}
+    graph = onnx.load(str(tmp_path / "int4.onnx")).graph
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    side = [weights[n.input[1]] for n in graph.node if n.op_type == "MatMul" and ".side." in n.name]
+    assert len(side) == 2 * (4 + 2 + 3 + 2) + 2  # per MatMul one x @ Aᵀ and one per part (Q/K/V: 3); head: 2
+    assert all(np.abs(w).max(axis=1).min() > 0 for w in side)  # no zero rows (one part's rank, another's columns)
+    # the block sums are NB more output rows of every MatMulNBits holding Q4_1 blocks (head: Q8_0, none)
+    assert sum(n.op_type == "Split" and n.name.endswith(".gguf.sums") for n in graph.node) == 2 * 4
     ids = np.array([[7, 17, 42, 7]])
     reference = run_graph(tmp_path / "merged.onnx", ids)
     assert np.abs(run_graph(tmp_path / "base.onnx", ids) - reference).max() > 0.1  # the adapter matters ...

@@ -51,6 +51,7 @@ APP_NAME = "mars"
 SYNC_S = 0.25  # how often each replica reports to the board and picks up the fleet's base tau
 STALE_S = 3.0  # a replica not heard from for this long is left out of /fleet/*
 _BOARD_TIMEOUT_S = 30.0
+PROXY_START_S = 120.0  # longest wait for Serve's HTTP proxy to open its port after serve.run
 
 
 class FleetBoard:
@@ -258,6 +259,28 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def wait_for_port(host: str, port: int, timeout_s: float = PROXY_START_S) -> None:
+    """Return once ``host:port`` accepts a TCP connection (a wildcard host is tried on loopback).
+
+    ``serve.run`` returns when the replicas are up; Serve's HTTP proxy may still be starting
+    (after a ``serve.shutdown()`` on a loaded machine: seconds), and a request sent then is refused.
+
+    Raises:
+        RuntimeError: nothing accepted within ``timeout_s`` seconds; the message names the address.
+    """
+    target = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((target, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"Serve's HTTP proxy did not open {target}:{port} within {timeout_s:g} s; "
+                                   "see Ray's logs (/tmp/ray/session_latest/logs)") from None
+            time.sleep(0.1)
+
+
 @dataclass(frozen=True)
 class Deployed:
     """A running deployment: the proxy's base URL and the fleet board (which lives while this
@@ -270,12 +293,13 @@ class Deployed:
 def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     """Start Serve's proxy and the replicas on the connected Ray cluster.
 
-    Returns once every replica is up. Serve must not run yet on the cluster (its proxy's
+    Returns once every replica is up and the proxy accepts connections. Serve must not run yet on the cluster (its proxy's
     address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are ``python -m runtime.serve``
     arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one).
 
     Raises:
         BundleError, ValueError: bad path, bundle or option value (checked here first).
+        RuntimeError: the proxy did not open its port within ``PROXY_START_S`` seconds.
     """
     args = single.parse_args(serve_argv)
     load_backend(args.path, args.provider, 1)  # fail here, not in every replica
@@ -285,6 +309,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
     deployment = serve.deployment(MarsReplica).options(name="MarsReplica", **fleet.deployment_options())
     serve.run(deployment.bind(serve_argv, board_name), name=APP_NAME, route_prefix="/")
+    wait_for_port(args.host, port)
     return Deployed(f"http://{args.host}:{port}", board)
 
 

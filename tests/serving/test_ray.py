@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from concurrent import futures
 from types import SimpleNamespace
@@ -104,6 +105,16 @@ def test_fleet_options_reject_bad_counts():
         FleetOptions(replicas=2, max_replicas=1)
     assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
         {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
+
+
+def test_wait_for_port_returns_once_the_port_listens_and_names_it_when_it_never_does():
+    with socket.socket() as listener:  # bound and listening: the wait ends at the first try
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        serve_ray.wait_for_port("0.0.0.0", port, timeout_s=0)
+    with pytest.raises(RuntimeError, match=f"did not open 127.0.0.1:{port} within 0.3 s"):
+        serve_ray.wait_for_port("127.0.0.1", port, timeout_s=0.3)  # closed now: refused until the deadline
 
 
 def test_fleet_options_default_to_the_servers_batch():

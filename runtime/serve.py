@@ -32,6 +32,7 @@ from runtime.text.tokenizer import Tokenizer
 
 API_KEY_ENV = "MARS_API_KEY"
 DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_TOKENS = 256  # max_tokens of a request that sets none, unless --max-tokens-limit is lower
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     g.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: context allows)")
     g.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens accepted (default 2048)")
-    g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    g.add_argument("--default-max-tokens", type=int, default=None,
+                   help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, or --max-tokens-limit "
+                        "when lower)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
 
@@ -77,6 +80,23 @@ def resolve_max_batch_size(requested: int | None, backend_limit: int | None = No
     if requested is not None:
         return requested
     return min(DEFAULT_MAX_BATCH, backend_limit or DEFAULT_MAX_BATCH)
+
+
+def server_settings(args: argparse.Namespace) -> tuple[LoadPolicy, ServerLimits]:
+    """The load policy and HTTP limits the options ask for, checked (before any bundle or Ray starts).
+
+    Raises:
+        ValueError: an option value out of range, or two that contradict each other (the message
+            names the options).
+    """
+    policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
+                        tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
+                        queue_low=args.queue_low, queue_high=args.queue_high)
+    policy.check_base(args.tau)
+    default_max_tokens = args.default_max_tokens
+    if default_max_tokens is None:
+        default_max_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_limit)
+    return policy, ServerLimits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_limit, default_max_tokens)
 
 
 def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
@@ -90,12 +110,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
         OnnxRuntimeMissing: installed without the [cpu] or [gpu] extra.
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, one error line
-    policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
-                        tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
-                        queue_low=args.queue_low, queue_high=args.queue_high)
-    limits = ServerLimits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_limit,
-                          args.default_max_tokens)
-    policy.check_base(args.tau)
+    policy, limits = server_settings(args)
     backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
     # The limits come from the engine: a setting past its profile is refused (Engine), the default fits it.
     max_batch_size = resolve_max_batch_size(args.max_batch_size, backend.max_batch)

@@ -349,7 +349,9 @@ def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> Fle
 def main(argv: list[str] | None = None) -> int:
     ray_args, serve_argv = parse_args(argv)
     try:
-        fleet = fleet_options(ray_args, single.parse_args(serve_argv))
+        serve_args = single.parse_args(serve_argv)
+        single.server_settings(serve_args)  # each replica builds them again; a bad value stops here, before Ray
+        fleet = fleet_options(ray_args, serve_args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=ray_args.address, namespace=NAMESPACE, **local)
     try:
         deployed = deploy(serve_argv, fleet)
-    except (single.BundleError, ValueError) as e:
+    except (single.BundleError, ValueError, RuntimeError) as e:  # RuntimeError: Serve or its proxy did not start
         print(f"error: {e}", file=sys.stderr)
         ray.shutdown()
         return 2

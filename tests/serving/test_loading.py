@@ -10,7 +10,7 @@ import pytest
 from runtime.backends.loading import load_backend
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError
-from runtime.serve import main
+from runtime.serve import main, parse_args, server_settings
 
 
 def test_bundle_dir_and_its_onnx_file(tiny_bundle):
@@ -53,3 +53,12 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--max-tokens-limit", "64", "--default-max-tokens", "128"]) == 2
     err = capsys.readouterr().err
     assert "--default-max-tokens" in err and "--max-tokens-limit" in err and err.count("\n") == 1
+
+
+def test_the_default_max_tokens_follows_a_lower_limit_and_an_explicit_one_above_it_is_refused(tmp_path):
+    assert server_settings(parse_args([str(tmp_path)]))[1].default_max_tokens == 256
+    assert server_settings(parse_args([str(tmp_path), "--max-tokens-limit", "100"]))[1].default_max_tokens == 100
+    limits = server_settings(parse_args([str(tmp_path), "--max-tokens-limit", "100", "--default-max-tokens", "40"]))[1]
+    assert (limits.max_tokens, limits.default_max_tokens) == (100, 40)
+    with pytest.raises(ValueError, match="--default-max-tokens.*--max-tokens-limit"):
+        server_settings(parse_args([str(tmp_path), "--max-tokens-limit", "100", "--default-max-tokens", "101"]))

@@ -107,6 +107,18 @@ def test_fleet_options_reject_bad_counts():
         {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
 
 
+@pytest.mark.parametrize("options, named", [(["--tau", "0.5", "--tau-min", "0.9"], "--tau-min"),
+                                            (["--default-max-tokens", "300", "--max-tokens-limit", "200"],
+                                             "--default-max-tokens")])
+def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, capsys, options, named):
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    assert serve_ray.main([str(bundle), *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and err.count("\n") == 1
+
+
 def test_wait_for_port_returns_once_the_port_listens_and_names_it_when_it_never_does():
     with socket.socket() as listener:  # bound and listening: the wait ends at the first try
         listener.bind(("127.0.0.1", 0))

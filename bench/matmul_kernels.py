@@ -14,8 +14,11 @@ floor for each weight format the exporter can write:
 
 - ``fp32``: ``MatMul`` over a float32 [K, N] weight (4 bytes a weight);
 - ``int8-S`` / ``int4-S``: ``com.microsoft::MatMulNBits`` with ``bits`` 8 / 4, symmetric blocks of
-  S weights along K (no zero points, a float32 scale per block) at ``accuracy_level`` 4, the
-  setting ``mars-export --int8 / --int4`` writes (bits / 8 + 4 / S bytes a weight).
+  S weights along K (no zero points, a float32 scale per block) at ``accuracy_level`` 4
+  (bits / 8 + 4 / S bytes a weight). ``mars-export --int8`` writes int8-32; ``--int4`` of a
+  float checkpoint writes asymmetric blocks of 32 (a 4-bit zero point more per block, 1/64
+  byte a weight), and of a GGUF file its own blocks with side paths, whose time this script
+  does not model: give it the float32 bundle, whose shapes are the model's.
 
 The shapes are the bundle's: every constant weight [K, N] of its MatMul (or MatMulNBits) nodes,
 fused projections and the output head (tied or not) included. Per format, one graph holds
@@ -46,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime import bundle
@@ -62,7 +66,10 @@ def weight_shapes(onnx_path: Path) -> collections.Counter:
     Raises:
         ValueError: the graph has no such node.
     """
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    try:
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    except (OSError, DecodeError) as e:
+        raise ValueError(f"cannot read {onnx_path} ({e}); is the bundle complete?") from e
     dims = {t.name: tuple(t.dims) for t in graph.initializer}
     for node in graph.node:  # a transposed constant is a constant (onnxruntime folds it)
         if node.op_type == "Transpose" and len(dims.get(node.input[0], ())) == 2:

@@ -59,6 +59,10 @@ CLIS = {
     "serve": 'import runpy; sys.argv = ["serve", "bundle"]; runpy.run_module("runtime.serve", run_name="__main__")',
     "mars-eval": 'from runtime.evaluation.cli import main; sys.exit(main(["bundle", "--gsm8k", "test.jsonl"]))',
     "mars-export": 'from mars_export.cli import main; sys.exit(main(["default", "-o", "bundle", "--block", "4"]))',
+    "serve_ray": 'import runpy; sys.argv = ["serve_ray", "bundle"]; '
+                 'runpy.run_module("runtime.serve_ray", run_name="__main__")',
+    "mars-train distill": 'from mars_export.training.cli import main; '
+                          'sys.exit(main(["distill", "bundle", "--prompts", "p.jsonl", "--output", "out.jsonl"]))',
 }
 
 

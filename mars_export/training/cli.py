@@ -17,6 +17,7 @@ import argparse
 import logging
 import sys
 
+from runtime.backends.providers import OnnxRuntimeMissing
 from mars_export.training.config import LR_SCHEDULERS, PRECISIONS, LoraSettings, TrainConfig
 
 MODEL_HELP = "'default', a .gguf file, or a Hugging Face checkpoint directory"
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                              args.max_prompts, args.mask_token, args.threads)
         except ValueError as err:
             parser.error(str(err))
+        except OnnxRuntimeMissing as err:  # a bundle to distill from, installed without the [cpu] extra
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         print(report)
         return 0
     parser = make_train_parser()

@@ -335,10 +335,9 @@ def run_ray(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[str]]
     import ray
     from ray import serve
 
-    from runtime.serve_ray import NAMESPACE, FleetOptions, deploy
+    from runtime.serve_ray import FleetOptions, deploy, start_local_ray
 
-    ray.init(num_cpus=max(args.ray), namespace=NAMESPACE, _node_ip_address=HOST, include_dashboard=False,
-             log_to_driver=False)
+    start_local_ray(num_cpus=max(args.ray), log_to_driver=False)
     rows = []
     try:
         for replicas in args.ray:

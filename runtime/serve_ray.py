@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from runtime import serve as single
-from runtime.backends.loading import load_backend
+from runtime.backends.providers import OnnxRuntimeMissing, import_onnxruntime
 from runtime.serving.engine_thread import EngineThread
 from runtime.serving.errors import APIError
 
@@ -52,6 +52,12 @@ SYNC_S = 0.25  # how often each replica reports to the board and picks up the fl
 STALE_S = 3.0  # a replica not heard from for this long is left out of /fleet/*
 _BOARD_TIMEOUT_S = 30.0
 PROXY_START_S = 120.0  # longest wait for Serve's HTTP proxy to open its port after serve.run
+# Serve marks a proxy unhealthy and kills it after 3 readiness checks of 5 s each; on a loaded 2-core
+# machine its process takes longer than that to start, and the deployment fails. A Ray of our own
+# gets this check timeout instead (an environment variable set beforehand wins).
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_CHECK_S = 30.0
+SERVE_GONE_S = 120.0  # longest wait for an earlier Serve instance to finish shutting down before serve.start
 
 
 class FleetBoard:
@@ -259,6 +265,40 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def start_local_ray(**options) -> None:
+    """``ray.init`` a Ray of our own on this machine: loopback node address, no dashboard, the
+    fleet's namespace, and a Serve proxy readiness timeout of ``PROXY_READY_CHECK_S`` (its
+    processes inherit the environment; a value already set wins). ``options`` go to ``ray.init``
+    (e.g. ``num_cpus``)."""
+    os.environ.setdefault(PROXY_READY_ENV, str(PROXY_READY_CHECK_S))
+    ray.init(namespace=NAMESPACE, _node_ip_address="127.0.0.1", include_dashboard=False, **options)
+
+
+def wait_until_serve_is_gone(timeout_s: float = SERVE_GONE_S) -> None:
+    """Return once no Serve controller is left on the connected Ray cluster.
+
+    ``serve.shutdown()`` waits at most 30 s for the controller to stop; on a loaded machine it
+    returns while the controller is still shutting down, and that controller then also stops
+    the proxy of the next ``serve.start`` (its actor is killed before it runs).
+
+    Raises:
+        RuntimeError: a controller is still there after ``timeout_s`` seconds (Serve runs, or
+            cannot stop); the message says to call ``serve.shutdown()`` first.
+    """
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # Ray's own names
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # no actor of that name: gone
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"Ray Serve still runs on this cluster after {timeout_s:g} s: call serve.shutdown() "
+                               "(and let it finish) before deploying again")
+        time.sleep(0.2)
+
+
 def wait_for_port(host: str, port: int, timeout_s: float = PROXY_START_S) -> None:
     """Return once ``host:port`` accepts a TCP connection (a wildcard host is tried on loopback).
 
@@ -299,11 +339,14 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
 
     Raises:
         BundleError, ValueError: bad path, bundle or option value (checked here first).
-        RuntimeError: the proxy did not open its port within ``PROXY_START_S`` seconds.
+        RuntimeError: an earlier Serve instance did not go within ``SERVE_GONE_S`` seconds, or the
+            proxy did not open its port within ``PROXY_START_S`` seconds.
     """
+    from runtime.backends.loading import load_backend  # here: without onnxruntime, main prints one error line
     args = single.parse_args(serve_argv)
     load_backend(args.path, args.provider, 1)  # fail here, not in every replica
     port = args.port or free_port(args.host)
+    wait_until_serve_is_gone()
     serve.start(http_options={"host": args.host, "port": port})
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
@@ -352,15 +395,18 @@ def main(argv: list[str] | None = None) -> int:
         serve_args = single.parse_args(serve_argv)
         single.server_settings(serve_args)  # each replica builds them again; a bad value stops here, before Ray
         fleet = fleet_options(ray_args, serve_args)
-    except ValueError as e:
+        import_onnxruntime()
+    except (ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # A Ray of our own starts no dashboard. Only Serve's HTTP proxy binds --host (127.0.0.1 unless
     # told): Ray 2.60 replaces a loopback node address by the machine's reachable IP, its dashboard
     # and runtime-env agents listen there and its GCS, raylet and worker gRPC servers on every
     # interface (README, "Ray Serve"): firewall those ports where the network is not trusted.
-    local = {} if ray_args.address else {"_node_ip_address": "127.0.0.1", "include_dashboard": False}
-    ray.init(address=ray_args.address, namespace=NAMESPACE, **local)
+    if ray_args.address:
+        ray.init(address=ray_args.address, namespace=NAMESPACE)
+    else:
+        start_local_ray()
     try:
         deployed = deploy(serve_argv, fleet)
     except (single.BundleError, ValueError, RuntimeError) as e:  # RuntimeError: Serve or its proxy did not start

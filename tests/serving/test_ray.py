@@ -41,8 +41,7 @@ NUM_REPLICAS = 2
 @pytest.fixture(scope="module")
 def fleet(tiny_bundle):
     _, bundle = tiny_bundle("llama", 4)
-    ray.init(num_cpus=2, namespace=NAMESPACE, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False)
+    serve_ray.start_local_ray(num_cpus=2, log_to_driver=False)
     try:
         deployed = deploy([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--tau-min", "0.5",
                       "--queue-high", "4", "--log-level", "warning"],
@@ -117,6 +116,22 @@ def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, cap
     assert serve_ray.main([str(bundle), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and err.count("\n") == 1
+
+
+def test_our_own_ray_gives_the_serve_proxy_time_to_start(tiny_bundle, monkeypatch):
+    _, bundle = tiny_bundle("llama", 4)
+    monkeypatch.delenv(serve_ray.PROXY_READY_ENV, raising=False)
+    seen = {}
+
+    def stub(**kwargs):  # record what the Ray processes would inherit, then stop before anything starts
+        seen.update(env=os.environ.get(serve_ray.PROXY_READY_ENV), kwargs=kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_ray.ray, "init", stub)
+    with pytest.raises(KeyboardInterrupt):
+        serve_ray.main([str(bundle)])
+    assert float(seen["env"]) == serve_ray.PROXY_READY_CHECK_S > 5 and "address" not in seen["kwargs"]
+    assert seen["kwargs"]["_node_ip_address"] == "127.0.0.1"
 
 
 def test_wait_for_port_returns_once_the_port_listens_and_names_it_when_it_never_does():
@@ -225,6 +240,14 @@ def test_killed_replica_restarts_and_requests_end_cleanly(fleet, runtime_parts):
     after = [chat(fleet, f"{PROMPTS[1]} [{i}]", extra_body={"tau": 1.0}) for i in range(4)]
     for i, (_, _, mars, _) in enumerate(after):
         assert mars["token_ids"] == solo_ids(runtime_parts, f"{PROMPTS[1]} [{i}]", True)
+
+
+def test_deploy_refuses_to_start_over_a_running_serve(fleet):
+    """deploy waits for an earlier Serve to be gone (serve.shutdown may return before it is); one still running
+    is named, not raced."""
+    with pytest.raises(RuntimeError, match=r"still runs on this cluster after 0.5 s: call serve.shutdown\(\)"):
+        serve_ray.wait_until_serve_is_gone(timeout_s=0.5)
+    assert replicas(fleet)  # and the running fleet is untouched
 
 
 def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):

@@ -43,7 +43,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +52,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime import bundle
-from scaling import GB, machine_info, stream_bandwidth  # bench/ is on the path when this file runs as a script
+from scaling import GB, machine_info, stream_bandwidth, time_calls  # bench/ is on the path when this file runs as a script
 
 FORMAT = re.compile(r"^(fp32|int(8|4)-(\d+))$")
 QUANT_OP = "MatMulNBits"
@@ -130,20 +129,14 @@ def weights_graph(shapes: collections.Counter, bits: int, block: int, rng: np.ra
 
 
 def time_graph(model: onnx.ModelProto, rows: int, threads: int, repeats: int, rng: np.random.Generator) -> float:
-    """Median wall ms of one run at M = ``rows`` (after two warm-up runs)."""
+    """Median wall ms of ``repeats`` runs at M = ``rows`` (after two warm-up runs; ``scaling.time_calls``)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {i.name: rng.standard_normal((rows, i.type.tensor_type.shape.dim[1].dim_value), dtype=np.float32)
              for i in model.graph.input}
-    for _ in range(2):
-        session.run(None, feeds)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1000
+    return time_calls(lambda: session.run(None, feeds), warmup=2, repeats=repeats, max_seconds=0.0,
+                      min_runs=repeats)["median_ms"]
 
 
 def run(args) -> dict:

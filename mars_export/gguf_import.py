@@ -270,4 +270,3 @@ def _write_embedding_rows(graph: onnx.GraphProto, rows: np.ndarray, values: np.n
 def _drop_unused_initializer(graph: onnx.GraphProto, name: str, reader: onnx.NodeProto) -> None:
     if not any(name in n.input for n in graph.node if n is not reader):
         graph.initializer.remove(next(t for t in graph.initializer if t.name == name))
-

@@ -24,7 +24,10 @@ beside the int8 product (the first form, and ReduceSum) left top-1 agreement wit
 graph at 0.906 / 0.920, these sums give 0.946 (default-mars, 872 positions). Step CPU time,
 interleaved against the first form (W = 1, busy machine): this form 0.97x, ReduceSum sums
 per part 0.96x; not kept: MatMulNBits sums with one R 0.98x, the minima as their own MatMul
-beside one R / beside per-part terms 1.0x / 0.97-1.0x.
+beside one R / beside per-part terms 1.0x / 0.97-1.0x. On a quiet machine at 2 threads, wall
+time, this form was 1.06x the first form's step (17.4 against 16.4 ms, W = 1, P = 128): its
+540 more nodes cost more there than its 20 MB saved (BENCHMARKS.md "Against the field,
+fourth run"); one R per fused MatMul with these sums is the next form to measure.
 """
 
 from __future__ import annotations
@@ -133,9 +136,10 @@ def _pieces(parts: list[Part]) -> list[tuple[tuple, list[Part]]]:
 def _right(keys: tuple, piece: list[Part]) -> np.ndarray:
     """float32 [rows, Σ n]: per key its rows (mᵀ [NB, n] for "sums", Rm [r, n] for a term), part by part;
     zeros where a part lacks the key."""
-    rows = {key: value.shape[0] for part in piece for key, value in _rows(part).items()}
-    blocks = [np.concatenate([_rows(part).get(key, np.zeros((rows[key], part.width), np.float32)) for key in keys])
-              for part in piece]  # [rows, n] each
+    by_part = [_rows(part) for part in piece]
+    rows = {key: value.shape[0] for part_rows in by_part for key, value in part_rows.items()}
+    blocks = [np.concatenate([part_rows.get(key, np.zeros((rows[key], part.width), np.float32)) for key in keys])
+              for part, part_rows in zip(piece, by_part)]  # [rows, n] each
     return np.ascontiguousarray(np.concatenate(blocks, axis=1), dtype=np.float32)
 
 

@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     save_final_model(trainer, config)
     if trainer.is_world_process_zero():  # once, not once per process under accelerate launch / torchrun
         print(f"saved the MARS model to {config.output}")
+    # Under accelerate launch / torchrun: wait for the main process to finish writing, then destroy
+    # the process group. A process that exits with gloo's threads still alive can die of SIGABRT
+    # ("terminate called without an active exception") and fail the whole launch after a good run.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return 0
 
 

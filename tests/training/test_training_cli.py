@@ -98,3 +98,33 @@ def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_pa
         train(tiny_checkpoint, tiny_jsonl, tmp_path / "c", "--max-steps", "1", "--lora", "--lora-rank", "8",
               "--lora-init", str(first / "adapter"))
     assert "do not apply with --lora-init" in capsys.readouterr().err
+
+
+def test_every_process_waits_for_the_writer_then_destroys_its_process_group(tiny_checkpoint, tiny_jsonl,
+                                                                              tmp_path, monkeypatch):
+    """Under accelerate launch a process that exits with gloo's threads alive can die of SIGABRT
+    after a good run (a CI failure of test_distributed); main must end every run the clean way."""
+    import mars_export.training.trainer as trainer_module
+
+    calls = []
+
+    class Accelerator:
+        def wait_for_everyone(self):
+            calls.append("wait_for_everyone")
+
+        def end_training(self):
+            calls.append("end_training")
+
+    class Trainer:
+        accelerator = Accelerator()
+
+        def train(self, resume_from_checkpoint):
+            calls.append("train")
+
+        def is_world_process_zero(self):
+            return False  # a process other than the main one
+
+    monkeypatch.setattr(trainer_module, "prepare_trainer", lambda config: (Trainer(), None))
+    monkeypatch.setattr(trainer_module, "save_final_model", lambda trainer, config: calls.append("save"))
+    assert train(tiny_checkpoint, tiny_jsonl, tmp_path / "run", "--max-steps", "1") == 0
+    assert calls == ["train", "save", "wait_for_everyone", "end_training"]

@@ -120,6 +120,28 @@ def test_gqa_attention(tmp_path):
     assert all(min(r["ours_ms"], r["gqa_ms"], r["ours_cpu_ms"], r["gqa_cpu_ms"]) > 0 for r in rows)
 
 
+def test_builder_step_times_both_graphs_of_the_same_weights(smoke_model, tmp_path):
+    """The model builder's graph of the tiny checkpoint against its bundle, float32 and int8: same logits."""
+    ckpt, bundle = smoke_model
+    run(sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", ckpt, "-o", tmp_path / "builder", "-p", "fp32",
+        "-e", "cpu", "-c", tmp_path / "cache")
+    stdout = python("bench/builder_step.py", tmp_path / "builder", bundle, "--quantize", "int8", "--pasts", "0", "8",
+                    "--windows", "1", "3", "--max-context", "16", "--steps", "2", "--rounds", "1", "--threads", "1",
+                    "--out", tmp_path, "--name", "b")
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    graphs = [str(bundle), f"builder float32 ({tmp_path / 'builder'})", "builder int8 (block 32, sym, level 4)"]
+    assert [(r["past"], r["window"], r["graph"]) for r in rows] == \
+        [(p, w, g) for p in (0, 8) for w in (1, 3) for g in graphs]
+    for row in rows:
+        assert min(row["step_ms"], row["cpu_ms"]) > 0
+        assert row["max_abs_logit_diff"] < (1e-4 if "int8" not in row["graph"] else 2.0)
+    assert all(r["top1_agreement"] == 1.0 for r in rows if "int8" not in r["graph"])
+    assert "| graph | P | W |" in stdout
+    done = subprocess.run([sys.executable, "bench/builder_step.py", tmp_path, bundle], cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1 and "is no file" in done.stderr and "onnxruntime_genai.models.builder" in done.stderr
+
+
 def test_load_test(smoke_model, tmp_path):
     _, bundle = smoke_model
     python("bench/load_test.py", bundle, "--clients", "2", "--duration", "2", "--max-tokens", "8",

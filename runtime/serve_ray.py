@@ -259,10 +259,27 @@ class FleetOptions:
                                                  "upscale_delay_s": self.upscale_delay_s}}
 
 
+def check_host(host: str) -> None:
+    """Raises ValueError naming ``--host`` when ``host`` does not resolve (before Ray starts: Serve's
+    proxy would retry it for minutes)."""
+    try:
+        socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e.strerror}): pass an IP address or a name "
+                         "of this machine, e.g. --host 127.0.0.1") from None
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
+    """A TCP port that is free on ``host`` now (an IPv4 or IPv6 address or name)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def start_local_ray(**options) -> None:
@@ -353,7 +370,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     deployment = serve.deployment(MarsReplica).options(name="MarsReplica", **fleet.deployment_options())
     serve.run(deployment.bind(serve_argv, board_name), name=APP_NAME, route_prefix="/")
     wait_for_port(args.host, port)
-    return Deployed(f"http://{args.host}:{port}", board)
+    return Deployed(http_url(args.host, port), board)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -394,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve_args = single.parse_args(serve_argv)
         single.server_settings(serve_args)  # each replica builds them again; a bad value stops here, before Ray
+        check_host(serve_args.host)
         fleet = fleet_options(ray_args, serve_args)
         import_onnxruntime()
     except (ValueError, OnnxRuntimeMissing) as e:

@@ -144,6 +144,26 @@ def test_wait_for_port_returns_once_the_port_listens_and_names_it_when_it_never_
         serve_ray.wait_for_port("127.0.0.1", port, timeout_s=0.3)  # closed now: refused until the deadline
 
 
+def test_hosts_ipv6_and_unresolvable():
+    """An IPv6 --host gets a free port of its family and a bracketed URL; a name that does not
+    resolve stops main before Ray starts, naming --host."""
+    port = serve_ray.free_port("::1")
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))  # it was free
+    assert serve_ray.http_url("::1", port) == f"http://[::1]:{port}"
+    assert serve_ray.http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    serve_ray.check_host("localhost")
+    with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
+        serve_ray.check_host("no-such-host.invalid")
+
+
+def test_main_refuses_an_unresolvable_host_before_ray(tiny_bundle, monkeypatch, capsys):
+    _, bundle = tiny_bundle("llama", 4)
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray started"))
+    assert serve_ray.main([str(bundle), "--host", "no-such-host.invalid"]) == 2
+    assert "error: --host 'no-such-host.invalid' does not resolve" in capsys.readouterr().err
+
+
 def test_fleet_options_default_to_the_servers_batch():
     """Without --max-batch-size (the README's command) the targets follow the server's default batch."""
     ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2"])

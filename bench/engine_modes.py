@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support import shared_data_file
+from support import shared_data_file, shared_data_missing
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
@@ -99,6 +99,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="engine_modes", help="stem of the output files (default engine_modes)")
     args = p.parse_args()
+    if shared_data_missing():
+        p.error(shared_data_missing())
     rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

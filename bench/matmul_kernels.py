@@ -223,9 +223,12 @@ def main() -> None:
     args = p.parse_args()
     if min(args.rows) < 1 or args.repeats < 1 or args.stream_mib < 1 or not 1 <= args.threads <= 256:
         p.error("--rows, --repeats and --stream-mib must be >= 1, --threads in 1..256")
-    try:
-        for name in args.formats:
+    for name in args.formats:
+        try:
             parse_format(name)
+        except ValueError as e:
+            p.error(str(e))  # a bad argument: usage and exit status 2, as for the others
+    try:
         result = run(args)
     except (ValueError, bundle.BundleError) as e:
         sys.exit(f"error: {e}")

@@ -78,8 +78,7 @@ def prepare_prompts(args) -> None:
     from runtime.evaluation.tasks import load_gsm8k, load_humaneval
     from runtime.bundle import load_config
     from runtime.text.tokenizer import Tokenizer
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from support import shared_data_file
+    from support import shared_data_file  # tests/ is on the path: main put it there for this command
 
     half = (args.num_prompts + 1) // 2
     items = [x for pair in zip(load_gsm8k(shared_data_file("gsm8k/test.jsonl"), half),
@@ -730,6 +729,11 @@ def main() -> None:
         p.error(f"--tag must be lowercase letters and digits, got {args.tag!r}")
     if args.command == "prompts" and (args.num_prompts < 1 or min(args.batch_sizes) < 1 or args.max_new_tokens < 1):
         p.error("--num-prompts, --batch-sizes and --max-new-tokens must be >= 1")
+    if args.command == "prompts":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from support import shared_data_missing
+        if shared_data_missing():
+            p.error(shared_data_missing())
     if args.command == "quantize-gguf" and not args.input.is_file():
         p.error(f"--input {args.input} is no file: make the F32 GGUF first (convert_hf_to_gguf.py --outtype f32)")
     {"prompts": prepare_prompts, "checkpoint": write_checkpoint, "run": run_engine, "record": record_status,

@@ -42,7 +42,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from support import real_prompts
+from support import real_prompts, shared_data_missing
 
 from mars_export.parity import _graph_logits
 from mars_export import quantize
@@ -92,8 +92,11 @@ def main() -> None:
         variants = {spec: parse_variant(spec) for spec in args.variants}
     except ValueError as e:
         p.error(str(e))
+    if shared_data_missing():
+        p.error(shared_data_missing())
     config = load_config(args.bundle)
-    assert config.weight_dtype == "float32", "give a float32 bundle"
+    if config.weight_dtype != "float32":
+        p.error(f"{args.bundle} is a {config.weight_dtype} bundle: give a float32 one (the variants quantize it)")
     tokenizer = Tokenizer(args.bundle)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
                for _, text in real_prompts(args.prompts_each)]

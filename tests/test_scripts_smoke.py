@@ -142,6 +142,20 @@ def test_builder_step_times_both_graphs_of_the_same_weights(smoke_model, tmp_pat
     assert done.returncode == 1 and "is no file" in done.stderr and "onnxruntime_genai.models.builder" in done.stderr
 
 
+@pytest.mark.parametrize("command", [["bench/engine_modes.py", "BUNDLE"], ["bench/quantized_step.py", "BUNDLE"],
+                                     ["bench/peers.py", "prompts", "--bundle", "BUNDLE", "--work", "WORK"]],
+                         ids=["engine_modes", "quantized_step", "peers-prompts"])
+def test_benches_without_the_shared_data_stop_with_one_line_naming_it(command, smoke_model, tmp_path):
+    """A clone without ../shared/data (and no $MARS_SHARED_DATA): usage error, no traceback, nothing written."""
+    _, bundle = smoke_model
+    args = [str(bundle) if a == "BUNDLE" else str(tmp_path / "work") if a == "WORK" else a for a in command]
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "MARS_SHARED_DATA": str(tmp_path / "none")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"the shared data folder {tmp_path / 'none'} is not here: set MARS_SHARED_DATA" in done.stderr
+    assert not (tmp_path / "work").exists()
+
+
 def test_load_test(smoke_model, tmp_path):
     _, bundle = smoke_model
     python("bench/load_test.py", bundle, "--clients", "2", "--duration", "2", "--max-tokens", "8",
@@ -351,4 +365,4 @@ def test_matmul_kernels_times_all_the_step_weights_in_every_format(smoke_model, 
     assert "| format | M | weights GB |" in stdout
     done = subprocess.run([sys.executable, "bench/matmul_kernels.py", bundle, "--formats", "int3-32"], cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 1 and "unknown format 'int3-32'" in done.stderr
+    assert done.returncode == 2 and "unknown format 'int3-32'" in done.stderr

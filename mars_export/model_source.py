@@ -25,13 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from mars_export import default_model
 from mars_export.default_model import ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, shipped_adapter_dir
 from mars_export.mask_token import resolve_mask_token
-
-# The model types of the MARS authors' code (github.com/Xalp/MARS, dllm/pipelines/a2d/models,
-# from the dllm library, which also has a2d-llama) -> the transformers model type of the same
-# weights. Their classes subclass transformers' and change only the attention mask used when
-# none is passed (bidirectional); MARS decoding passes a causal one (the authors' sampler, and
-# our step graph's explicit mask), which is what the transformers classes do by default.
-A2D_BASE_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-qwen3-it": "qwen3", "a2d-llama": "llama"}
+from runtime.model_types import A2D_BASE_MODEL_TYPES
 
 
 class UnknownA2DModelType(ValueError):
@@ -74,7 +68,7 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
         spec: ``"default"``; ``"default-mars"`` (the default model with the MARS LoRA
             adapter shipped in ``mars_export/data/smollm2-135m-mars`` merged in); a path to
             a ``.gguf`` file; or a checkpoint directory holding ``config.json`` (transformers'
-            layout, or the MARS authors' ``a2d-*`` one, see ``A2D_BASE_MODEL_TYPES``).
+            layout, or the MARS authors' ``a2d-*`` one, see :data:`runtime.model_types.A2D_BASE_MODEL_TYPES`).
         mask_token: the mask token to use; ``None`` takes the one recorded with the model
             (``config.mars_mask_token``, which the default model always has), else the
             tokenizer's ``mask_token`` (the authors' checkpoints: ``<|mask|>``).

@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.model_types import base_model_type
+
 BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # int8/int4: scales not counted
 KV_BYTES = {"fp32": 4, "fp16": 2, "float32": 4, "float16": 2}
 BUDGETS_GIB = {"Orin Nano 8GB": 8, "Orin NX 16GB": 16, "AGX Orin 32GB": 32, "AGX Orin 64GB": 64}
@@ -68,7 +70,8 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: i
 
 
 def count_parameters(config: dict) -> int:
-    """Parameters of a Llama / Mistral / Qwen2 / Qwen3 causal LM from its ``config.json`` fields.
+    """Parameters of a Llama / Mistral / Qwen2 / Qwen3 causal LM from its ``config.json`` fields
+    (also of the MARS authors' ``a2d-*`` checkpoints of those: :mod:`runtime.model_types`).
 
     Per layer: q, k, v, o projections (biases: q/k/v always for Qwen2, all four when
     ``attention_bias``), gate/up/down MLP (biases when ``mlp_bias``), two RMSNorms of d,
@@ -78,7 +81,7 @@ def count_parameters(config: dict) -> int:
     Raises:
         ValueError: another ``model_type``, or a required field is missing.
     """
-    arch = config.get("model_type")
+    arch = base_model_type(config.get("model_type"))  # a published MARS checkpoint: its base's count
     if arch not in ARCHS:
         raise ValueError(f"model_type {arch!r} is not supported for sizing; supported: {ARCHS}")
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from tiny_models import make_a2d_checkpoint
 
+from mars_export.model_source import load_model
 from runtime import memory
 
 CONFIGS = Path(__file__).resolve().parents[1] / "samples" / "jetson" / "configs"
@@ -45,6 +48,16 @@ def test_shipped_qwen_configs(name, expected):
     assert sum(p.numel() for p in model.parameters()) == expected
     sized = memory.from_hf_config(path, "fp16", "fp16")
     assert sized.num_params == expected and sized.weights_bytes == 2 * expected
+
+
+@pytest.mark.parametrize("layout", ["qwen2", "qwen3", "qwen3-it", "llama"])
+def test_published_mars_checkpoints_are_sized_as_their_base_model(layout, tmp_path):
+    """A config.json of the MARS authors' layout (model_type a2d-*) counts as the model it loads as."""
+    ckpt = make_a2d_checkpoint(layout, tmp_path / "ckpt")
+    assert json.loads((ckpt / "config.json").read_text())["model_type"].startswith("a2d-")
+    loaded = load_model(str(ckpt))
+    sized = memory.from_hf_config(ckpt / "config.json", "fp32", "fp32")
+    assert sized.num_params == sum(p.numel() for p in loaded.model.parameters())
 
 
 def test_kv_bytes_by_hand():

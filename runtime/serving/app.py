@@ -33,6 +33,11 @@ from runtime.serving.request_stream import RequestStream
 from runtime.text.tokenizer import Tokenizer
 
 
+# ServerLimits field -> the option of python -m runtime.serve that sets it (named in errors).
+LIMIT_FLAGS = {"max_body_bytes": "--max-body-bytes", "max_prompt_tokens": "--max-prompt-tokens",
+               "max_tokens": "--max-tokens-limit", "default_max_tokens": "--default-max-tokens"}
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Limits at the HTTP boundary.
@@ -53,11 +58,10 @@ class ServerLimits:
     default_max_tokens: int = 256
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_tokens", "default_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        for name, flag in LIMIT_FLAGS.items():
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} ({flag}) must be >= 1, got {value}")
         if self.default_max_tokens > self.max_tokens:  # else a request that sets none would pass the limit
             raise ValueError(f"the default max_tokens ({self.default_max_tokens}, --default-max-tokens) is above the "
                              f"largest one accepted ({self.max_tokens}, --max-tokens-limit): lower the first or raise "

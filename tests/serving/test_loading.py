@@ -53,6 +53,10 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--max-tokens-limit", "64", "--default-max-tokens", "128"]) == 2
     err = capsys.readouterr().err
     assert "--default-max-tokens" in err and "--max-tokens-limit" in err and err.count("\n") == 1
+    for flag in ("--max-body-bytes", "--max-prompt-tokens", "--max-tokens-limit", "--default-max-tokens"):
+        assert main([str(tmp_path), flag, "0"]) == 2  # each limit's error names the option to change
+        err = capsys.readouterr().err
+        assert f"({flag}) must be >= 1, got 0" in err and err.count("\n") == 1, err
 
 
 def test_the_default_max_tokens_follows_a_lower_limit_and_an_explicit_one_above_it_is_refused(tmp_path):

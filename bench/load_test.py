@@ -58,6 +58,7 @@ EXTRA_PROMPTS = ["Write 'thank you' in Chinese, Japanese and Korean, then add th
 HOST = "127.0.0.1"  # loopback only, on purpose
 MAX_REQUESTS = 5000  # hard cap over both phases
 SAMPLE_EVERY_S = 0.5
+DRAIN_S = 1.0  # seconds sampled after the last request, before the run ends
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -193,11 +194,15 @@ class LoadRun:
             else:
                 await asyncio.sleep(0.1)
 
+    async def sample(self) -> None:
+        """Append one sample of the server's counters, labelled with the current phase."""
+        probe = await (probe_fleet(self.http) if self.pid is None else probe_server(self.http, self.pid))
+        self.samples.append({"t_s": round(time.monotonic() - self.t0, 2), "phase": self.phase,
+                             "clients": self.level} | probe)
+
     async def sampler(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            probe = await (probe_fleet(self.http) if self.pid is None else probe_server(self.http, self.pid))
-            self.samples.append({"t_s": round(time.monotonic() - self.t0, 2), "phase": self.phase,
-                                 "clients": self.level} | probe)
+            await self.sample()
             try:
                 await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
             except asyncio.TimeoutError:
@@ -209,19 +214,23 @@ class LoadRun:
         # warm-up: every prompt at once, so the KV cache and onnxruntime reach their working size
         await asyncio.gather(*(self.request(w, 1.0) for w in range(len(self.prompts))))
         self.phase, self.level = "fixed", args.clients
+        await self.sample()  # the phase's first and last samples bracket it, however slow the periodic ones are
         until = time.monotonic() + args.duration
         await asyncio.gather(*(self.worker(w, until, 1.0) for w in range(args.clients)))
+        await self.sample()
         if args.ray is None:
             await self.ramp(args)
         self.phase, self.level = "drained", 0
-        await asyncio.sleep(2 * SAMPLE_EVERY_S)
+        await asyncio.sleep(DRAIN_S)  # the load policy moves tau back once the queue is empty
+        await self.sample()
         stop.set()
         await sampler
         await self.http.aclose()
         await self.client.close()  # in this event loop (--ray runs one loop per replica count)
 
     async def ramp(self, args) -> None:
-        self.phase = "ramp"
+        self.phase, self.level = "ramp", args.ramp[0]
+        await self.sample()
         ramp_start = time.monotonic()
 
         def active(w: int) -> bool:
@@ -231,6 +240,7 @@ class LoadRun:
 
         until = ramp_start + args.ramp_step * len(args.ramp)
         await asyncio.gather(*(self.worker(w, until, None, active) for w in range(max(args.ramp))))
+        await self.sample()
 
 
 def summarize_phase(records, samples, phase: str) -> dict:

@@ -23,8 +23,9 @@ gpu_train = load_script(REPO / "scripts" / "gpu_train.py")
 # The GPU machine may lack everything but torch, transformers, peft and accelerate (and their dependencies).
 DEVICE_STEP = """
 import sys
-for name in ("onnxruntime", "onnx", "onnxscript", "gguf", "runtime", "matplotlib"):
-    sys.modules[name] = None  # any import of them now raises ImportError
+for name in ("onnxruntime", "onnx", "onnxscript", "gguf", "matplotlib", "runtime.backends", "runtime.decode"):
+    sys.modules[name] = None  # any import of them now raises ImportError (our torch-free modules travel with the
+    # working tree, but nothing that needs onnxruntime may be reached)
 sys.argv[0] = "scripts/gpu_train.py"
 import runpy
 runpy.run_path("scripts/gpu_train.py", run_name="__main__")

@@ -2,7 +2,8 @@
 
     python bench/gqa_attention.py [--pasts 128 1024] [--windows 1 4] [--heads 9] [--kv-heads 3]
                                   [--head-dim 64] [--layers 30] [--max-context 2048] [--repeats 200]
-                                  [--rounds 5] [--threads 2] [--out bench/results] [--name gqa_attention]
+                                  [--rounds 5] [--threads 2] [--identity-tokens 8] [--chunks 1 2 3 4]
+                                  [--out bench/results] [--name gqa_attention]
 
 Dimension letters: W window, P past length, H query heads, Hkv KV heads, D head dim.
 Defaults are SmolLM2-135M's (the default model). Whether a GroupQueryAttention (GQA) step
@@ -24,7 +25,18 @@ new KV:
 
 Timing is interleaved (rounds of ``--repeats`` calls each, median of the round means; wall
 time and this process's CPU time, the steadier figure on a busy machine at ``--threads 1``),
-and the per-call time is also given times ``--layers`` (ms per step). Writes {name}.json.
+and the per-call time is also given times ``--layers`` (ms per step).
+
+**Identity by chunking** (``--identity-tokens N``, ``--chunks``): tau = 1 is exactly greedy AR,
+and verify mode exactly AR, only if a token scored inside a window gets the bits it gets when
+the window is cut differently (DESIGN.md §3). Both graphs feed the same N new tokens after the
+largest ``--pasts`` in windows of c tokens (c per ``--chunks``; the last window takes the rest),
+each window attending over the KV the earlier ones wrote, and every position's output is
+compared bit for bit with that of one window of all N. On onnxruntime 1.32 (CPU),
+GroupQueryAttention is bit-identical for every cut into windows of >= 2 tokens and differs
+(~1e-7) only where a window holds a single token; ours is bit-identical at every cut.
+
+Writes {name}.json: ``rows`` (timing) and ``identity`` (graph, chunk, identical positions).
 """
 
 from __future__ import annotations
@@ -142,13 +154,25 @@ def ours_call(session, head_dim: int, inputs: dict):
 
 def gqa_call(session, max_context: int, inputs: dict):
     """A no-argument function running one GQA call, past and present bound to the same buffers; returns [out]."""
+    binding, _ = bind_gqa(session, max_context, inputs)
+
+    def call():
+        session.run_with_iobinding(binding)
+        return [binding.get_outputs()[0].numpy()]
+    return call
+
+
+def bind_gqa(session, max_context: int, inputs: dict):
+    """The I/O binding of one GQA call, and the key and value buffers [1, Hkv, max context, D] it
+    reads the past from and writes the W new entries into (at P .. P+W-1)."""
     (_, kv_heads, past, head_dim), window = inputs["past_key"].shape, inputs["q"].shape[1]
     binding = session.io_binding()
-    cache = []
+    buffers = []
     for name in ("past_key", "past_value"):
         buffer = np.zeros((1, kv_heads, max_context, head_dim), np.float32)  # [1, Hkv, max context, D]
         buffer[:, :, :past] = inputs[name]
-        cache.append(ort.OrtValue.ortvalue_from_numpy(buffer))
+        buffers.append(buffer)
+    cache = [ort.OrtValue.ortvalue_from_numpy(buffer) for buffer in buffers]  # the buffers' memory, not copies
     for name in ("q", "k", "v"):
         binding.bind_cpu_input(name, inputs[name])
     binding.bind_cpu_input("seqlens_k", np.array([past + window - 1], np.int32))
@@ -158,11 +182,7 @@ def gqa_call(session, max_context: int, inputs: dict):
     binding.bind_output("out")  # first: get_outputs() lists outputs in binding order
     binding.bind_ortvalue_output("present_key", cache[0])
     binding.bind_ortvalue_output("present_value", cache[1])
-
-    def call():
-        session.run_with_iobinding(binding)
-        return [binding.get_outputs()[0].numpy()]
-    return call
+    return binding, buffers
 
 
 def run(args) -> dict:
@@ -197,9 +217,50 @@ def run(args) -> dict:
               f"({rows[-1]['gqa_over_ours']:.2f}x; CPU time {rows[-1]['gqa_over_ours_cpu']:.2f}x); x{args.layers} "
               f"layers: {ms['ours_ms'] * args.layers:.2f} vs {ms['gqa_ms'] * args.layers:.2f} ms per step; "
               f"outputs differ by {max_diff:.1e}", flush=True)
+    identity = identity_rows(ours, gqa, args, rng)
     return {"meta": {"command": "python bench/gqa_attention.py " + " ".join(sys.argv[1:]),
                      "onnxruntime": ort.__version__, **{k: v for k, v in vars(args).items() if k != "out"}},
-            "rows": rows}
+            "rows": rows, "identity": identity}
+
+
+def chunked(call_window, inputs: dict, chunk: int) -> np.ndarray:
+    """Outputs [N, H·D] of N new tokens fed in windows of ``chunk`` (the last one the rest) by
+    ``call_window(window_inputs) -> (out [1, w, H·D], key [1, Hkv, w, D], value)``, each window over
+    the past and the keys and values the windows before it returned."""
+    num_tokens, outs = inputs["q"].shape[1], []
+    past_key, past_value = inputs["past_key"], inputs["past_value"]
+    for start in range(0, num_tokens, chunk):
+        window = {name: np.ascontiguousarray(inputs[name][:, start:start + chunk]) for name in ("q", "k", "v")}
+        out, key, value = call_window({**window, "past_key": past_key, "past_value": past_value})
+        past_key, past_value = np.concatenate([past_key, key], 2), np.concatenate([past_value, value], 2)
+        outs.append(out[0])
+    return np.concatenate(outs)
+
+
+def identity_rows(ours, gqa, args, rng) -> list[dict]:
+    """Per graph and ``--chunks`` size: how many of ``--identity-tokens`` positions get the bits of one window."""
+    inputs = make_inputs(args.heads, args.kv_heads, args.head_dim, max(args.pasts), args.identity_tokens, rng)
+    graphs = {"ours": lambda window: ours_call(ours, args.head_dim, window)(),
+              "gqa": lambda window: gqa_window(gqa, args.max_context, window)}
+    rows = []
+    for graph, call_window in graphs.items():
+        whole = chunked(call_window, inputs, args.identity_tokens)
+        for chunk in args.chunks:
+            out = chunked(call_window, inputs, chunk)
+            same = [bool(np.array_equal(out[i], whole[i])) for i in range(args.identity_tokens)]
+            rows.append({"graph": graph, "chunk": chunk, "num_tokens": args.identity_tokens,
+                         "identical_positions": sum(same), "max_abs_diff": float(np.abs(out - whole).max())})
+            print(f"identity {graph}: windows of {chunk}: {sum(same)}/{len(same)} positions bit-identical to one "
+                  f"window of {args.identity_tokens} (max |diff| {rows[-1]['max_abs_diff']:.1e})", flush=True)
+    return rows
+
+
+def gqa_window(session, max_context: int, window: dict):
+    """One GQA call over ``window``'s past; (out [1, w, H·D], the w new keys and values [1, Hkv, w, D])."""
+    past, width = window["past_key"].shape[2], window["q"].shape[1]
+    binding, buffers = bind_gqa(session, max_context, window)
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy(), *(buffer[:, :, past:past + width] for buffer in buffers)
 
 
 def main() -> None:
@@ -214,17 +275,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=200, help="calls per timing sample (default 200)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
+    p.add_argument("--identity-tokens", type=int, default=8,
+                   help="new tokens fed for the identity check, after the largest past (default 8)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 3, 4],
+                   help="window sizes the identity check cuts them into (default 1 2 3 4)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--name", default="gqa_attention", help="stem of the output file")
     args = p.parse_args()
-    if min(args.pasts) < 0 or min(args.windows) < 1 or args.repeats < 1 or args.rounds < 1:
-        p.error("--pasts must be >= 0; --windows, --repeats and --rounds at least 1")
+    if min(args.pasts) < 0 or min(args.windows + args.chunks) < 1 or min(args.repeats, args.rounds) < 1:
+        p.error("--pasts must be >= 0; --windows, --chunks, --repeats and --rounds at least 1")
+    if args.identity_tokens < 1:
+        p.error(f"--identity-tokens must be at least 1, got {args.identity_tokens}")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if args.head_dim % 16:
         p.error(f"--head-dim must be a multiple of 16 (GroupQueryAttention's CPU kernel), got {args.head_dim}")
-    if max(args.pasts) + max(args.windows) > args.max_context:
-        p.error(f"--max-context ({args.max_context}) must hold the longest past + window")
+    if max(args.pasts) + max(args.windows + [args.identity_tokens]) > args.max_context:
+        p.error(f"--max-context ({args.max_context}) must hold the longest past + window (and + --identity-tokens)")
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))

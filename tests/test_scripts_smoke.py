@@ -110,14 +110,20 @@ def test_quantized_step(smoke_model, tmp_path):
 
 
 def test_gqa_attention(tmp_path):
-    """Our attention and GroupQueryAttention on the same inputs: same outputs, both timed."""
+    """Our attention and GroupQueryAttention on the same inputs: same outputs, both timed; ours gives
+    every position the same bits however the tokens are cut into windows."""
     python("bench/gqa_attention.py", "--pasts", "0", "8", "--windows", "1", "3", "--heads", "4", "--kv-heads", "2",
            "--head-dim", "16", "--max-context", "16", "--repeats", "1", "--rounds", "1", "--threads", "1",
-           "--out", tmp_path)
-    rows = json.loads((tmp_path / "gqa_attention.json").read_text())["rows"]
+           "--identity-tokens", "5", "--chunks", "1", "2", "--out", tmp_path)
+    result = json.loads((tmp_path / "gqa_attention.json").read_text())
+    rows = result["rows"]
     assert [(r["past"], r["window"]) for r in rows] == [(0, 1), (0, 3), (8, 1), (8, 3)]
     assert all(r["max_abs_diff"] < 1e-4 for r in rows)
     assert all(min(r["ours_ms"], r["gqa_ms"], r["ours_cpu_ms"], r["gqa_cpu_ms"]) > 0 for r in rows)
+    identity = {(r["graph"], r["chunk"]): r for r in result["identity"]}
+    assert set(identity) == {("ours", 1), ("ours", 2), ("gqa", 1), ("gqa", 2)}
+    assert all(identity["ours", c]["identical_positions"] == 5 for c in (1, 2))
+    assert all(0 <= r["identical_positions"] <= 5 and r["max_abs_diff"] < 1e-4 for r in identity.values())
 
 
 def test_builder_step_times_both_graphs_of_the_same_weights(smoke_model, tmp_path):

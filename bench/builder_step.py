@@ -2,7 +2,8 @@
 
     python bench/builder_step.py BUILDER_DIR BUNDLE [BUNDLE ...] [--quantize int8 int4]
                                  [--pasts 128 1024] [--windows 1 4] [--max-context 2048]
-                                 [--steps 20] [--rounds 5] [--threads N] [--out bench/results]
+                                 [--steps 20] [--rounds 5] [--threads N] [--identity-tokens 8]
+                                 [--identity-prompt 32] [--chunks 1 2 3 4] [--out bench/results]
                                  [--name builder_step]
 
 Dimension letters: W window (--windows), P past length (--pasts), H KV heads, D head dim,
@@ -38,7 +39,20 @@ Timing is interleaved (``--rounds`` rounds of ``--steps`` steps of every graph i
 median of the round means; wall time and this process's CPU time), ratios are to the
 first bundle, and every graph's logits [1, W, V] are compared with the first bundle's
 (max |difference| and argmax agreement over the W positions: a float32 builder graph must
-compute the same function). Writes {name}.json and prints a Markdown table.
+compute the same function).
+
+**Identity by chunking** (``--identity-tokens N``, 0 skips it; ``--chunks``): tau = 1 is exactly
+greedy AR, and verify mode exactly AR, only if a token's logits do not depend on how the
+tokens are cut into windows (DESIGN.md §3). After a prompt of ``--identity-prompt`` random ids
+(one window), every graph is fed the same N ids in windows of c (per ``--chunks``; the last
+window takes the rest), each over the KV cache the earlier windows wrote (a bundle: the
+runtime's KVCache and ``run_batch``; a builder graph: its shared past/present buffer), and each
+position's logits are compared bit for bit with those of one window of all N. On onnxruntime
+1.32 (CPU, float32 and int8, 1 and 2 threads) the builder graph is bit-identical for every cut
+into windows of >= 2 tokens and differs only where a window holds one token (its
+GroupQueryAttention, ``bench/gqa_attention.py``); our bundles at every cut.
+
+Writes {name}.json and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -59,6 +73,9 @@ import onnxruntime as ort
 from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
 from profile_step import load_bundles, make_session, mean_seconds  # bench/ is on the path as a script
 from runtime import bundle
+from runtime.backends.onnx import OnnxBackend
+from runtime.decode.batch import run_batch, run_prefill
+from runtime.decode.kv_cache import KVCache
 from scaling import decode_inputs
 
 BUILDER_FILE = "model.onnx"
@@ -166,9 +183,81 @@ def run(args, workdir: Path) -> dict:
             print(f"{name} P={past_len} W={window}: step {timing['step_ms']:.2f} ms "
                   f"({rows[-1]['ratio_to_first']:.3f}x first), logits within {checks[name]['max_abs_logit_diff']:.1e}",
                   flush=True)
+    identity = []
+    if args.identity_tokens:
+        ids = rng.integers(0, config.vocab_size, args.identity_prompt + args.identity_tokens)  # [prompt + N]
+        runs = {name: lambda chunks, c=c, path=path: bundle_logits(path, c, args.threads, ids, chunks)
+                for name, (c, path) in loaded.items()}
+        runs |= {name: lambda chunks, s=session: builder_logits(s, config, args.max_context, ids, chunks)
+                 for name, session in builders.items()}
+        identity = identity_rows(runs, args)
     meta = {"command": "python bench/builder_step.py " + " ".join(sys.argv[1:]), "threads": args.threads,
             "onnxruntime": ort.__version__, "max_context": args.max_context, "loadavg_end": os.getloadavg()}
-    return {"meta": meta, "rows": rows}
+    return {"meta": meta, "rows": rows, "identity": identity}
+
+
+def cuts(num_tokens: int, chunk: int) -> list[int]:
+    """Window sizes feeding ``num_tokens`` in windows of ``chunk``, the last one the rest."""
+    return [min(chunk, num_tokens - start) for start in range(0, num_tokens, chunk)]
+
+
+def bundle_logits(path: Path, config: bundle.BundleConfig, threads: int, ids: np.ndarray,
+                  chunks: list[int]) -> np.ndarray:
+    """A bundle's logits [N, V] of the last N = sum(chunks) of ``ids`` fed in windows of ``chunks``
+    after the rest as one prefill window, as the engine runs it (KVCache, run_prefill, run_batch)."""
+    backend = OnnxBackend(path.parent, config, num_threads=threads)
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids), config.dtype)
+    cache.reserve(len(ids))
+    prompt = len(ids) - sum(chunks)
+    cache.commit_slot(0, run_prefill(backend, cache, 0, [int(t) for t in ids[:prompt]]))
+    logits, start = [], prompt
+    for width in chunks:
+        out, presents = run_batch(backend, cache, [[int(t) for t in ids[start:start + width]]], config.pad_token_id)
+        cache.commit(presents, [width])
+        logits.append(out[0])
+        start += width
+    return np.concatenate(logits)
+
+
+def builder_logits(session: ort.InferenceSession, config: bundle.BundleConfig, max_context: int, ids: np.ndarray,
+                   chunks: list[int]) -> np.ndarray:
+    """A builder graph's logits [N, V], fed as :func:`bundle_logits` feeds a bundle, past and present
+    bound to one buffer [1, H, S, D] per layer and name (GroupQueryAttention writes in place)."""
+    shape = (1, config.num_kv_heads, max_context, config.head_dim)
+    cache = {f"{layer}.{kind}": ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+             for layer in range(config.num_layers) for kind in ("key", "value")}
+
+    def window(start: int, width: int) -> np.ndarray:
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids[None, start:start + width], np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((1, start + width), np.int64))
+        binding.bind_output("logits")
+        for name, value in cache.items():
+            binding.bind_ortvalue_input(f"past_key_values.{name}", value)
+            binding.bind_ortvalue_output(f"present.{name}", value)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[0]  # [width, V]
+
+    prompt = len(ids) - sum(chunks)
+    window(0, prompt)
+    starts = prompt + np.cumsum([0] + chunks[:-1])
+    return np.concatenate([window(int(start), width) for start, width in zip(starts, chunks)])
+
+
+def identity_rows(runs: dict, args) -> list[dict]:
+    """Per graph and ``--chunks`` size: positions whose logits are bit-identical to one window's."""
+    rows = []
+    for name, run_chunks in runs.items():
+        whole = run_chunks([args.identity_tokens])
+        for chunk in args.chunks:
+            logits = run_chunks(cuts(args.identity_tokens, chunk))
+            same = [bool(np.array_equal(logits[i], whole[i])) for i in range(args.identity_tokens)]
+            rows.append({"graph": name, "chunk": chunk, "num_tokens": args.identity_tokens,
+                         "identical_positions": sum(same), "max_abs_logit_diff": float(np.abs(logits - whole).max()),
+                         "top1_agreement": float((logits.argmax(-1) == whole.argmax(-1)).mean())})
+            print(f"identity {name}: windows of {chunk}: {sum(same)}/{len(same)} positions bit-identical to one "
+                  f"window (max |diff| {rows[-1]['max_abs_logit_diff']:.1e})", flush=True)
+    return rows
 
 
 def markdown(result: dict) -> str:
@@ -178,6 +267,11 @@ def markdown(result: dict) -> str:
     lines += [f"| {r['graph']} | {r['past']} | {r['window']} | {r['step_ms']:.2f} | {r['ratio_to_first']:.3f} | "
               f"{r['cpu_ms']:.2f} | {r['cpu_ratio_to_first']:.3f} | {r['max_abs_logit_diff']:.2e} | "
               f"{r['top1_agreement']:.2f} |" for r in result["rows"]]
+    if result["identity"]:
+        lines += ["", "| graph | window of | positions bit-identical to one window | max abs logit diff |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['graph']} | {r['chunk']} | {r['identical_positions']}/{r['num_tokens']} | "
+                  f"{r['max_abs_logit_diff']:.1e} |" for r in result["identity"]]
     return "\n".join(lines)
 
 
@@ -193,11 +287,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per timing sample")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
+    p.add_argument("--identity-tokens", type=int, default=8,
+                   help="tokens of the identity-by-chunking check (default 8; 0 skips it)")
+    p.add_argument("--identity-prompt", type=int, default=32, help="prompt ids before them (default 32)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 3, 4],
+                   help="window sizes the identity check cuts them into (default 1 2 3 4)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="builder_step", help="stem of the output file (default builder_step)")
     args = p.parse_args()
-    if min(args.pasts) < 0 or min(args.windows) < 1 or args.steps < 1 or args.rounds < 1:
-        p.error("--pasts must be >= 0; --windows, --steps and --rounds at least 1")
+    if min(args.pasts) < 0 or min(args.windows + args.chunks) < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--pasts must be >= 0; --windows, --chunks, --steps and --rounds at least 1")
+    if args.identity_tokens < 0 or args.identity_prompt < 1:
+        p.error("--identity-tokens must be >= 0 and --identity-prompt >= 1")
+    if args.identity_prompt + args.identity_tokens > args.max_context:
+        p.error(f"--max-context ({args.max_context}) must hold --identity-prompt + --identity-tokens")
     if max(args.pasts) + max(args.windows) > args.max_context:
         p.error(f"--max-context ({args.max_context}) must hold the longest past + window "
                 f"({max(args.pasts) + max(args.windows)})")

@@ -133,8 +133,10 @@ def test_builder_step_times_both_graphs_of_the_same_weights(smoke_model, tmp_pat
         "-e", "cpu", "-c", tmp_path / "cache")
     stdout = python("bench/builder_step.py", tmp_path / "builder", bundle, "--quantize", "int8", "--pasts", "0", "8",
                     "--windows", "1", "3", "--max-context", "16", "--steps", "2", "--rounds", "1", "--threads", "1",
-                    "--out", tmp_path, "--name", "b")
-    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+                    "--identity-tokens", "5", "--identity-prompt", "3", "--chunks", "1", "2", "--out", tmp_path,
+                    "--name", "b")
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = result["rows"]
     graphs = [str(bundle), f"builder float32 ({tmp_path / 'builder'})", "builder int8 (block 32, sym, level 4)"]
     assert [(r["past"], r["window"], r["graph"]) for r in rows] == \
         [(p, w, g) for p in (0, 8) for w in (1, 3) for g in graphs]
@@ -143,6 +145,11 @@ def test_builder_step_times_both_graphs_of_the_same_weights(smoke_model, tmp_pat
         assert row["max_abs_logit_diff"] < (1e-4 if "int8" not in row["graph"] else 2.0)
     assert all(r["top1_agreement"] == 1.0 for r in rows if "int8" not in r["graph"])
     assert "| graph | P | W |" in stdout
+    identity = {(r["graph"], r["chunk"]): r for r in result["identity"]}
+    assert set(identity) == {(g, c) for g in graphs for c in (1, 2)}
+    assert all(identity[str(bundle), c]["identical_positions"] == 5 for c in (1, 2))  # our graph: at every cut
+    assert all(0 <= r["identical_positions"] <= 5 and 0 <= r["top1_agreement"] <= 1 for r in identity.values())
+    assert "| graph | window of |" in stdout
     done = subprocess.run([sys.executable, "bench/builder_step.py", tmp_path, bundle], cwd=ROOT, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert done.returncode == 1 and "is no file" in done.stderr and "onnxruntime_genai.models.builder" in done.stderr

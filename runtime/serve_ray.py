@@ -361,6 +361,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, main prints one error line
     args = single.parse_args(serve_argv)
+    check_host(args.host)  # before Ray: an unresolvable --host is one ValueError, not a proxy that never starts
     load_backend(args.path, args.provider, 1)  # fail here, not in every replica
     port = args.port or free_port(args.host)
     wait_until_serve_is_gone()

@@ -63,9 +63,9 @@ class ServerLimits:
             if value is not None and value < 1:
                 raise ValueError(f"{name} ({flag}) must be >= 1, got {value}")
         if self.default_max_tokens > self.max_tokens:  # else a request that sets none would pass the limit
-            raise ValueError(f"the default max_tokens ({self.default_max_tokens}, --default-max-tokens) is above the "
-                             f"largest one accepted ({self.max_tokens}, --max-tokens-limit): lower the first or raise "
-                             "the second")
+            raise ValueError(f"the default max_tokens ({self.default_max_tokens}, {LIMIT_FLAGS['default_max_tokens']}) "
+                             f"is above the largest one accepted ({self.max_tokens}, {LIMIT_FLAGS['max_tokens']}): "
+                             "lower the first or raise the second")
 
 
 @dataclass

@@ -164,6 +164,14 @@ def test_main_refuses_an_unresolvable_host_before_ray(tiny_bundle, monkeypatch, 
     assert "error: --host 'no-such-host.invalid' does not resolve" in capsys.readouterr().err
 
 
+def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, monkeypatch):
+    """deploy(), the programmatic entry, checks --host too before anything of Serve starts."""
+    _, bundle = tiny_bundle("llama", 4)
+    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: pytest.fail("Serve started"))
+    with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
+        serve_ray.deploy([str(bundle), "--host", "no-such-host.invalid"], serve_ray.FleetOptions())
+
+
 def test_fleet_options_default_to_the_servers_batch():
     """Without --max-batch-size (the README's command) the targets follow the server's default batch."""
     ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2"])

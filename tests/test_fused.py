@@ -153,3 +153,4 @@ def test_a_step_graph_config_cannot_say_fused(fused_bundles, tiny_bundle, tmp_pa
     (copy / "mars_config.json").write_text(json.dumps({**raw, "graph": "other"}))
     with pytest.raises(BundleError, match="graph 'other'"):
         load_config(copy)
+

@@ -223,7 +223,8 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
     and with lookup drafts before the masks), verify with each draft source.
 
     A weight-only quantized bundle (``mars-export --int8 / --int4``) runs ar and verify + both
-    only, its variants named after the weight dtype ("int8 ar", "int8 verify + both").
+    only, its variants named after the weight dtype ("int8 ar", "int8 verify + both"); a fused
+    bundle (``--graph fused``) runs batch 1 only, its variants prefixed "fused".
     """
     from runtime.bundle import load_config
     from runtime.decode.engine import Engine, EngineConfig
@@ -239,6 +240,9 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
               for draft in DRAFTS]
     if config.weight_dtype in QUANTIZED:
         modes = [(f"{config.weight_dtype} {name}", params) for name, params in modes if name in QUANTIZED_VARIANTS]
+    if config.graph == "fused":  # the model builder's graph: one sequence at a time
+        modes = [(f"fused {name}", params) for name, params in modes]
+    batch_sizes = [1] if config.graph == "fused" else settings["batch_sizes"]
 
     def make_generate(params):
         def generate(chunk, max_new):
@@ -249,7 +253,7 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
         return generate
 
     rows = [r for name, params in modes for r in bench_variant("ours", name, make_generate(params), settings,
-                                                                 settings["batch_sizes"])]
+                                                                 batch_sizes)]
     if not backend.is_window_dynamic:
         print(f"note: {bundle} has a static window axis: prompts are prefilled {config.window} tokens per forward; "
               "a bundle from the current mars-export prefills in one chunk", file=sys.stderr)

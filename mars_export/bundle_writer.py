@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from mars_export.fused_graph import write_fused_graph
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import check_parity, measure_parity, parity_prompts
@@ -52,7 +53,8 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
 
 def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, window: int,
                  parity_tolerance: float, overwrite: bool = False, dtype: str = "float32",
-                 trt_options=None, weight_dtype: str | None = None, min_top1: float | None = None) -> BundleConfig:
+                 trt_options=None, weight_dtype: str | None = None, min_top1: float | None = None,
+                 graph: str = "step") -> BundleConfig:
     """Export ``loaded`` to ``out_dir``: step graph, tokenizer files, config with parity results.
 
     Args:
@@ -64,6 +66,8 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         weight_dtype: ``"int8"`` or ``"int4"`` for weight-only quantized MatMuls over a
             float32 graph (:mod:`mars_export.quantize`; CPU parity only), gated on top-1
             agreement >= ``min_top1`` instead of ``parity_tolerance``; None keeps ``dtype``.
+        graph: ``"step"`` (our step graph) or ``"fused"`` (onnxruntime-genai's model-builder graph,
+            :mod:`mars_export.fused_graph`; batch 1, CPU, float32 or int8).
 
     Raises:
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
@@ -74,13 +78,16 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
     config = prepare_config(loaded, block_size, window, dtype)
-    config = replace(config, weight_dtype=weight_dtype)
+    config = replace(config, weight_dtype=weight_dtype, graph=graph)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        graph_model = prepare_fp16_model(loaded.model) if dtype == "float16" else loaded.model
-        export_step_graph(graph_model, tmp / ONNX_FILE, window, config.max_context)
-        del graph_model
+        if graph == "fused":
+            write_fused_graph(loaded.model, loaded.tokenizer, tmp / ONNX_FILE)
+        else:
+            graph_model = prepare_fp16_model(loaded.model) if dtype == "float16" else loaded.model
+            export_step_graph(graph_model, tmp / ONNX_FILE, window, config.max_context)
+            del graph_model
         loaded.tokenizer.save_pretrained(tmp)
         prompts = parity_prompts(loaded.tokenizer)
         if config.weight_dtype in WEIGHT_BITS:
@@ -107,9 +114,9 @@ def _measure_gpu(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, pr
                  parity: dict) -> dict:
     """Add parity on onnxruntime CUDA and on the TensorRT engine, where they exist, under
     ``"backends"`` of the CPU ``parity``; raise if any is past the same tolerance.
-    Quantized (int8/int4) bundles are measured on CPU only."""
+    Quantized (int8/int4) and fused bundles are measured on CPU only."""
     others = {}
-    if config.weight_dtype in WEIGHT_BITS:
+    if config.weight_dtype in WEIGHT_BITS or config.graph == "fused":
         return parity
     if PROVIDERS["cuda"] in ort.get_available_providers():
         others["onnxruntime-cuda"] = measure_parity(loaded.model, OnnxBackend(bundle_dir, config, "cuda"),

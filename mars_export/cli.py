@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
 from runtime.backends.providers import OnnxRuntimeMissing
-from runtime.bundle import BundleError
+from runtime.bundle import GRAPHS, BundleError
 
 FP32_PARITY_TOL = 1e-3
 # fp16 against the float32 PyTorch model: measured max |Δlogit| 0.015 (tiny Qwen2) and
@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-top1", type=float, default=None,
                    help="with --int8/--int4: lowest top-1 agreement with the float32 PyTorch model allowed "
                         "(default 0.9 int8, 0.5 int4, 0.8 int4 holding a GGUF file's own blocks)")
+    p.add_argument("--graph", default="step", choices=GRAPHS,
+                   help="step: our step graph (any batch; CPU, CUDA, TensorRT; default); fused: onnxruntime-genai's "
+                        "model-builder graph of the same weights (GroupQueryAttention; batch 1, CPU, float32 or "
+                        "--int8; needs mars-edge[fused])")
     p.add_argument("--trt", action="store_true", help="also build engine.plan with TensorRT (NVIDIA GPU only)")
     p.add_argument("--trt-max-batch", type=int, default=8, help="largest batch of the TensorRT profile (default 8)")
     p.add_argument("--trt-max-context", type=int, default=None,
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"id {loaded.mask_token_id}, ")
         config = write_bundle(loaded, args.output, block, window, args.parity_tol, args.force,
                               "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
-                              args.min_top1)
+                              args.min_top1, args.graph)
     except (ValueError, FileExistsError, ParityError, BundleError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(json.dumps({"bundle": args.output, "seconds": round(time.perf_counter() - start, 1),
                       "block_size": config.block_size, "window": config.window, "dtype": config.dtype,
-                      "weight_dtype": config.weight_dtype,
+                      "weight_dtype": config.weight_dtype, "graph": config.graph,
                       "engine_file": config.engine_file, "parity": config.parity}))
     return 0
 
@@ -135,6 +139,10 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
     if len(chosen) > 1:
         return f"choose one precision, got {' and '.join(chosen)}"
     quantized = args.int8 or args.int4
+    if args.graph == "fused" and (args.fp16 or args.int4 or args.trt):
+        which = "--fp16" if args.fp16 else "--int4" if args.int4 else "--trt"
+        return (f"--graph fused takes float32 or --int8, on the CPU; {which} needs --graph step (int4: the GGUF's "
+                "own blocks are imported into the step graph only)")
     if quantized and args.trt:
         return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if quantized and args.parity_tol is not None:

@@ -14,6 +14,15 @@ and, in exports since 2026-11-30, W are dynamic axes):
     outputs  logits                     float32 [n, W, V]        (float32 in fp16 exports too)
              present.{i}.key            dtype [n, H, W, D]       ONLY the W new entries
              present.{i}.value          dtype [n, H, W, D]
+
+Fused graph (``graph: "fused"``, GitHub issue 11): onnxruntime-genai's model-builder graph of the
+same weights (GroupQueryAttention), batch 1, the KV cache one buffer [1, H, S, D] per layer and
+name bound as both past and present (:mod:`runtime.backends.fused`):
+    inputs   input_ids                  int64 [1, W]
+             attention_mask             int64 [1, P + W]         ones: causal over all P + W
+             past_key_values.{i}.key    float32 [1, H, S, D]     (and .value)
+    outputs  logits                     float32 [1, W, V]
+             present.{i}.key            float32 [1, H, S, D]     the same buffer, W entries written at P
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ LOGITS = "logits"
 DTYPES = ("float32", "float16")
 # Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.
 WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
+# The step graph (ours, any batch, any backend) or the fused model-builder graph (batch 1, onnxruntime CPU).
+GRAPHS = ("step", "fused")
 
 
 class BundleError(ValueError):
@@ -79,6 +90,12 @@ def output_names(num_layers: int) -> list[str]:
     return [LOGITS, *kv]
 
 
+def fused_io_names(num_layers: int) -> tuple[set[str], set[str]]:
+    """The fused graph's input and output names (its order is the model builder's)."""
+    inputs = {INPUT_IDS, ATTENTION_MASK} | {name for i in range(num_layers) for name in past_names(i)}
+    return inputs, set(output_names(num_layers))
+
+
 @dataclass(frozen=True)
 class BundleConfig:
     """Everything a runtime needs to know about a bundle besides the graph and tokenizer.
@@ -103,6 +120,8 @@ class BundleConfig:
             need ``dtype`` float32. Written to the JSON only when it differs from ``dtype``.
         parity: results of the export-time parity check against PyTorch.
         format_version: bundle format; a runtime refuses other versions.
+        graph: one of GRAPHS: ``step`` (the default, omitted from the JSON) or ``fused``
+            (batch 1, onnxruntime CPU; float32 activations and KV).
     """
 
     block_size: int
@@ -124,6 +143,7 @@ class BundleConfig:
     weight_dtype: str | None = None
     parity: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    graph: str = "step"
 
     def __post_init__(self):
         if self.format_version != FORMAT_VERSION:
@@ -139,6 +159,9 @@ class BundleConfig:
                 or (not quantized and self.weight_dtype != self.dtype):
             raise BundleError(f"weight_dtype {self.weight_dtype!r} does not fit dtype {self.dtype!r}: use the dtype "
                               "itself, or int8/int4 with dtype float32")
+        if self.graph not in GRAPHS or (self.graph == "fused" and self.dtype != "float32"):
+            raise BundleError(f"graph {self.graph!r} with dtype {self.dtype!r}: the graph is one of {GRAPHS}, "
+                              "and a fused graph runs float32 activations; re-export the bundle")
         if not self.eos_token_ids:
             raise BundleError("eos_token_ids is empty: generation could never stop at an end token")
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_context"):
@@ -159,6 +182,8 @@ class BundleConfig:
             del raw["engine_file"]
         if raw["weight_dtype"] == self.dtype:  # unquantized bundles read as before
             del raw["weight_dtype"]
+        if raw["graph"] == "step":  # step-graph bundles read as before (older runtimes too)
+            del raw["graph"]
         return json.dumps(raw, indent=2, sort_keys=True) + "\n"
 
 

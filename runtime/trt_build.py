@@ -60,8 +60,12 @@ def profile_shapes(config: BundleConfig, options: TrtBuildOptions) -> dict[str, 
     """(min, opt, max) shape of every step-graph input.
 
     Raises:
-        ValueError: a context outside W + 1 .. the model's max context, or opt > max.
+        ValueError: a fused bundle (its graph is onnxruntime's, not the step graph), a context
+            outside W + 1 .. the model's max context, or opt > max.
     """
+    if config.graph != "step":
+        raise ValueError(f"a {config.graph} bundle holds onnxruntime's fused graph (GroupQueryAttention; CPU, batch 1), "
+                         "which TensorRT does not build: export the bundle with mars-export --graph step")
     window = config.window
     max_context = options.max_context or min(config.max_context, 4096)
     opt_context = options.opt_context or min(max_context, 1024)

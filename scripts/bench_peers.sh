@@ -16,6 +16,9 @@
 #              ENGINES=ours installs nothing and writes no checkpoint (the CI smoke test runs it)
 #   QUANTIZED  our weight-only quantized bundles run with ours (default "int8 int4"; "" for none):
 #              $BUNDLE-int8 and $BUNDLE-int4, exported from $MODEL if missing; variants "int8 ar" ...
+#   FUSED      our fused-graph bundles (mars-export --graph fused; batch 1) run with ours (default
+#              "float32 int8"; "" for none): $BUNDLE-fused and $BUNDLE-fused-int8, exported if missing;
+#              variants "fused ar", "fused int8 ar" ...
 #   OUT        result folder (default bench/results)
 #   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
 #
@@ -37,6 +40,7 @@ BUNDLE=${BUNDLE:-bundles/default-mars-b4}
 MODEL=${MODEL:-default-mars}
 ENGINES=${ENGINES:-ours transformers ortgenai llamacpp optimum}
 QUANTIZED=${QUANTIZED-int8 int4}
+FUSED=${FUSED-float32 int8}
 OUT=${OUT:-bench/results}
 LOGS=$PEER_ENVS/logs
 WORK=$PEER_ENVS/work
@@ -55,6 +59,9 @@ GGUF_PINS=${GGUF_PINS:-"torch==2.13.0 transformers==4.57.6 sentencepiece==0.2.3 
 mkdir -p "$LOGS" "$WORK"
 for dtype in $QUANTIZED; do
     case $dtype in int8|int4) ;; *) echo "error: QUANTIZED takes int8 and/or int4, got '$dtype'" >&2; exit 2 ;; esac
+done
+for dtype in $FUSED; do
+    case $dtype in float32|int8) ;; *) echo "error: FUSED takes float32 and/or int8, got '$dtype'" >&2; exit 2 ;; esac
 done
 for engine in $ENGINES; do  # rows of engines not run now stay; the report refuses them if the settings differ
     rm -f "$WORK/rows-$engine.json" "$WORK/rows-$engine"-*.json
@@ -96,13 +103,14 @@ run_engine() {  # run_engine ENGINE PYTHON [--tag TAG] ARGS...: one engine (TAG:
     fi
 }
 
-ours_quantized() {  # ours_quantized DTYPE: our bundle with DTYPE weights ($BUNDLE-DTYPE, exported if missing)
-    local dtype=$1 bundle=$BUNDLE-$1
+ours_variant() {  # ours_variant TAG EXPORT_FLAGS...: our bundle $BUNDLE-TAG (exported with the flags if missing)
+    local tag=$1 bundle=$BUNDLE-$1
+    shift
     if [ ! -f "$bundle/mars_config.json" ]; then
-        step "export $dtype bundle" "$LOGS/bundle-$dtype.export.log" .venv/bin/mars-export "$MODEL" --block 4 \
-            "--$dtype" -o "$bundle" || { record ours failed "$LOGS/bundle-$dtype.export.log" --tag "$dtype"; return; }
+        step "export $tag bundle" "$LOGS/bundle-$tag.export.log" .venv/bin/mars-export "$MODEL" --block 4 \
+            "$@" -o "$bundle" || { record ours failed "$LOGS/bundle-$tag.export.log" --tag "$tag"; return; }
     fi
-    run_engine ours "$PY" --tag "$dtype" --model "$bundle"
+    run_engine ours "$PY" --tag "$tag" --model "$bundle"
 }
 
 peer_ortgenai() {
@@ -175,7 +183,11 @@ fi
 for engine in $ENGINES; do
     case $engine in
         ours) run_engine ours "$PY" --model "$BUNDLE"
-              for dtype in $QUANTIZED; do ours_quantized "$dtype"; done ;;
+              for dtype in $QUANTIZED; do ours_variant "$dtype" "--$dtype"; done
+              for dtype in $FUSED; do
+                  if [ "$dtype" = int8 ]; then ours_variant fused-int8 --graph fused --int8
+                  else ours_variant fused --graph fused; fi
+              done ;;
         transformers) run_engine transformers "$PY" --model "$CKPT" ;;
         ortgenai) peer_ortgenai ;;
         optimum) peer_optimum ;;

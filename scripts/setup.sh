@@ -9,4 +9,4 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt \
-    -e ".[cpu,export,dev,bench,eval,serve-ray]"
+    -e ".[cpu,export,fused,dev,bench,eval,serve-ray]"

@@ -228,6 +228,8 @@ BAD_BUNDLES = {
     "wrong window": (lambda bundle: _config_edit(window=8, block_size=8)(fix_window(bundle, 4)),
                      "input_ids must be int64 [batch, 8]"),
     "wrong vocab": (_config_edit(vocab_size=300), "logits must be float32 [batch, 4, 300]"),
+    "fused graph": (_config_edit(graph="fused"), "runs the step graph only; export the bundle with mars-export "
+                                                 "--graph step"),
     "no model": (lambda bundle: (bundle / "model.onnx").unlink(), "not found; re-export"),
     "truncated model": (_truncate_model, "rotobuf"),
 }

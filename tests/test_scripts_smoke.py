@@ -198,19 +198,27 @@ def test_load_test_against_ray_replicas(smoke_model, tmp_path):
 @pytest.mark.usefixtures("shared_data")
 def test_bench_peers_ours_only(smoke_model, tmp_path):
     """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
-    with every variant of ours and the int8 bundle's rows, and the lossless ones equal our AR ids."""
+    with every variant of ours, the int8 bundle's and the fused bundle's rows (batch 1 only), and
+    the lossless ones equal our AR ids."""
     ckpt, bundle = smoke_model[0], shutil.copytree(smoke_model[1], tmp_path / "bundle")
     export(str(ckpt), tmp_path / "bundle-int8", 4, 4, "--mask-token", "<mask>", "--int8")  # found as $BUNDLE-int8
+    export(str(ckpt), tmp_path / "bundle-fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")  # $BUNDLE-fused
     table = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
                 "2", "--threads", "1", "--taus", "0.9",
-                env={"ENGINES": "ours", "QUANTIZED": "int8", "BUNDLE": str(bundle), "PEER_ENVS": str(tmp_path / "peers"),
-                     "OUT": str(tmp_path)})
+                env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32", "BUNDLE": str(bundle),
+                     "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
     rows = assert_results(tmp_path, "peers")["rows"]
-    assert {row["engine"] for row in rows} == {"ours"} and all(row["status"] == "ok" for row in rows)
+    fused = ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS]
+    assert {row["engine"] for row in rows} == {"ours"}
+    assert all(row["status"] == ("ok" if row["batch_size"] == 1 or not row["variant"].startswith("fused") else
+                                 "not supported") for row in rows)
     assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
-        ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS, "int8 ar", "int8 verify + both"]
-    assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in ["ar", *VERIFY_VARIANTS])  # of 2 prompts
+        ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS,
+         *[f"fused {name}" for name in fused], "int8 ar", "int8 verify + both"]  # tagged rows files in name order
+    lossless = ["ar", *VERIFY_VARIANTS, "fused ar", *[f"fused {name}" for name in VERIFY_VARIANTS]]
+    assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in lossless and r["status"] == "ok")
     assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table
+    assert "| ours | fused verify + both | 2 |" in table
     assert not (tmp_path / "peers" / "ckpt").exists()
 
 

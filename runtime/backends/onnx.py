@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime import bundle
+from runtime.backends.fused import FusedStep
 from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
 
@@ -48,14 +49,19 @@ class OnnxBackend:
             raise BundleError(f"{path} not found; re-export the bundle with mars-export")
         if not 0 <= num_threads <= MAX_THREADS:
             raise ValueError(f"num_threads must be in 0..{MAX_THREADS} (0 lets onnxruntime choose), got {num_threads}")
+        if config.graph == "fused" and provider != "cpu":
+            raise ValueError(f"a fused bundle runs on the cpu provider only, not {provider}; "
+                             "export with --graph step for CUDA or TensorRT")
         self.session = _make_session(path, provider, num_threads)
         self.num_layers = config.num_layers
         self.kv_dtype = np.dtype(config.dtype)
         _check_io(self.session, config, path)
         # A symbolic window axis (exports since 2026-11-30) also runs T-token prefill forwards.
         self.is_window_dynamic = isinstance(self.session.get_inputs()[0].shape[1], str)
-        # Batch and past length are dynamic axes: any batch, any past up to the model's context.
-        self.max_batch: int | None = None
+        # Batch and past length are dynamic axes: any batch, any past up to the model's context;
+        # a fused graph holds its own KV cache and runs batch 1 (runtime.backends.fused).
+        self.fused = FusedStep(self.session, ort, config) if config.graph == "fused" else None
+        self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
@@ -71,7 +77,12 @@ class OnnxBackend:
 
         Returns:
             logits float32 [n, W, V], and per layer the new (key, value) [n, H, W, D].
+
+        A fused bundle (n = 1) reads its own KV cache, not ``past``, and attends causally over
+        the positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
+        if self.fused:
+            return self.fused.step(input_ids, position_ids)
         logits, *kv = self.session.run(None, bundle.step_feeds(input_ids, position_ids, attention_mask, past))
         return logits, list(zip(kv[0::2], kv[1::2]))
 
@@ -132,6 +143,11 @@ def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceS
 def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -> None:
     got_in = [i.name for i in session.get_inputs()]
     got_out = [o.name for o in session.get_outputs()]
+    if config.graph == "fused":
+        if (set(got_in), set(got_out)) != bundle.fused_io_names(config.num_layers):
+            raise BundleError(f"{path} is not the fused graph of a {config.num_layers}-layer model (inputs "
+                              f"{got_in[:3]}...); re-export the bundle with mars-export --graph fused")
+        return
     if got_in != bundle.input_names(config.num_layers) or got_out != bundle.output_names(config.num_layers):
         raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
                           f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "

@@ -148,7 +148,7 @@ class Engine:
 
     Raises:
         ValueError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
-            not None: a TensorRT optimization profile), or ``max_seq_len`` exceeds the model's
+            not None: a TensorRT optimization profile, or a fused bundle's 1), or ``max_seq_len`` exceeds the model's
             max context or the backend's largest past (:func:`check_max_seq_len`, every backend).
     """
 
@@ -156,7 +156,8 @@ class Engine:
         self.backend, self.config, self.engine_config = backend, config, engine_config
         if backend.max_batch is not None and engine_config.max_batch_size > backend.max_batch:
             raise ValueError(f"max_batch_size {engine_config.max_batch_size} exceeds the backend's largest batch "
-                             f"{backend.max_batch} (its optimization profile); lower it or rebuild the engine")
+                             f"{backend.max_batch} (a TensorRT engine's optimization profile, or 1 for a fused "
+                             "bundle); lower it, or rebuild the engine / export with --graph step")
         max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past)
         make_cache = getattr(backend, "make_cache", KVCache)  # a GPU backend keeps the cache in device memory
         self.cache = make_cache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,

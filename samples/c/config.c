@@ -213,6 +213,12 @@ static unsigned read_fields(Json *j, MarsConfig *cfg, int *format_version) {
         else if (strcmp(key, "onnx_file") == 0) {
             if (peek(j) != '"') fail(j, "onnx_file must be a string");
             read_string(j, cfg->onnx_file, sizeof cfg->onnx_file);
+        } else if (strcmp(key, "graph") == 0) {  /* absent: "step"; "fused" holds the model builder's batch-1 graph */
+            char graph[MAX_NAME];
+            if (peek(j) != '"') fail(j, "graph must be a string");
+            read_string(j, graph, sizeof graph);
+            CHECK(require(strcmp(graph, "step") == 0, "%s: graph \"%s\": this program runs the step graph only; "
+                          "export the bundle with mars-export --graph step", j->path, graph));
         } else skip_value(j, 1);
         if (peek(j) == '}') { j->pos++; break; }
         expect(j, ',');

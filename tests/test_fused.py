@@ -1,0 +1,156 @@
+"""``mars-export --graph fused``: onnxruntime-genai's model-builder graph run at batch 1 (GitHub issue 11).
+
+The fused graph's GroupQueryAttention gives a one-token window other bits than a window of two or
+more (bench/builder_step.py, identity rows); runtime.backends.fused runs a one-token window as two,
+so tau = 1, verify and lookup drafts stay token-for-token greedy AR on it, as on the step graph.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from support import export
+from tiny_models import make_checkpoint
+from transformers import AutoTokenizer
+
+from mars_export.cli import main as export_main
+from mars_export.parity import chat_prompt_ids
+from runtime.backends import fused as fused_module
+from runtime.backends.onnx import OnnxBackend
+from runtime.bundle import BundleError, load_config
+from runtime.decode.batch import run_batch
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.kv_cache import KVCache
+from runtime.decode.params import DecodeParams
+from runtime.serve import resolve_max_batch_size
+from runtime.trt_build import TrtBuildOptions, profile_shapes
+
+MAX_NEW = 24
+TEXTS = ["Hi", "Tell me a story about a cat who sails.", "List the planets. " * 6, "1 2 3 4 5 6 7 8 9 10 11 12"]
+
+
+@pytest.fixture(scope="module")
+def fused_bundles(tmp_path_factory):
+    """(checkpoint, {"float32": bundle, "int8": bundle}): one tiny Llama exported with --graph fused, W = 4."""
+    root = tmp_path_factory.mktemp("fused")
+    ckpt = make_checkpoint("llama", root / "ckpt")
+    bundles = {"float32": export(str(ckpt), root / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused"),
+               "int8": export(str(ckpt), root / "fused-int8", 4, 4, "--mask-token", "<mask>", "--graph", "fused",
+                              "--int8")}
+    return ckpt, bundles
+
+
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def fused(request, fused_bundles):
+    """(backend, config, prompts, bundle dir) of one fused bundle."""
+    ckpt, bundles = fused_bundles
+    config = load_config(bundles[request.param])
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    prompts = [chat_prompt_ids(tokenizer, text) for text in TEXTS] + [tokenizer.encode("H")]
+    return OnnxBackend(bundles[request.param], config), config, prompts, bundles[request.param]
+
+
+def test_the_bundle_holds_the_builders_graph_and_passed_parity(fused_bundles):
+    _, bundles = fused_bundles
+    for dtype, bundle in bundles.items():
+        config = load_config(bundle)
+        assert (config.graph, config.weight_dtype) == ("fused", dtype)
+        assert json.loads((bundle / "mars_config.json").read_text())["graph"] == "fused"
+        ops = {node.op_type for node in onnx.load(bundle / config.onnx_file, load_external_data=False).graph.node}
+        assert "GroupQueryAttention" in ops and ("MatMulNBits" in ops) == (dtype == "int8")
+        parity = config.parity
+        assert parity["max_abs_logit_diff"] < 1e-3 if dtype == "float32" else parity["top1_agreement"] >= 0.9
+        assert not list(bundle.glob("*.data")) and not list(bundle.glob("*reference*"))  # one graph file, no leftovers
+
+
+def greedy(backend, config, prompts, **params):
+    return [Decoder(backend, config).generate(p, DecodeParams(max_new_tokens=MAX_NEW, **params)).token_ids
+            for p in prompts]
+
+
+@pytest.mark.parametrize("params", [{"tau": 1.0}, {"mode": "verify"}, {"mode": "verify", "draft": "lookup"},
+                                    {"mode": "verify", "draft": "both"}, {"tau": 1.0, "draft": "both"}],
+                         ids=["tau1", "verify", "verify-lookup", "verify-both", "tau1-both"])
+def test_lossless_modes_equal_greedy_ar_on_the_fused_graph(fused, params):
+    backend, config, prompts, _ = fused
+    assert greedy(backend, config, prompts, **params) == greedy(backend, config, prompts, mode="ar")
+
+
+def fed_in_windows(backend, config, ids: list[int], cuts: list[int]) -> np.ndarray:
+    """Logits [N, V] of ``ids`` fed in windows of ``cuts`` through the engine's cache and run_batch."""
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
+    cache.reserve(len(ids))
+    logits, start = [], 0
+    for width in cuts:
+        out, presents = run_batch(backend, cache, [ids[start:start + width]], config.pad_token_id)
+        cache.commit(presents, [width])
+        logits.append(out[0])
+        start += width
+    return np.concatenate(logits)
+
+
+def test_a_token_gets_the_same_logits_in_any_window(fused):
+    """The rule the backend keeps: fed one at a time, two, three or all at once, every position's
+    logits are bit-identical (without the one-token padding the one-at-a-time cut differs)."""
+    backend, config, prompts, _ = fused
+    ids = prompts[1][:12]
+    whole = fed_in_windows(backend, config, ids, [12])
+    for cuts in ([1] * 12, [2] * 6, [3] * 4, [1, 4, 2, 5]):
+        assert np.array_equal(fed_in_windows(backend, config, ids, cuts), whole), cuts
+
+
+def test_the_kv_buffer_grows_without_changing_a_logit(fused, monkeypatch):
+    """A buffer that doubles as the sequence grows gives the logits of one allocated at full size."""
+    backend, config, prompts, bundle = fused
+    ids = (prompts[2] * 3)[:40]
+    monkeypatch.setattr(fused_module, "INITIAL_LENGTH", 8)
+    small = OnnxBackend(bundle, config)
+    assert small.fused.length == 8
+    grown = fed_in_windows(small, config, ids, [5, 4] * 4 + [4])
+    assert small.fused.length >= 40
+    assert np.array_equal(grown, fed_in_windows(backend, config, ids, [5, 4] * 4 + [4]))
+
+
+def test_one_sequence_at_a_time(fused):
+    """Batch 1: an engine with more slots is refused naming the fix; the server defaults to 1; a
+    second row fed anyway is refused."""
+    backend, config, prompts, _ = fused
+    with pytest.raises(ValueError, match="exceeds the backend's largest batch 1 .*--graph step"):
+        Engine(backend, config, EngineConfig(max_batch_size=2))
+    assert resolve_max_batch_size(None, backend.max_batch) == 1
+    with pytest.raises(ValueError, match="batch 1"):
+        backend.step(np.ones((2, 2), np.int64), np.tile(np.arange(2), (2, 1)), None, None)
+
+
+def test_gpu_providers_tensorrt_and_other_precisions_are_refused(fused_bundles, capsys):
+    ckpt, bundles = fused_bundles
+    config = load_config(bundles["float32"])
+    with pytest.raises(ValueError, match="cpu provider only.*--graph step"):
+        OnnxBackend(bundles["float32"], config, "cuda")
+    with pytest.raises(ValueError, match="TensorRT does not build.*--graph step"):
+        profile_shapes(config, TrtBuildOptions())
+    for flag in ("--fp16", "--int4", "--trt"):
+        assert export_main([str(ckpt), "-o", str(ckpt.parent / "never"), "--graph", "fused", flag]) == 2
+        assert f"{flag} needs --graph step" in capsys.readouterr().err
+    assert not (ckpt.parent / "never").exists()
+
+
+def test_a_step_graph_config_cannot_say_fused(fused_bundles, tiny_bundle, tmp_path):
+    """The graph field must match the file: a step graph under graph "fused" is one error line."""
+    _, bundle = tiny_bundle("llama", 4)
+    copy = tmp_path / "bundle"
+    copy.mkdir()
+    for path in bundle.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    raw = json.loads((copy / "mars_config.json").read_text())
+    (copy / "mars_config.json").write_text(json.dumps({**raw, "graph": "fused"}))
+    with pytest.raises(BundleError, match="not the fused graph .*--graph fused"):
+        OnnxBackend(copy, load_config(copy))
+    (copy / "mars_config.json").write_text(json.dumps({**raw, "graph": "other"}))
+    with pytest.raises(BundleError, match="graph 'other'"):
+        load_config(copy)
+

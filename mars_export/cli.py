@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     _log_choice(f"block size {block}", block_origin, "--block")
     try:  # torch and onnxruntime imports: after argument errors
         from mars_export.bundle_writer import write_bundle
-    except OnnxRuntimeMissing as e:  # installed with [export] but without [cpu] or [gpu]
+        from mars_export.fused_graph import require_builder
+        if args.graph == "fused":
+            require_builder()  # before the model is loaded, merged and saved
+    except (OnnxRuntimeMissing, RuntimeError) as e:  # installed without [cpu] or [gpu], or without [fused]
         print(f"error: {e}", file=sys.stderr)
         return 2
     from mars_export.model_source import load_model
@@ -141,8 +144,8 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
     quantized = args.int8 or args.int4
     if args.graph == "fused" and (args.fp16 or args.int4 or args.trt):
         which = "--fp16" if args.fp16 else "--int4" if args.int4 else "--trt"
-        return (f"--graph fused takes float32 or --int8, on the CPU; {which} needs --graph step (int4: the GGUF's "
-                "own blocks are imported into the step graph only)")
+        why = " (the GGUF's own int4 blocks are imported into the step graph only)" if args.int4 else ""
+        return f"--graph fused takes float32 or --int8, on the CPU; {which} needs --graph step{why}"
     if quantized and args.trt:
         return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if quantized and args.parity_tol is not None:

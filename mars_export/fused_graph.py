@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 
 import onnx
@@ -26,6 +27,12 @@ BUILDER_FILE = "model.onnx"
 MAX_INLINE_BYTES = 2 * 1024**3 - 1  # protobuf's limit for one file
 
 
+def require_builder() -> None:
+    """Raise RuntimeError, naming the extra to install, if onnxruntime-genai is not installed."""
+    if find_spec("onnxruntime_genai") is None:
+        raise RuntimeError("--graph fused needs onnxruntime-genai's model builder: pip install 'mars-edge[fused]'")
+
+
 def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
     """Write the model builder's float32 CPU graph of ``model`` to ``path`` (weights inline; over 2 GB in ``path`` + .data).
 
@@ -33,6 +40,7 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last
             error line, e.g. an architecture it does not know).
     """
+    require_builder()
     with tempfile.TemporaryDirectory(prefix="mars-fused-") as tmp:
         checkpoint, out = Path(tmp) / "checkpoint", Path(tmp) / "out"
         model.save_pretrained(checkpoint)
@@ -44,8 +52,6 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         done = subprocess.run([sys.executable, "-m", BUILDER, "-i", str(checkpoint), "-o", str(out), "-p", "fp32",
                                "-e", "cpu", "-c", str(Path(tmp) / "cache")], capture_output=True, text=True)
         if done.returncode != 0:
-            if "No module named onnxruntime_genai" in done.stderr:
-                raise RuntimeError("--graph fused needs onnxruntime-genai's model builder: pip install 'mars-edge[fused]'")
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
             raise RuntimeError(f"onnxruntime-genai's model builder failed: {lines[-1][:300]}")
         graph = onnx.load(str(out / BUILDER_FILE))  # the builder keeps the weights apart; one file, as ours, below 2 GB

@@ -355,14 +355,17 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one).
 
     Raises:
-        BundleError, ValueError: bad path, bundle or option value (checked here first).
+        BundleError, ValueError: bad path, bundle or option value, or a batch the bundle cannot run
+            (checked here first, not in every replica).
         RuntimeError: an earlier Serve instance did not go within ``SERVE_GONE_S`` seconds, or the
             proxy did not open its port within ``PROXY_START_S`` seconds.
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, main prints one error line
+    from runtime.decode.engine import check_max_batch_size
     args = single.parse_args(serve_argv)
     check_host(args.host)  # before Ray: an unresolvable --host is one ValueError, not a proxy that never starts
-    load_backend(args.path, args.provider, 1)  # fail here, not in every replica
+    backend, _, _ = load_backend(args.path, args.provider, 1)  # fail here, not in every replica
+    check_max_batch_size(single.resolve_max_batch_size(args.max_batch_size, backend.max_batch), backend.max_batch)
     port = args.port or free_port(args.host)
     wait_until_serve_is_gone()
     serve.start(http_options={"host": args.host, "port": port})

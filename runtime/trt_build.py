@@ -136,9 +136,11 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleC
     float32 graphs), write ``engine_path``.
 
     Raises:
+        ValueError: a fused bundle, or bad profile contexts (:func:`profile_shapes`), before TensorRT is loaded.
         RuntimeError: TensorRT missing, the parser rejected the graph (its errors are
             listed), or the build failed (no GPU, out of memory, unsupported layer).
     """
+    shapes = profile_shapes(config, options)
     trt = require_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -157,7 +159,7 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleC
     if options.workspace_mib:
         builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
     profile = builder.create_optimization_profile()
-    for name, (smallest, typical, largest) in profile_shapes(config, options).items():
+    for name, (smallest, typical, largest) in shapes.items():
         profile.set_shape(name, smallest, typical, largest)
     builder_config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, builder_config)

@@ -16,8 +16,10 @@ from support import export
 from tiny_models import make_checkpoint
 from transformers import AutoTokenizer
 
+from mars_export import fused_graph, model_source
 from mars_export.cli import main as export_main
 from mars_export.parity import chat_prompt_ids
+from runtime import memory
 from runtime.backends import fused as fused_module
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError, load_config
@@ -28,6 +30,7 @@ from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams
 from runtime.serve import resolve_max_batch_size
 from runtime.trt_build import TrtBuildOptions, profile_shapes
+from runtime.trt_build import main as trt_build_main
 
 MAX_NEW = 24
 TEXTS = ["Hi", "Tell me a story about a cat who sails.", "List the planets. " * 6, "1 2 3 4 5 6 7 8 9 10 11 12"]
@@ -135,8 +138,32 @@ def test_gpu_providers_tensorrt_and_other_precisions_are_refused(fused_bundles, 
         profile_shapes(config, TrtBuildOptions())
     for flag in ("--fp16", "--int4", "--trt"):
         assert export_main([str(ckpt), "-o", str(ckpt.parent / "never"), "--graph", "fused", flag]) == 2
-        assert f"{flag} needs --graph step" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"{flag} needs --graph step" in err and ("GGUF" in err) == (flag == "--int4")
     assert not (ckpt.parent / "never").exists()
+    assert trt_build_main([str(bundles["float32"])]) == 2  # the graph is refused before TensorRT is looked for
+    err = capsys.readouterr().err
+    assert "--graph step" in err and "TensorRT is not available" not in err
+
+
+def test_without_the_model_builder_the_export_stops_before_loading_the_model(fused_bundles, monkeypatch, capsys):
+    ckpt, _ = fused_bundles
+    monkeypatch.setattr(fused_graph, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_source, "load_model", lambda *args: pytest.fail("the model was loaded"))
+    assert export_main([str(ckpt), "-o", str(ckpt.parent / "never"), "--block", "4", "--graph", "fused"]) == 2
+    assert "pip install 'mars-edge[fused]'" in capsys.readouterr().err
+    assert not (ckpt.parent / "never").exists()
+
+
+def test_memory_sizing_of_a_fused_bundle(fused_bundles, capsys):
+    """Batch 1 only, and the KV cache counted twice (the engine's slot cache and the graph's buffer)."""
+    bundle = fused_bundles[1]["float32"]
+    assert memory.main([str(bundle), "--batch", "1", "4", "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 4 left out: this bundle runs at most 1 sequence(s) at once" in out
+    per_token = 2 * 2 * 2 * 16 * 4 * 2  # tiny llama: 2 layers, 2 KV heads, 16 dims, fp32; two copies
+    assert f"KV cache {per_token:,} bytes per token" in out and "x 2 copies" in out
+    assert "B=1:" in out and "B=4:" not in out
 
 
 def test_a_step_graph_config_cannot_say_fused(fused_bundles, tiny_bundle, tmp_path):

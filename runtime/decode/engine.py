@@ -115,6 +115,15 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
         raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
+def check_max_batch_size(max_batch_size: int, backend_max_batch: int | None) -> None:
+    """Raise ValueError if ``max_batch_size`` exceeds the backend's largest batch (None: no limit),
+    naming the fix: a TensorRT engine's optimization profile, or a fused bundle's 1."""
+    if backend_max_batch is not None and max_batch_size > backend_max_batch:
+        raise ValueError(f"max_batch_size {max_batch_size} exceeds the backend's largest batch {backend_max_batch} "
+                         "(a TensorRT engine's optimization profile, or 1 for a fused bundle); lower it, or rebuild "
+                         "the engine / export with --graph step")
+
+
 def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) -> int:
     """The positions a slot holds: ``max_seq_len``, or when None the most any slot may hold,
     min(the model's max context, the backend's largest past). The past fed is the whole
@@ -154,10 +163,7 @@ class Engine:
 
     def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
         self.backend, self.config, self.engine_config = backend, config, engine_config
-        if backend.max_batch is not None and engine_config.max_batch_size > backend.max_batch:
-            raise ValueError(f"max_batch_size {engine_config.max_batch_size} exceeds the backend's largest batch "
-                             f"{backend.max_batch} (a TensorRT engine's optimization profile, or 1 for a fused "
-                             "bundle); lower it, or rebuild the engine / export with --graph step")
+        check_max_batch_size(engine_config.max_batch_size, backend.max_batch)
         max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past)
         make_cache = getattr(backend, "make_cache", KVCache)  # a GPU backend keeps the cache in device memory
         self.cache = make_cache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,

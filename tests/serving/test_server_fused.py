@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from server_support import serve
 from support import export
 from tiny_models import make_checkpoint
@@ -31,3 +32,13 @@ def test_a_fused_bundle_is_served_one_request_at_a_time(tmp_path, capsys):
     assert main([str(bundle), "--max-batch-size", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: max_batch_size 2 exceeds the backend's largest batch 1") and "--graph step" in err
+
+
+def test_ray_serve_refuses_more_slots_than_a_fused_bundle_runs_before_serve_starts(tmp_path, monkeypatch):
+    from runtime import serve_ray
+
+    ckpt = make_checkpoint("llama", tmp_path / "ckpt")
+    bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
+    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: pytest.fail("Serve started"))
+    with pytest.raises(ValueError, match="largest batch 1 .*--graph step"):
+        serve_ray.deploy([str(bundle), "--max-batch-size", "2"], serve_ray.FleetOptions())

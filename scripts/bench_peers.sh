@@ -17,7 +17,7 @@
 #   QUANTIZED  our weight-only quantized bundles run with ours (default "int8 int4"; "" for none):
 #              $BUNDLE-int8 and $BUNDLE-int4, exported from $MODEL if missing; variants "int8 ar" ...
 #   FUSED      our fused-graph bundles (mars-export --graph fused; batch 1) run with ours (default
-#              "float32 int8"; "" for none): $BUNDLE-fused and $BUNDLE-fused-int8, exported if missing;
+#              "float32 int8"; "" for none): $BUNDLE-fused and $BUNDLE-fusedint8, exported if missing;
 #              variants "fused ar", "fused int8 ar" ...
 #   OUT        result folder (default bench/results)
 #   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
@@ -185,7 +185,7 @@ for engine in $ENGINES; do
         ours) run_engine ours "$PY" --model "$BUNDLE"
               for dtype in $QUANTIZED; do ours_variant "$dtype" "--$dtype"; done
               for dtype in $FUSED; do
-                  if [ "$dtype" = int8 ]; then ours_variant fused-int8 --graph fused --int8
+                  if [ "$dtype" = int8 ]; then ours_variant fusedint8 --graph fused --int8  # tags: [a-z0-9]+
                   else ours_variant fused --graph fused; fi
               done ;;
         transformers) run_engine transformers "$PY" --model "$CKPT" ;;

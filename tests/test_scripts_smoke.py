@@ -203,9 +203,10 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     ckpt, bundle = smoke_model[0], shutil.copytree(smoke_model[1], tmp_path / "bundle")
     export(str(ckpt), tmp_path / "bundle-int8", 4, 4, "--mask-token", "<mask>", "--int8")  # found as $BUNDLE-int8
     export(str(ckpt), tmp_path / "bundle-fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")  # $BUNDLE-fused
+    export(str(ckpt), tmp_path / "bundle-fusedint8", 4, 4, "--mask-token", "<mask>", "--graph", "fused", "--int8")
     table = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
                 "2", "--threads", "1", "--taus", "0.9",
-                env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32", "BUNDLE": str(bundle),
+                env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8", "BUNDLE": str(bundle),
                      "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
     rows = assert_results(tmp_path, "peers")["rows"]
     fused = ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS]
@@ -214,7 +215,8 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
                                  "not supported") for row in rows)
     assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
         ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS,
-         *[f"fused {name}" for name in fused], "int8 ar", "int8 verify + both"]  # tagged rows files in name order
+         *[f"fused {name}" for name in fused], "fused int8 ar", "fused int8 verify + both", "int8 ar",
+         "int8 verify + both"]  # tagged rows files in name order
     lossless = ["ar", *VERIFY_VARIANTS, "fused ar", *[f"fused {name}" for name in VERIFY_VARIANTS]]
     assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in lossless and r["status"] == "ok")
     assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table

@@ -75,7 +75,6 @@ from profile_step import load_bundles, make_session, mean_seconds  # bench/ is o
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
 from runtime.decode.batch import run_batch, run_prefill
-from runtime.decode.kv_cache import KVCache
 from scaling import decode_inputs
 
 BUILDER_FILE = "model.onnx"
@@ -204,9 +203,10 @@ def cuts(num_tokens: int, chunk: int) -> list[int]:
 def bundle_logits(path: Path, config: bundle.BundleConfig, threads: int, ids: np.ndarray,
                   chunks: list[int]) -> np.ndarray:
     """A bundle's logits [N, V] of the last N = sum(chunks) of ``ids`` fed in windows of ``chunks``
-    after the rest as one prefill window, as the engine runs it (KVCache, run_prefill, run_batch)."""
+    after the rest as one prefill window, as the engine runs it (the backend's cache, run_prefill, run_batch)."""
     backend = OnnxBackend(path.parent, config, num_threads=threads)
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids), config.dtype)
+    # one position more: a fused bundle runs a last one-token window with a pad (runtime.backends.fused)
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids) + 1, config.dtype)
     cache.reserve(len(ids))
     prompt = len(ids) - sum(chunks)
     cache.commit_slot(0, run_prefill(backend, cache, 0, [int(t) for t in ids[:prompt]]))

@@ -45,8 +45,6 @@ class ModelMemory:
         kv_bytes_per_element: 4 (fp32) or 2 (fp16).
         max_context: the model's context limit (tokens).
         note: how ``weights_bytes`` was obtained.
-        kv_copies: copies of the KV cache the runtime holds (2 for a fused bundle: the engine's
-            slot cache and the graph's own buffer, :mod:`runtime.backends.fused`).
         max_batch: the most sequences the bundle runs at once (1 for a fused bundle), or None.
     """
 
@@ -59,12 +57,11 @@ class ModelMemory:
     kv_bytes_per_element: int
     max_context: int
     note: str
-    kv_copies: int = 1
     max_batch: int | None = None
 
     def kv_bytes(self, context: int, batch: int) -> int:
-        """KV cache bytes for ``batch`` sequences of ``context`` tokens (all copies the runtime holds)."""
-        return self.kv_copies * kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
+        """KV cache bytes for ``batch`` sequences of ``context`` tokens."""
+        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
                               self.kv_bytes_per_element)
 
 
@@ -130,7 +127,7 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None) -> ModelMemory:
     note = f"{config.onnx_file} on disk ({config.dtype})"
     is_fused = config.graph == "fused"
     if is_fused:
-        note += "; fused graph: one sequence at a time, CPU; the KV cache is held twice (the engine's and the graph's)"
+        note += "; fused graph: one sequence at a time, CPU"
     if config.engine_file and (bundle_dir / config.engine_file).is_file():
         note += f"; {config.engine_file} {(bundle_dir / config.engine_file).stat().st_size / GIB:.3f} GiB " \
                 "(the TensorRT backend loads this instead)"
@@ -138,7 +135,7 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None) -> ModelMemory:
         name=f"bundle {bundle_dir} ({config.source_model})", weights_bytes=weights, num_params=None,
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         kv_bytes_per_element=KV_BYTES[kv_dtype or config.dtype], max_context=config.max_context, note=note,
-        kv_copies=2 if is_fused else 1, max_batch=1 if is_fused else None)
+        max_batch=1 if is_fused else None)
 
 
 def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
@@ -154,9 +151,8 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
         sizes = " | ".join(f"{k} {model.num_params * b / GIB:.2f}" for k, b in BYTES_PER_PARAM.items())
         lines.append(f"parameters {model.num_params:,}; weights GiB: {sizes}")
     lines.append(f"weights {model.weights_bytes / GIB:.3f} GiB ({model.note})")
-    copies = f" x {model.kv_copies} copies" if model.kv_copies > 1 else ""
     lines.append(f"KV cache {per_token:,} bytes per token = 2 x {model.num_layers} layers x {model.num_kv_heads} "
-                 f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B{copies}; max context "
+                 f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B; max context "
                  f"{model.max_context}")
     lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
                  + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))

@@ -83,12 +83,16 @@ def test_lossless_modes_equal_greedy_ar_on_the_fused_graph(fused, params):
     assert greedy(backend, config, prompts, **params) == greedy(backend, config, prompts, mode="ar")
 
 
-def fed_in_windows(backend, config, ids: list[int], cuts: list[int]) -> np.ndarray:
-    """Logits [N, V] of ``ids`` fed in windows of ``cuts`` through the engine's cache and run_batch."""
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
-    cache.reserve(len(ids))
+def fed_in_windows(backend, config, ids: list[int], cuts: list[int], capacity: int | None = None,
+                   cache=None) -> np.ndarray:
+    """Logits [N, V] of ``ids`` fed in windows of ``cuts`` through run_batch and a cache, as the
+    engine feeds them: the backend's own (reserved for all ``ids`` at once, or per window from
+    ``capacity`` on), or ``cache``."""
+    cache = cache or backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
+    cache.reserve(capacity or len(ids) + 1)
     logits, start = [], 0
     for width in cuts:
+        cache.reserve(int(cache.lengths[0]) + width)
         out, presents = run_batch(backend, cache, [ids[start:start + width]], config.pad_token_id)
         cache.commit(presents, [width])
         logits.append(out[0])
@@ -106,16 +110,40 @@ def test_a_token_gets_the_same_logits_in_any_window(fused):
         assert np.array_equal(fed_in_windows(backend, config, ids, cuts), whole), cuts
 
 
-def test_the_kv_buffer_grows_without_changing_a_logit(fused, monkeypatch):
-    """A buffer that doubles as the sequence grows gives the logits of one allocated at full size."""
-    backend, config, prompts, bundle = fused
+def test_the_kv_cache_is_written_in_place_and_grows_without_changing_a_logit(fused, monkeypatch):
+    """The engine's cache for a fused bundle is the graph's buffer: a step writes its entries at the
+    committed length, commit copies nothing, and a cache that doubles as the sequence grows gives
+    the logits of one allocated at full size."""
+    backend, config, prompts, _ = fused
     ids = (prompts[2] * 3)[:40]
-    monkeypatch.setattr(fused_module, "INITIAL_LENGTH", 8)
-    small = OnnxBackend(bundle, config)
-    assert small.fused.length == 8
-    grown = fed_in_windows(small, config, ids, [5, 4] * 4 + [4])
-    assert small.fused.length >= 40
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
+    assert isinstance(cache, fused_module.FusedKVCache) and cache.capacity == 16
+    cache.reserve(3)
+    _, presents = run_batch(backend, cache, [ids[:3]], config.pad_token_id)
+    assert np.shares_memory(presents[0][0], cache.keys[0]) and np.any(cache.keys[0][0, :, :3])
+    with monkeypatch.context() as patch:
+        patch.setattr(KVCache, "_write", lambda *args: pytest.fail("the entries were copied"))
+        cache.commit(presents, [3])
+    assert cache.lengths[0] == 3
+    cache.reserve(16)
+    assert cache.capacity == 32  # room for the pad of a one-token window at position 16
+    grown = fed_in_windows(backend, config, ids, [5, 4] * 4 + [4], capacity=16)
     assert np.array_equal(grown, fed_in_windows(backend, config, ids, [5, 4] * 4 + [4]))
+
+
+def test_a_fused_cache_has_one_slot_and_a_plain_cache_also_runs_the_graph(fused):
+    """The graph also writes into a plain KVCache (whose commit copies each entry onto itself), and
+    into new buffers where the past leaves no room for a window and its pad."""
+    backend, config, prompts, _ = fused
+    with pytest.raises(ValueError, match="1 KV slot.*--graph step"):
+        backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype, 2)
+    ids = prompts[1][:9]
+    plain = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
+    assert np.array_equal(fed_in_windows(backend, config, ids, [1, 3, 1, 4], cache=plain),
+                          fed_in_windows(backend, config, ids, [9]))
+    full = fed_in_windows(backend, config, ids, [8, 1], capacity=9, cache=KVCache(config.num_layers, config.num_kv_heads,
+                                                                       config.head_dim, 9, config.dtype))
+    assert np.array_equal(full, fed_in_windows(backend, config, ids, [9]))  # no room for the pad: new buffers
 
 
 def test_one_sequence_at_a_time(fused):
@@ -156,13 +184,13 @@ def test_without_the_model_builder_the_export_stops_before_loading_the_model(fus
 
 
 def test_memory_sizing_of_a_fused_bundle(fused_bundles, capsys):
-    """Batch 1 only, and the KV cache counted twice (the engine's slot cache and the graph's buffer)."""
+    """Batch 1 only, the KV cache counted once (the engine's slot cache is the graph's buffer)."""
     bundle = fused_bundles[1]["float32"]
     assert memory.main([str(bundle), "--batch", "1", "4", "--context", "64"]) == 0
     out = capsys.readouterr().out
     assert "batch 4 left out: this bundle runs at most 1 sequence(s) at once" in out
-    per_token = 2 * 2 * 2 * 16 * 4 * 2  # tiny llama: 2 layers, 2 KV heads, 16 dims, fp32; two copies
-    assert f"KV cache {per_token:,} bytes per token" in out and "x 2 copies" in out
+    per_token = 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, 2 KV heads, 16 dims, fp32
+    assert f"KV cache {per_token:,} bytes per token = 2 x 2 layers x 2 KV heads x 16 dims x 4 B;" in out
     assert "B=1:" in out and "B=4:" not in out
 
 

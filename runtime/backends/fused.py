@@ -1,4 +1,4 @@
-"""The KV cache and the step of a fused bundle: onnxruntime-genai's model-builder graph at batch 1 (GitHub issue 11).
+"""The step of a fused bundle: onnxruntime-genai's model-builder graph at batch 1, its KV cache written in place (GitHub issue 11).
 
 A fused bundle (``graph: "fused"`` in mars_config.json, ``mars-export --graph fused``) holds the graph
 onnxruntime-genai's model builder writes from the bundle's checkpoint: GroupQueryAttention with
@@ -6,11 +6,16 @@ rotary, SkipSimplifiedLayerNormalization, one packed QKV MatMul (:mod:`runtime.b
 :class:`runtime.backends.onnx.OnnxBackend` runs it through :class:`FusedStep`, behind the same
 ``step`` as the step graph, so the engine drives both unchanged:
 
-- The KV cache lives here: one buffer [1, Hkv, S, D] per layer and name, bound as both past and
-  present (I/O binding). GroupQueryAttention writes a window's W new entries at P .. P+W-1 in
-  place, P being the window's first position (the engine's committed length); entries the engine
-  does not commit (masks, rejected drafts) lie beyond its committed length and the next window
-  writes over them. S doubles when a window would not fit (the content is copied once).
+- **The KV cache is written in place.** The past handed to the step is the engine's slot cache
+  itself, per layer and name one buffer [1, Hkv, S, D]; it is bound (I/O binding) as both the past
+  input and the present output, and GroupQueryAttention writes a window's W new entries at
+  positions P .. P+W-1 of it, P being the window's first position (the committed length). The
+  step returns views of those entries. :class:`FusedKVCache`, the cache the engine makes for a
+  fused backend, therefore copies nothing at commit: the entries already lie where they are
+  committed; entries not committed (masks, rejected drafts, the pad below) lie beyond the
+  committed length, hidden, and the next window writes over them. Host copies of the KV per
+  step: none (a plain :class:`~runtime.decode.kv_cache.KVCache` also works: its commit copies
+  each entry onto itself).
 - **No window holds a single token.** On onnxruntime's CPU kernel a token gets the same bits for
   every cut of the tokens into windows of two or more, but other bits in a one-token window
   (``bench/builder_step.py``, identity rows). A one-token step therefore runs as two tokens (the
@@ -24,39 +29,46 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, BundleConfig, past_names, present_names
+from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-token window gets other bits than longer ones
-INITIAL_LENGTH = 256  # S of the first buffers, in positions; doubled as needed up to the model's context
 
 
 class FusedStep:
-    """The held KV cache of a fused graph and one forward over it.
+    """The forward of a fused graph, its KV written into the past in place; the I/O binding kept between steps.
+
+    The past and present of every layer are bound once per set of buffers: while a step's past
+    holds the very arrays of the last step (a :class:`FusedKVCache` hands out its buffers
+    themselves), only ``input_ids``, ``attention_mask`` and ``logits`` are bound again.
 
     Args:
-        session: an onnxruntime InferenceSession of the fused graph (CPU).
-        ort: the onnxruntime module (its OrtValue).
+        session: an onnxruntime InferenceSession of the fused graph (CPU); ort: the onnxruntime module.
         config: the bundle's config.
     """
 
     def __init__(self, session, ort, config: BundleConfig):
         self.session, self.ort, self.config = session, ort, config
-        self.length = 0
-        self.buffers: list[np.ndarray] = []
-        self.values: list = []
-        self._grow(INITIAL_LENGTH)
+        self.binding = None
+        self.bound: list[np.ndarray] = []  # the arrays bound as past and present, layer by layer, key then value
 
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray) -> tuple[np.ndarray, list]:
-        """One forward of W tokens at positions P .. P+W-1 (P = ``position_ids[0, 0]``) over the held KV.
+    def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
+                 past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list]:
+        """One forward of W tokens at positions P .. P+W-1 (P = ``position_ids[0, 0]``), the new KV written into ``past``.
 
         Args:
             input_ids: int64 [1, W]; position_ids: int64 [1, W], P .. P+W-1.
+            past: per layer (key, value), each a C-contiguous float32 [1, Hkv, S, D] holding the committed
+                entries at 0 .. P-1. With S >= P + max(W, 2) (a :class:`FusedKVCache` reserves that) it is
+                written in place at P .. P+max(W, 2)-1; a shorter one (a past of exactly P entries) is
+                first copied into new buffers of P + max(W, 2) positions, and those are written.
 
         Returns:
-            logits float32 [1, W, V], and per layer (key, value) [1, Hkv, W, D]: copies of the W new entries.
+            logits float32 [1, W, V], and per layer (key, value) [1, Hkv, W, D]: views of the written
+            buffers at P .. P+W-1.
 
         Raises:
-            ValueError: more than one row, positions that do not follow on from P, or P + W beyond
-                the model's context.
+            ValueError: more than one row, positions that do not follow on from P, or P + max(W, 2)
+                beyond the model's context.
         """
         batch, window = input_ids.shape
         start = int(position_ids[0, 0])
@@ -72,27 +84,75 @@ class FusedStep:
         end = start + ids.shape[1]
         if end > self.config.max_context:
             raise ValueError(f"positions up to {end - 1} exceed the model's context of {self.config.max_context}")
-        if end > self.length:
-            self._grow(max(end, 2 * self.length))
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
-        binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
-        binding.bind_output(LOGITS)
-        for layer in range(self.config.num_layers):
-            for past, present, value in zip(past_names(layer), present_names(layer), self.values[2 * layer:]):
-                binding.bind_ortvalue_input(past, value)
-                binding.bind_ortvalue_output(present, value)
-        self.session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()[:, :window]  # [1, W, V]
-        new = [buffer[:, :, start:start + window].copy() for buffer in self.buffers]  # [1, Hkv, W, D] each
-        return logits, list(zip(new[0::2], new[1::2]))
+        if past[0][0].shape[2] < end:
+            past = [tuple(_holding(buffer, start, end) for buffer in pair) for pair in past]
+        self._bind_past(past)
+        self.binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
+        self.binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
+        self.binding.bind_output(LOGITS)
+        self.session.run_with_iobinding(self.binding)
+        logits = self.binding.get_outputs()[0].numpy()[:, :window]  # [1, W, V]
+        return logits, [(key[:, :, start:start + window], value[:, :, start:start + window]) for key, value in past]
 
-    def _grow(self, length: int) -> None:
-        """Buffers of ``length`` positions (capped at the model's context), the held entries copied in."""
-        length = min(length, self.config.max_context)
-        shape = (1, self.config.num_kv_heads, length, self.config.head_dim)  # [1, Hkv, S, D]
-        buffers = [np.zeros(shape, np.float32) for _ in range(2 * self.config.num_layers)]
-        for old, new in zip(self.buffers, buffers):
-            new[:, :, :self.length] = old
-        self.buffers, self.length = buffers, length
-        self.values = [self.ort.OrtValue.ortvalue_from_numpy(buffer) for buffer in buffers]  # their memory, no copy
+    def _bind_past(self, past: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """A new binding, logits first, with ``past`` as past and present, unless it holds these arrays already."""
+        buffers = [buffer for pair in past for buffer in pair]
+        if len(buffers) == len(self.bound) and all(a is b for a, b in zip(buffers, self.bound)):
+            return
+        self.binding = self.session.io_binding()
+        self.binding.bind_output(LOGITS)  # output 0
+        for layer, pair in enumerate(past):
+            for name_in, name_out, buffer in zip(past_names(layer), present_names(layer), pair):
+                value = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
+                self.binding.bind_ortvalue_input(name_in, value)
+                self.binding.bind_ortvalue_output(name_out, value)
+        self.bound = buffers  # held, so no other array can take their memory while bound
+
+
+def _holding(buffer: np.ndarray, count: int, length: int) -> np.ndarray:
+    """A zeroed [1, Hkv, ``length``, D] copy of ``buffer``'s first ``count`` positions."""
+    grown = np.zeros((*buffer.shape[:2], length, buffer.shape[3]), buffer.dtype)
+    grown[:, :, :count] = buffer[:, :, :count]
+    return grown
+
+
+class FusedKVCache(KVCache):
+    """The engine's KV cache for a fused backend: one slot, whose entries the graph writes in place.
+
+    Same buffers, lengths and growth rule as :class:`~runtime.decode.kv_cache.KVCache`;
+    :meth:`commit` and :meth:`commit_slot` only count where the step wrote the entries into
+    these buffers (they already lie where they are committed), and :meth:`reserve` leaves one
+    position more for the pad of a one-token window (:data:`MIN_WINDOW`), so the step always can.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, max_len, dtype: as ``KVCache``.
+        num_slots: must be 1.
+
+    Raises:
+        ValueError: ``num_slots`` is not 1.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, num_slots: int = 1):
+        if num_slots != 1:
+            raise ValueError(f"a fused bundle runs one sequence at a time (1 KV slot), got {num_slots}; "
+                             "set the batch size to 1 or export with --graph step")
+        super().__init__(num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
+
+    def past(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The buffers themselves ``([1, H, S, D], [1, H, S, D])`` per layer (the same arrays until they grow,
+        so :class:`FusedStep` keeps its binding)."""
+        return list(zip(self.keys, self.values))
+
+    def past_of(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """As :meth:`past` (one slot)."""
+        return self.past(1)
+
+    def reserve(self, needed: int) -> None:
+        """As ``KVCache.reserve``, with room for the pad of a one-token window when the context allows it."""
+        super().reserve(needed if needed > self.max_len else min(needed + MIN_WINDOW - 1, self.max_len))
+
+    def _write(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:
+        """Nothing to copy when ``presents`` are views of these buffers (:class:`FusedStep` wrote the entries
+        at the slot's length); other new KV is copied as ``KVCache`` does."""
+        if presents[0][0].base is not self.keys[0]:
+            super()._write(slot, presents, row, count)

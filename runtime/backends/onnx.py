@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from runtime import bundle
-from runtime.backends.fused import FusedStep
+from runtime.backends.fused import FusedKVCache, FusedStep
 from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
+from runtime.decode.kv_cache import KVCache
 
 ort = import_onnxruntime()  # without the [cpu] or [gpu] extra: OnnxRuntimeMissing, naming the extra
 ort_state = ort.capi.onnxruntime_pybind11_state
@@ -59,10 +60,17 @@ class OnnxBackend:
         # A symbolic window axis (exports since 2026-11-30) also runs T-token prefill forwards.
         self.is_window_dynamic = isinstance(self.session.get_inputs()[0].shape[1], str)
         # Batch and past length are dynamic axes: any batch, any past up to the model's context;
-        # a fused graph holds its own KV cache and runs batch 1 (runtime.backends.fused).
+        # a fused graph runs batch 1 and writes its KV into the past in place (runtime.backends.fused).
         self.fused = FusedStep(self.session, ort, config) if config.graph == "fused" else None
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
+
+    def make_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype,
+                   num_slots: int = 1) -> KVCache:
+        """The engine's KV cache (``KVCache``'s arguments): a :class:`~runtime.backends.fused.FusedKVCache`
+        for a fused bundle (its step writes the entries in place), else a plain ``KVCache``."""
+        kind = FusedKVCache if self.fused else KVCache
+        return kind(num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
@@ -78,11 +86,12 @@ class OnnxBackend:
         Returns:
             logits float32 [n, W, V], and per layer the new (key, value) [n, H, W, D].
 
-        A fused bundle (n = 1) reads its own KV cache, not ``past``, and attends causally over
-        the positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
+        A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
+        past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1),
+        writes the new KV into ``past`` in place and returns views of it.
         """
         if self.fused:
-            return self.fused.step(input_ids, position_ids)
+            return self.fused(input_ids, position_ids, past)
         logits, *kv = self.session.run(None, bundle.step_feeds(input_ids, position_ids, attention_mask, past))
         return logits, list(zip(kv[0::2], kv[1::2]))
 

@@ -48,6 +48,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from runtime import bundle
+from runtime.backends.fused import MIN_WINDOW
 from runtime.backends.onnx import OnnxBackend
 from runtime.decode.batch import run_batch, window_mask
 from runtime.decode.kv_cache import KVCache
@@ -155,8 +156,11 @@ def kv_bytes(config: bundle.BundleConfig, batch: int, positions: int) -> int:
 
 def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: int, rng: np.random.Generator) -> tuple:
     """(ids int64 [B, W], positions int64 [B, W], mask bool [B, 1, W, P + W], per layer (key, value)
-    [B, H, P, D] random in the bundle dtype, 2·L distinct arrays as in a real cache)."""
-    shape = (batch, config.num_kv_heads, past, config.head_dim)
+    [B, H, P, D] random in the bundle dtype, 2·L distinct arrays as in a real cache). A fused bundle's
+    past has room for the window and its pad, [1, H, P + max(W, 2), D], as its engine cache has
+    (the graph writes the new entries into it; runtime.backends.fused)."""
+    room = max(window, MIN_WINDOW) if config.graph == "fused" else 0
+    shape = (batch, config.num_kv_heads, past + room, config.head_dim)
     ids = rng.integers(0, config.vocab_size, (batch, window), dtype=np.int64)                # [B, W]
     positions = np.broadcast_to(past + np.arange(window, dtype=np.int64), (batch, window)).copy()  # [B, W]
     mask = window_mask(np.full(batch, past, np.int64), past, window)                         # [B, 1, W, P + W]
@@ -172,6 +176,9 @@ def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng
         for past in contexts:
             row = {"kind": "decode", "threads": threads, "batch_size": batch, "past": past, "window": args.window,
                    "kv_mib": kv_bytes(config, batch, past) / 2**20}
+            if config.graph == "fused" and batch > 1:
+                rows.append({**row, "status": "not supported: a fused bundle runs batch 1"})
+                continue
             if kv_bytes(config, batch, past) > args.max_kv_gib * GIB:
                 rows.append({**row, "status": f"skipped: KV {row['kv_mib']:.0f} MiB > {args.max_kv_gib} GiB"})
                 print(f"skip B={batch} P={past}: {rows[-1]['status']}", flush=True)

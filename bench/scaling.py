@@ -1,6 +1,6 @@
 """Decode-step time, achieved memory bandwidth and prefill throughput against context, batch and threads.
 
-    python bench/scaling.py [BUNDLE] [--contexts 128 256 512 1024 2048] [--batch-sizes 1 4 16] [--window W]
+    python bench/scaling.py [BUNDLE] [--contexts 128 256 512 1024 2048] [--batch-sizes 1 4 16] [--window W ...]
                             [--prompt-lengths 128 256 512 1024] [--threads N] [--repeats 10]
                             [--warmup 2] [--max-seconds 6] [--max-kv-gib 4] [--stream-mib 1024]
                             [--out bench/results] [--name scaling]
@@ -9,8 +9,8 @@ Dimension letters: B batch, W decode window (--window), P past length, T prompt
 tokens, L layers, H KV heads, D head dim, V vocabulary. Times in ms or s as named; bytes in
 decimal GB (1e9) and bandwidth in GB/s.
 
-1. Decode step: for every (B, P) one forward of W tokens (``--window``; default 1, the engine's
-   AR step, on dynamic-window graphs, else the bundle's W) against a random past (per layer
+1. Decode step: for every (W, B, P) one forward of W tokens (``--window``, one or more; default 1,
+   the engine's AR step, on dynamic-window graphs, else the bundle's W) against a random past (per layer
    (key, value) [B, H, P, D], distinct arrays, bundle dtype) with the runtime's mask (all P
    past keys plus causal within the window); ``--warmup`` runs, then timed runs until
    ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. Points whose KV exceeds
@@ -170,25 +170,24 @@ def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: in
 
 
 def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng) -> list[dict]:
-    """One row per (B, P) at window ``args.window``: step time (bandwidth columns added later)."""
+    """One row per (W, B, P), W in ``args.window``: step time (bandwidth columns added later)."""
     rows = []
-    for batch in batch_sizes:
-        for past in contexts:
-            row = {"kind": "decode", "threads": threads, "batch_size": batch, "past": past, "window": args.window,
-                   "kv_mib": kv_bytes(config, batch, past) / 2**20}
-            if config.graph == "fused" and batch > 1:
-                rows.append({**row, "status": "not supported: a fused bundle runs batch 1"})
-                continue
-            if kv_bytes(config, batch, past) > args.max_kv_gib * GIB:
-                rows.append({**row, "status": f"skipped: KV {row['kv_mib']:.0f} MiB > {args.max_kv_gib} GiB"})
-                print(f"skip B={batch} P={past}: {rows[-1]['status']}", flush=True)
-                continue
-            inputs = decode_inputs(config, args.window, batch, past, rng)
-            timing = time_calls(partial(backend.step, *inputs), args.warmup, args.repeats, args.max_seconds, 3)
-            del inputs
-            rows.append({**row, "status": "ok", **timing})
-            print(f"decode threads={threads} B={batch} P={past}: {timing['median_ms']:.1f} ms "
-                  f"(p10 {timing['p10_ms']:.1f}, p90 {timing['p90_ms']:.1f}, {timing['num_runs']} runs)", flush=True)
+    for window, batch, past in ((w, b, p) for w in args.window for b in batch_sizes for p in contexts):
+        row = {"kind": "decode", "threads": threads, "batch_size": batch, "past": past, "window": window,
+               "kv_mib": kv_bytes(config, batch, past) / 2**20}
+        if config.graph == "fused" and batch > 1:
+            rows.append({**row, "status": "not supported: a fused bundle runs batch 1"})
+            continue
+        if kv_bytes(config, batch, past) > args.max_kv_gib * GIB:
+            rows.append({**row, "status": f"skipped: KV {row['kv_mib']:.0f} MiB > {args.max_kv_gib} GiB"})
+            print(f"skip B={batch} P={past}: {rows[-1]['status']}", flush=True)
+            continue
+        inputs = decode_inputs(config, window, batch, past, rng)
+        timing = time_calls(partial(backend.step, *inputs), args.warmup, args.repeats, args.max_seconds, 3)
+        del inputs
+        rows.append({**row, "status": "ok", **timing})
+        print(f"decode threads={threads} W={window} B={batch} P={past}: {timing['median_ms']:.1f} ms "
+              f"(p10 {timing['p10_ms']:.1f}, p90 {timing['p90_ms']:.1f}, {timing['num_runs']} runs)", flush=True)
     return rows
 
 
@@ -268,10 +267,10 @@ def run(args) -> dict:
     backend = OnnxBackend(args.bundle, config, num_threads=args.threads)
     meta["prefill_path"] = "single" if backend.is_window_dynamic else "chunked"
     if args.window is None:  # the engine's plain AR step: 1 token on dynamic-window graphs, else W
-        args.window = 1 if meta["prefill_path"] == "single" else config.window
-    elif args.window != config.window and meta["prefill_path"] == "chunked":
+        args.window = [1 if meta["prefill_path"] == "single" else config.window]
+    elif set(args.window) != {config.window} and meta["prefill_path"] == "chunked":
         raise SystemExit(f"error: --window {args.window}: this graph's window is fixed at {config.window}")
-    meta["decode_window"] = args.window
+    meta["decode_windows"] = args.window
     rows = decode_sweep(backend, config, args.threads, args.batch_sizes, args.contexts, args, rng)
     rows += prefill_sweep(backend, config, meta["prefill_path"], args, rng)
     if args.also_chunked and meta["prefill_path"] == "single":
@@ -292,15 +291,16 @@ def markdown(result: dict) -> str:
     meta, rows = result["meta"], result["rows"]
     w = meta["weights"]
     embedding = "tied: also read whole by the head" if w["embedding_tied"] else "only gathered"
-    lines = [(f"Decode window W = {meta['decode_window']}. Weights read per step (headline): {w['read'] / GB:.3f} GB "
+    lines = [(f"Decode windows W = {meta['decode_windows']}. Weights read per step (headline): {w['read'] / GB:.3f} GB "
               f"(all initializers {w['all'] / GB:.3f} GB; token embedding {w['embedding'] / GB:.3f} GB, {embedding})"),
-             "", "| threads | B | P | KV MiB | step ms (median) | p10–p90 ms | runs | GB/step | achieved GB/s | fraction of STREAM |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| threads | W | B | P | KV MiB | step ms (median) | p10–p90 ms | runs | GB/step | achieved GB/s | "
+             "fraction of STREAM |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["kind"] == "decode"):
+        head = f"| {r['threads']} | {r['window']} | {r['batch_size']} | {r['past']} | {r['kv_mib']:.0f} |"
         if r["status"] != "ok":
-            lines.append(f"| {r['threads']} | {r['batch_size']} | {r['past']} | {r['kv_mib']:.0f} | {r['status']} | | | | | |")
+            lines.append(f"{head} {r['status']} | | | | | |")
             continue
-        lines.append(f"| {r['threads']} | {r['batch_size']} | {r['past']} | {r['kv_mib']:.0f} | {r['median_ms']:.1f} | "
+        lines.append(f"{head} {r['median_ms']:.1f} | "
                      f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f} | {r['num_runs']} | {r['bytes_per_step'] / GB:.3f} | "
                      f"{r['achieved_gbs']:.1f} | {r['fraction']:.2f} |")
     lines += ["", "| T | path | forwards | prefill s (median) | prompt tokens/s |", "|---|---|---|---|---|"]
@@ -312,15 +312,16 @@ def markdown(result: dict) -> str:
 
 
 def threads_table(rows: list[dict]) -> str:
-    """Batch-1 step time at 1 thread against the most threads measured, per P."""
-    step = {(r["threads"], r["past"]): r["median_ms"] for r in rows
+    """Batch-1 step time at 1 thread against the most threads measured, per (W, P)."""
+    step = {(r["threads"], r["window"], r["past"]): r["median_ms"] for r in rows
             if r["kind"] == "decode" and r["batch_size"] == 1 and r["status"] == "ok"}
-    most = max((t for t, _ in step), default=1)
+    most = max((t for t, _, _ in step), default=1)
     if most == 1:
         return ""
-    lines = ["", f"| P | 1 thread ms | {most} threads ms | speedup |", "|---|---|---|---|"]
-    for past in sorted({p for t, p in step if t == 1 and (most, p) in step}):
-        lines.append(f"| {past} | {step[1, past]:.1f} | {step[most, past]:.1f} | {step[1, past] / step[most, past]:.2f}× |")
+    lines = ["", f"| W | P | 1 thread ms | {most} threads ms | speedup |", "|---|---|---|---|---|"]
+    for window, past in sorted({(w, p) for t, w, p in step if t == 1 and (most, w, p) in step}):
+        one, many = step[1, window, past], step[most, window, past]
+        lines.append(f"| {window} | {past} | {one:.1f} | {many:.1f} | {one / many:.2f}× |")
     return "\n".join(lines)
 
 
@@ -344,9 +345,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
     decode = [r for r in rows if r["kind"] == "decode" and r["status"] == "ok"]
     fig, (time_ax, frac_ax, fill_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for key in dict.fromkeys((r["batch_size"], r["threads"]) for r in decode):
-        points = sorted((r["past"], r["median_ms"], r["fraction"]) for r in decode if (r["batch_size"], r["threads"]) == key)
-        label, style = f"B={key[0]}, {key[1]} thread{'s' * (key[1] > 1)}", "--" if key[1] == 1 else "-"
+    for key in dict.fromkeys((r["batch_size"], r["threads"], r["window"]) for r in decode):
+        points = sorted((r["past"], r["median_ms"], r["fraction"]) for r in decode
+                        if (r["batch_size"], r["threads"], r["window"]) == key)
+        label, style = f"B={key[0]}, W={key[2]}, {key[1]} thread{'s' * (key[1] > 1)}", "--" if key[1] == 1 else "-"
         time_ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
         frac_ax.plot([p[0] for p in points], [p[2] for p in points], style, marker="o", label=label)
     time_ax.set(title="decode step (W tokens per row)", xlabel="past P (tokens)", ylabel="median step time (ms)",
@@ -370,8 +372,9 @@ def main() -> None:
     p.add_argument("bundle", type=Path, nargs="?", default=Path("bundles/default-mars-b4"))
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048], help="past lengths P")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--window", type=int, default=None,
-                   help="decode window W (default: 1 on dynamic-window graphs, the AR step; else the bundle's W)")
+    p.add_argument("--window", type=int, nargs="+", default=None,
+                   help="decode windows W, one or more (default: 1 on dynamic-window graphs, the AR step; else the "
+                        "bundle's W)")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 256, 512, 1024], help="prefill T")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime and STREAM threads")
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per point (at most)")
@@ -385,8 +388,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="scaling", help="stem of the output files (default scaling)")
     args = p.parse_args()
-    for name in ("contexts", "batch_sizes", "prompt_lengths"):
-        if min(getattr(args, name)) < 1:
+    for name in ("contexts", "batch_sizes", "prompt_lengths", "window"):
+        if getattr(args, name) is not None and min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1:
         p.error("--threads must be in 1..256 and --repeats, --prefill-repeats at least 1")

@@ -97,12 +97,14 @@ def test_scaling_on_a_fused_bundle(smoke_model, tmp_path):
     """A fused bundle (batch 1) is measured at batch 1 over its in-place past; other batches are rows saying so."""
     ckpt, _ = smoke_model
     fused = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
-    python("bench/scaling.py", fused, "--contexts", "16", "--batch-sizes", "1", "2", "--window", "4",
-           "--prompt-lengths", "8", "--repeats", "1", "--warmup", "0", "--max-seconds", "1", "--prefill-repeats", "1",
-           "--stream-mib", "1", "--stream-repeats", "1", "--threads", "1", "--out", tmp_path)
+    out = python("bench/scaling.py", fused, "--contexts", "16", "--batch-sizes", "1", "2", "--window", "1", "4",
+                 "--prompt-lengths", "8", "--repeats", "1", "--warmup", "0", "--max-seconds", "1", "--prefill-repeats",
+                 "1", "--stream-mib", "1", "--stream-repeats", "1", "--threads", "2", "--out", tmp_path)
     rows = [row for row in assert_results(tmp_path, "scaling")["rows"] if row["kind"] == "decode"]
-    assert {(row["batch_size"], row["window"], row["status"]) for row in rows} == {
-        (1, 4, "ok"), (2, 4, "not supported: a fused bundle runs batch 1")}
+    assert sorted((row["threads"], row["window"], row["batch_size"], row["status"]) for row in rows) == [
+        (1, 1, 1, "ok"), (1, 4, 1, "ok"), (2, 1, 1, "ok"), (2, 1, 2, "not supported: a fused bundle runs batch 1"),
+        (2, 4, 1, "ok"), (2, 4, 2, "not supported: a fused bundle runs batch 1")]
+    assert "| 4 | 16 |" in out.split("| W | P | 1 thread ms")[1]  # the threads table, per window
     assert all(row["achieved_gbs"] > 0 for row in rows if row["status"] == "ok")
 
 

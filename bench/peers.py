@@ -198,17 +198,20 @@ def versions(*names: str) -> dict:
 # ---------------------------------------------------------------- engines
 
 
-def bench_variant(engine: str, variant: str, generate, settings: dict, batch_sizes) -> list[dict]:
+def bench_variant(engine: str, variant: str, generate, settings: dict, batch_sizes,
+                  unsupported: str | None = None) -> list[dict]:
     """Run ``generate(chunk_of_prompt_ids, max_new)`` in static chunks per batch size; one row each.
 
-    A batch size in the complement of ``batch_sizes`` gets a ``not supported`` row.
+    A batch size in the complement of ``batch_sizes`` gets a ``not supported`` row, its error
+    ``unsupported`` (default: the engine runs one sequence at a time).
     """
     prompts, max_new = settings["prompts"], settings["max_new_tokens"]
     generate([prompts[0]["ids"]], WARMUP_TOKENS)
     rows = []
     for bs in settings["batch_sizes"]:
         if bs not in batch_sizes:
-            rows.append(status_row(engine, variant, bs, UNSUPPORTED, f"{engine} runs one sequence at a time"))
+            why = unsupported or f"{engine} runs one sequence at a time"
+            rows.append(status_row(engine, variant, bs, UNSUPPORTED, why))
             continue
         chunks = [generate([p["ids"] for p in prompts[i:i + bs]], max_new) for i in range(0, len(prompts), bs)]
         rows.append(make_row(engine, variant, bs, chunks, prompts))
@@ -252,8 +255,9 @@ def run_ours(settings: dict, model: str | None) -> tuple[list, dict]:
             return ours_chunk(engine, DecodeParams(**{**asdict(params), "max_new_tokens": max_new}), chunk)
         return generate
 
+    unsupported = "a fused bundle runs one sequence at a time (--graph step runs batches)"
     rows = [r for name, params in modes for r in bench_variant("ours", name, make_generate(params), settings,
-                                                                 batch_sizes)]
+                                                                 batch_sizes, unsupported)]
     if not backend.is_window_dynamic:
         print(f"note: {bundle} has a static window axis: prompts are prefilled {config.window} tokens per forward; "
               "a bundle from the current mars-export prefills in one chunk", file=sys.stderr)

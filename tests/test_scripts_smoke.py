@@ -228,6 +228,7 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     assert {row["engine"] for row in rows} == {"ours"}
     assert all(row["status"] == ("ok" if row["batch_size"] == 1 or not row["variant"].startswith("fused") else
                                  "not supported") for row in rows)
+    assert all(row["error"].startswith("a fused bundle runs one sequence") for row in rows if row["status"] != "ok")
     assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
         ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS,
          *[f"fused {name}" for name in fused], "fused int8 ar", "fused int8 verify + both", "int8 ar",

@@ -238,6 +238,17 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table
     assert "| ours | fused verify + both | 2 |" in table
     assert not (tmp_path / "peers" / "ckpt").exists()
+    # bench/peers_runs.py sums up runs: this run twice gives each within-run ratio twice, equal
+    summary = run(sys.executable, "bench/peers_runs.py", tmp_path, tmp_path, "--out", tmp_path / "runs")
+    ratios = assert_results(tmp_path / "runs", "peers_runs")["ratios"]
+    fused_over_step = {(r["ratio"], r["batch_size"]): r for r in ratios}[("fused fp32 ar / ours fp32 ar", 1)]
+    ar = {(r["variant"], r["batch_size"]): r["decode_tokens_per_second"] for r in rows if r["status"] == "ok"}
+    assert fused_over_step["per_run"] == [ar["fused ar", 1] / ar["ar", 1]] * 2
+    assert not any("GenAI" in r["ratio"] or r["batch_size"] == 2 and "fused" in r["ratio"] for r in ratios)
+    assert "| fused fp32 ar / ours fp32 ar | 1 |" in summary
+    missing = subprocess.run([sys.executable, "bench/peers_runs.py", tmp_path / "peers"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert missing.returncode != 0 and "peers.json not found" in missing.stderr
 
 
 def test_bench_peers_like_for_like_ratios():

@@ -11,7 +11,9 @@ shapes and dtype): they are fed the same inputs.
 For every (B, P, W) the step is the engine's, with the inputs of ``bench/scaling.py``
 (``decode_inputs``): B rows of W tokens at positions P .. P+W-1 against a random past
 (per layer (key, value) [B, H, P, D] in the bundle dtype), all P past keys visible plus
-causal within the window.
+causal within the window. A fused bundle (``mars-export --graph fused``, batch 1) runs as its
+backend runs it (:class:`runtime.backends.fused.FusedStep`: the same past with room for the
+window and its pad, written in place, I/O binding; a one-token window as two).
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
    bundle in turn, so that load from other processes hits all of them alike. Per
@@ -37,12 +39,14 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from runtime import bundle
+from runtime.backends.fused import MIN_WINDOW, FusedStep
 from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
@@ -64,22 +68,33 @@ def mean_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
     return (clock() - start) / repeats
 
 
-def greedy_postprocess(session: ort.InferenceSession, feeds: dict):
-    """The step as a greedy engine sees it: run, then argmax over the logits [B, W, V] -> ids [B, W]."""
-    logits = session.run(None, feeds)[0]
-    return logits.argmax(-1)
+def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple):
+    """A no-argument function running one step of ``session`` over ``inputs`` (``decode_inputs``' ids, positions,
+    mask, past [B, H, P, D]); returns its logits float32 [B, W, V]. A fused bundle gets the past copied once into
+    buffers with room for the window and its pad, [1, H, P + max(W, 2), D], as its engine cache has."""
+    ids, positions, mask, past = inputs
+    if config.graph == "fused":
+        step = FusedStep(session, ort, config)
+        room = max(ids.shape[1], MIN_WINDOW)
+        buffers = [tuple(np.concatenate([a, np.zeros((*a.shape[:2], room, a.shape[3]), a.dtype)], axis=2) for a in pair)
+                   for pair in past]
+        return lambda: step(ids, positions, buffers)[0]
+    feeds = bundle.step_feeds(ids, positions, mask, past)
+    return lambda: session.run(None, feeds)[0]
 
 
-def op_breakdown(path: Path, feeds: dict, threads: int, steps: int) -> tuple[dict[str, dict], float]:
+def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int,
+                 steps: int) -> tuple[dict[str, dict], float]:
     """(op type -> {"ms": kernel ms per step, "share": of the profiled total, "nodes": count in the optimized
     graph}, ms per step of the whole profiled ``run``). The run's time beyond the sum of its kernels is what the
     executor spends between kernels (dispatch, allocation, thread-pool hand-offs, binding the I/O) plus the
     profiler's own per-node cost, which also inflates the kernel times: compare both with the unprofiled step."""
     with tempfile.TemporaryDirectory() as tmp:
         session = make_session(path, threads, tmp)
-        session.run(None, feeds)  # warm-up, then profile only the timed steps
+        call = step_call(session, config, inputs)
+        call()  # warm-up, then profile only the timed steps
         for _ in range(steps):
-            session.run(None, feeds)
+            call()
         events = json.loads(Path(session.end_profiling()).read_text())
     kernel_us, nodes = collections.Counter(), collections.defaultdict(set)
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
@@ -95,18 +110,19 @@ def op_breakdown(path: Path, feeds: dict, threads: int, steps: int) -> tuple[dic
              for op, us in kernel_us.most_common()}, run_us / 1000)
 
 
-def interleaved_times(sessions: dict, feeds: dict, steps: int, rounds: int) -> dict[str, dict]:
-    """bundle -> {"step_ms", "cpu_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps``, bundles
-    taking turns. cpu_ms is this process's CPU time per step (all its threads, spinning included): at
+def interleaved_times(calls: dict, steps: int, rounds: int) -> dict[str, dict]:
+    """bundle -> {"step_ms", "cpu_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps`` of each
+    :func:`step_call`, bundles taking turns; greedy_ms adds the argmax over the logits [B, W, V], as a greedy
+    engine does. cpu_ms is this process's CPU time per step (all its threads, spinning included): at
     ``--threads 1`` it hardly moves with other processes' load, so it is the steadier A/B figure."""
-    samples = {name: {"step_ms": [], "cpu_ms": [], "greedy_ms": []} for name in sessions}
-    for session in sessions.values():  # warm-up: first runs allocate
-        session.run(None, feeds)
+    samples = {name: {"step_ms": [], "cpu_ms": [], "greedy_ms": []} for name in calls}
+    for call in calls.values():  # warm-up: first runs allocate
+        call()
     for _ in range(rounds):
-        for name, session in sessions.items():
-            samples[name]["step_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps) * 1000)
-            samples[name]["cpu_ms"].append(mean_seconds(lambda: session.run(None, feeds), steps, time.process_time) * 1000)
-            samples[name]["greedy_ms"].append(mean_seconds(lambda: greedy_postprocess(session, feeds), steps) * 1000)
+        for name, call in calls.items():
+            samples[name]["step_ms"].append(mean_seconds(call, steps) * 1000)
+            samples[name]["cpu_ms"].append(mean_seconds(call, steps, time.process_time) * 1000)
+            samples[name]["greedy_ms"].append(mean_seconds(lambda: call().argmax(-1), steps) * 1000)
     return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
 
 
@@ -132,15 +148,20 @@ def run(args) -> dict:
     """All measurements; returns {"meta": ..., "rows": [...]} with one row per (bundle, B, P, W)."""
     rng = np.random.default_rng(0)
     loaded = load_bundles(args.bundles)
-    config = next(iter(loaded.values()))[0]
+    fused = [name for name, (c, _) in loaded.items() if c.graph == "fused"]
+    if fused and max(args.batches) > 1:
+        raise bundle.BundleError(f"{fused[0]} is a fused bundle: it runs batch 1; pass --batches 1")
+    step_config = replace(next(iter(loaded.values()))[0], graph="step")  # inputs with a past of exactly P
     sessions = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
     rows = []
     for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
-        feeds = bundle.step_feeds(*decode_inputs(config, window, batch, past, rng))
-        times = interleaved_times(sessions, feeds, args.steps, args.rounds)
+        inputs = decode_inputs(step_config, window, batch, past, rng)
+        calls = {name: step_call(session, loaded[name][0], inputs) for name, session in sessions.items()}
+        times = interleaved_times(calls, args.steps, args.rounds)
         is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
         for name, timing in times.items():
-            ops, run_ms = op_breakdown(loaded[name][1], feeds, args.threads, args.steps) if is_profiled else ({}, 0.0)
+            config, path = loaded[name]
+            ops, run_ms = op_breakdown(path, config, inputs, args.threads, args.steps) if is_profiled else ({}, 0.0)
             rows.append({"bundle": name, "window": window, "batch": batch, "past": past, **timing,
                          "ratio_to_first": timing["step_ms"] / next(iter(times.values()))["step_ms"],
                          "cpu_ratio_to_first": timing["cpu_ms"] / next(iter(times.values()))["cpu_ms"],
@@ -148,7 +169,7 @@ def run(args) -> dict:
                          "num_nodes": sum(o["nodes"] for o in ops.values()), "ops": ops})
             print(f"{name} B={batch} P={past} W={window}: step {timing['step_ms']:.2f} ms "
                   f"({rows[-1]['ratio_to_first']:.3f}x first), with argmax {timing['greedy_ms']:.2f} ms", flush=True)
-        del feeds
+        del inputs, calls
     meta = {"command": "python bench/profile_step.py " + " ".join(sys.argv[1:]), "threads": args.threads,
             "onnxruntime": ort.__version__, "loadavg_end": os.getloadavg()}
     return {"meta": meta, "rows": rows}

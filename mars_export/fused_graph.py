@@ -6,6 +6,14 @@ one packed QKV MatMul; 342 nodes after onnxruntime's optimizer where our step gr
 at batch 1 by :mod:`runtime.backends.fused`. The builder is a library (``onnxruntime-genai``,
 the ``[fused]`` extra) and is run as its own command, as its documentation does, on the model
 saved as a Hugging Face checkpoint (a MARS adapter merged, a GGUF source dequantized).
+
+One change is made to the builder's graph (:func:`tile_one_token_windows`): a one-token window
+runs its attention as two rows. onnxruntime's CPU ``GroupQueryAttention`` gives a token other
+bits in a one-token window than in any window of two or more (MLAS takes its GEMV path for the
+probabilities x V product of one query row), which would break "tau = 1 is exactly greedy AR"
+(DESIGN.md §3). Duplicating the one row inside each attention keeps every other op at one row,
+where the runtime would otherwise feed a second, padding token through the whole model
+(``runtime.backends.fused``).
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import onnx
+from onnx import TensorProto, helper
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from runtime.backends.fused import ONE_TOKEN_WINDOW_KEY, TILED  # model metadata: tile_one_token_windows ran
 from runtime.bundle import external_data_file
 
 BUILDER = "onnxruntime_genai.models.builder"
@@ -55,5 +65,49 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
             raise RuntimeError(f"onnxruntime-genai's model builder failed: {lines[-1][:300]}")
         graph = onnx.load(str(out / BUILDER_FILE))  # the builder keeps the weights apart; one file, as ours, below 2 GB
+        tile_one_token_windows(graph)
         onnx.save(graph, str(path), save_as_external_data=graph.ByteSize() > MAX_INLINE_BYTES,
                   location=external_data_file(path.name))
+
+
+def tile_one_token_windows(model: onnx.ModelProto) -> None:
+    """Run a one-token window's attention as two rows, in place: every ``GroupQueryAttention`` gets its
+    packed QKV [1, S, (H + 2 Hkv) D] tiled to [1, 2, ...] when S = 1 (unchanged otherwise), and its output
+    sliced back to S rows. The second row, at position P + 1, writes KV beyond the window (past and present
+    share one buffer; the runtime gives it room and never commits it) and its output is dropped, so the
+    first row gets the bits any window of two or more gives it. The caller feeds attention_mask of
+    P + max(S, 2) ones. Marks the model with ``{ONE_TOKEN_WINDOW_KEY: TILED}``.
+
+    Raises:
+        ValueError: the graph has no GroupQueryAttention, or one takes separate key and value inputs.
+    """
+    graph = model.graph
+    attentions = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    if not attentions or any(len(n.input) > 2 and (n.input[1] or n.input[2]) for n in attentions):
+        raise ValueError("expected the model builder's GroupQueryAttention over a packed QKV input")
+    prefix = "/mars_edge/one_token_window"
+    const = lambda name, values: helper.make_node(  # noqa: E731
+        "Constant", [], [f"{prefix}/{name}"], value=helper.make_tensor(f"{prefix}/{name}", TensorProto.INT64,
+                                                                        [len(values)], values))
+    shared = [const("one", [1]), const("two", [2]), const("axis1", [1]), const("zero", [0]),
+              helper.make_node("Shape", ["input_ids"], [f"{prefix}/shape"]),
+              helper.make_node("Slice", [f"{prefix}/shape", f"{prefix}/one", f"{prefix}/two"], [f"{prefix}/S"]),
+              helper.make_node("Equal", [f"{prefix}/S", f"{prefix}/one"], [f"{prefix}/is_one"]),
+              helper.make_node("Where", [f"{prefix}/is_one", f"{prefix}/two", f"{prefix}/one"], [f"{prefix}/rows"]),
+              helper.make_node("Concat", [f"{prefix}/one", f"{prefix}/rows", f"{prefix}/one"], [f"{prefix}/repeats"],
+                               axis=0)]  # [1, 2 if S == 1 else 1, 1]
+    nodes = list(graph.node)
+    first = nodes.index(attentions[0])
+    for i, node in enumerate(attentions):
+        qkv, out = node.input[0], node.output[0]
+        tiled, whole = f"{prefix}/{i}/qkv", f"{prefix}/{i}/out"
+        tile = helper.make_node("Tile", [qkv, f"{prefix}/repeats"], [tiled], name=f"{prefix}/{i}/Tile")
+        cut = helper.make_node("Slice", [whole, f"{prefix}/zero", f"{prefix}/S", f"{prefix}/axis1"], [out],
+                               name=f"{prefix}/{i}/Slice")
+        node.input[0], node.output[0] = tiled, whole
+        at = nodes.index(node)
+        nodes[at:at + 1] = [tile, node, cut]
+    nodes[first:first] = shared
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, ONE_TOKEN_WINDOW_KEY: TILED})

@@ -38,16 +38,21 @@ TEXTS = ["Hi", "Tell me a story about a cat who sails.", "List the planets. " * 
 
 @pytest.fixture(scope="module")
 def fused_bundles(tmp_path_factory):
-    """(checkpoint, {"float32": bundle, "int8": bundle}): one tiny Llama exported with --graph fused, W = 4."""
+    """(checkpoint, {"float32": bundle, "int8": bundle, "untiled": bundle}): one tiny Llama exported with
+    --graph fused, W = 4; "untiled" as exports before tile_one_token_windows wrote them (the runtime pads)."""
     root = tmp_path_factory.mktemp("fused")
     ckpt = make_checkpoint("llama", root / "ckpt")
     bundles = {"float32": export(str(ckpt), root / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused"),
                "int8": export(str(ckpt), root / "fused-int8", 4, 4, "--mask-token", "<mask>", "--graph", "fused",
                               "--int8")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_graph, "tile_one_token_windows", lambda model: None)
+        bundles["untiled"] = export(str(ckpt), root / "fused-untiled", 4, 4, "--mask-token", "<mask>", "--graph",
+                                    "fused")
     return ckpt, bundles
 
 
-@pytest.fixture(scope="module", params=["float32", "int8"])
+@pytest.fixture(scope="module", params=["float32", "int8", "untiled"])
 def fused(request, fused_bundles):
     """(backend, config, prompts, bundle dir) of one fused bundle."""
     ckpt, bundles = fused_bundles
@@ -59,7 +64,8 @@ def fused(request, fused_bundles):
 
 def test_the_bundle_holds_the_builders_graph_and_passed_parity(fused_bundles):
     _, bundles = fused_bundles
-    for dtype, bundle in bundles.items():
+    for name, bundle in bundles.items():
+        dtype = "int8" if name == "int8" else "float32"
         config = load_config(bundle)
         assert (config.graph, config.weight_dtype) == ("fused", dtype)
         assert json.loads((bundle / "mars_config.json").read_text())["graph"] == "fused"
@@ -68,6 +74,26 @@ def test_the_bundle_holds_the_builders_graph_and_passed_parity(fused_bundles):
         parity = config.parity
         assert parity["max_abs_logit_diff"] < 1e-3 if dtype == "float32" else parity["top1_agreement"] >= 0.9
         assert not list(bundle.glob("*.data")) and not list(bundle.glob("*reference*"))  # one graph file, no leftovers
+        model = onnx.load(bundle / config.onnx_file, load_external_data=False)
+        tiled = {p.key: p.value for p in model.metadata_props}.get(fused_module.ONE_TOKEN_WINDOW_KEY)
+        assert tiled == (None if name == "untiled" else fused_module.TILED)
+        assert sum(n.op_type == "Tile" for n in model.graph.node) == (0 if name == "untiled" else config.num_layers)
+
+
+def test_a_tiled_graph_runs_a_one_token_window_as_one_token(fused, monkeypatch):
+    """The exported graph duplicates a one-token window's attention row itself: the step feeds one token
+    (an older, untiled graph gets a pad token after it) with an attention mask of P + 2."""
+    backend, config, prompts, bundle = fused
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
+    cache.reserve(7)
+    cache.commit(run_batch(backend, cache, [prompts[1][:5]], config.pad_token_id)[1], [5])
+    fed, real = [], backend.fused.binding.bind_cpu_input
+    monkeypatch.setattr(backend.fused.binding, "bind_cpu_input",
+                        lambda name, array: (fed.append((name, array.shape)), real(name, array))[1])
+    logits, presents = run_batch(backend, cache, [prompts[1][5:6]], config.pad_token_id)
+    assert backend.fused.is_tiled == (bundle.name != "fused-untiled")
+    assert fed == [("input_ids", (1, 1 if backend.fused.is_tiled else 2)), ("attention_mask", (1, 7))]
+    assert logits.shape == (1, 1, config.vocab_size) and presents[0][0].shape[2] == 1
 
 
 def greedy(backend, config, prompts, **params):

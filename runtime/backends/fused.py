@@ -16,11 +16,15 @@ rotary, SkipSimplifiedLayerNormalization, one packed QKV MatMul (:mod:`runtime.b
   committed length, hidden, and the next window writes over them. Host copies of the KV per
   step: none (a plain :class:`~runtime.decode.kv_cache.KVCache` also works: its commit copies
   each entry onto itself).
-- **No window holds a single token.** On onnxruntime's CPU kernel a token gets the same bits for
+- **No attention runs a single row.** On onnxruntime's CPU kernel a token gets the same bits for
   every cut of the tokens into windows of two or more, but other bits in a one-token window
-  (``bench/builder_step.py``, identity rows). A one-token step therefore runs as two tokens (the
-  token and a pad, whose output is dropped and whose KV lies beyond the committed length), and
-  tau = 1 stays exactly greedy AR, verify mode exactly AR (DESIGN.md §3).
+  (``bench/builder_step.py``, identity rows; the kernel's one-row GEMV path). Bundles exported
+  since 2026-12-01 (late) carry a graph that runs a one-token window's attention as two rows
+  itself (``mars_export.fused_graph.tile_one_token_windows``, model metadata
+  ``mars_edge.one_token_window: tiled``): the step feeds the one token, with an attention mask of
+  P + 2 and room for the second row's KV at P + 1. Older fused bundles get a pad token instead
+  (the whole model runs two rows; the pad's output and KV are dropped). Either way tau = 1 stays
+  exactly greedy AR, and verify mode exactly AR (DESIGN.md §3).
 - Batch 1 only: the kernel refuses a window of several tokens over a past at batch > 1.
 """
 
@@ -31,7 +35,8 @@ import numpy as np
 from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, BundleConfig, past_names, present_names
 from runtime.decode.kv_cache import KVCache
 
-MIN_WINDOW = 2  # GroupQueryAttention: a one-token window gets other bits than longer ones
+MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
+ONE_TOKEN_WINDOW_KEY, TILED = "mars_edge.one_token_window", "tiled"  # as mars_export.fused_graph writes them
 
 
 class FusedStep:
@@ -39,7 +44,8 @@ class FusedStep:
 
     The past and present of every layer are bound once per set of buffers: while a step's past
     holds the very arrays of the last step (a :class:`FusedKVCache` hands out its buffers
-    themselves), only ``input_ids``, ``attention_mask`` and ``logits`` are bound again.
+    themselves), only ``input_ids``, ``attention_mask`` and ``logits`` are bound again. A graph
+    marked ``tiled`` runs a one-token window as one token; others get a pad token after it.
 
     Args:
         session: an onnxruntime InferenceSession of the fused graph (CPU); ort: the onnxruntime module.
@@ -49,7 +55,8 @@ class FusedStep:
     def __init__(self, session, ort, config: BundleConfig):
         self.session, self.ort, self.config = session, ort, config
         self.binding = None
-        self.bound: list[np.ndarray] = []  # the arrays bound as past and present, layer by layer, key then value
+        self.bound: list[np.ndarray] = []
+        self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED  # the arrays bound as past and present, layer by layer, key then value
 
     def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
                  past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list]:
@@ -78,10 +85,10 @@ class FusedStep:
         if not np.array_equal(position_ids[0], np.arange(start, start + window)):
             raise ValueError(f"a fused graph takes consecutive positions from the committed length, got {position_ids[0]}")
         ids = input_ids
-        if window < MIN_WINDOW:
+        if window < MIN_WINDOW and not self.is_tiled:
             pad = np.full((1, MIN_WINDOW - window), self.config.pad_token_id, np.int64)
             ids = np.concatenate([input_ids, pad], axis=1)  # [1, MIN_WINDOW]
-        end = start + ids.shape[1]
+        end = start + max(window, MIN_WINDOW)  # the attention's rows: a tiled graph's second row writes KV at P + 1
         if end > self.config.max_context:
             raise ValueError(f"positions up to {end - 1} exceed the model's context of {self.config.max_context}")
         if past[0][0].shape[2] < end:

@@ -205,7 +205,7 @@ def bundle_logits(path: Path, config: bundle.BundleConfig, threads: int, ids: np
     """A bundle's logits [N, V] of the last N = sum(chunks) of ``ids`` fed in windows of ``chunks``
     after the rest as one prefill window, as the engine runs it (the backend's cache, run_prefill, run_batch)."""
     backend = OnnxBackend(path.parent, config, num_threads=threads)
-    # one position more: a fused bundle runs a last one-token window with a pad (runtime.backends.fused)
+    # one position more: a fused bundle's one-token window writes a second row's KV (runtime.backends.fused)
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids) + 1, config.dtype)
     cache.reserve(len(ids))
     prompt = len(ids) - sum(chunks)

@@ -13,7 +13,7 @@ For every (B, P, W) the step is the engine's, with the inputs of ``bench/scaling
 (per layer (key, value) [B, H, P, D] in the bundle dtype), all P past keys visible plus
 causal within the window. A fused bundle (``mars-export --graph fused``, batch 1) runs as its
 backend runs it (:class:`runtime.backends.fused.FusedStep`: the same past with room for the
-window and its pad, written in place, I/O binding; a one-token window as two).
+window, two positions for a one-token window; written in place; I/O binding).
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
    bundle in turn, so that load from other processes hits all of them alike. Per

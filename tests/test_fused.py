@@ -1,8 +1,9 @@
 """``mars-export --graph fused``: onnxruntime-genai's model-builder graph run at batch 1 (GitHub issue 11).
 
 The fused graph's GroupQueryAttention gives a one-token window other bits than a window of two or
-more (bench/builder_step.py, identity rows); runtime.backends.fused runs a one-token window as two,
-so tau = 1, verify and lookup drafts stay token-for-token greedy AR on it, as on the step graph.
+more (bench/builder_step.py, identity rows); the exported graph runs a one-token window's attention as
+two rows (an older graph: runtime.backends.fused feeds a pad token), so tau = 1, verify and lookup drafts
+stay token-for-token greedy AR on it, as on the step graph.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def test_the_kv_cache_is_written_in_place_and_grows_without_changing_a_logit(fus
         cache.commit(presents, [3])
     assert cache.lengths[0] == 3
     cache.reserve(16)
-    assert cache.capacity == 32  # room for the pad of a one-token window at position 16
+    assert cache.capacity == 32  # room for a one-token window's second row at position 16
     grown = fed_in_windows(backend, config, ids, [5, 4] * 4 + [4], capacity=16)
     assert np.array_equal(grown, fed_in_windows(backend, config, ids, [5, 4] * 4 + [4]))
 

@@ -19,7 +19,7 @@ rotary, SkipSimplifiedLayerNormalization, one packed QKV MatMul (:mod:`runtime.b
 - **No attention runs a single row.** On onnxruntime's CPU kernel a token gets the same bits for
   every cut of the tokens into windows of two or more, but other bits in a one-token window
   (``bench/builder_step.py``, identity rows; the kernel's one-row GEMV path). Bundles exported
-  since 2026-12-01 (late) carry a graph that runs a one-token window's attention as two rows
+  since the seventh session (2026-12-01) carry a graph that runs a one-token window's attention as two rows
   itself (``mars_export.fused_graph.tile_one_token_windows``, model metadata
   ``mars_edge.one_token_window: tiled``): the step feeds the one token, with an attention mask of
   P + 2 and room for the second row's KV at P + 1. Older fused bundles get a pad token instead
@@ -129,7 +129,8 @@ class FusedKVCache(KVCache):
     Same buffers, lengths and growth rule as :class:`~runtime.decode.kv_cache.KVCache`;
     :meth:`commit` and :meth:`commit_slot` only count where the step wrote the entries into
     these buffers (they already lie where they are committed), and :meth:`reserve` leaves one
-    position more for the pad of a one-token window (:data:`MIN_WINDOW`), so the step always can.
+    position more for the second attention row (tiled graph) or the pad (older graphs) of a one-token
+    window (:data:`MIN_WINDOW`), so the step always can.
 
     Args:
         num_layers, num_kv_heads, head_dim, max_len, dtype: as ``KVCache``.
@@ -155,7 +156,7 @@ class FusedKVCache(KVCache):
         return self.past(1)
 
     def reserve(self, needed: int) -> None:
-        """As ``KVCache.reserve``, with room for the pad of a one-token window when the context allows it."""
+        """As ``KVCache.reserve``, with room for a one-token window's second row when the context allows it."""
         super().reserve(needed if needed > self.max_len else min(needed + MIN_WINDOW - 1, self.max_len))
 
     def _write(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:

@@ -29,6 +29,7 @@ RATIOS = (
     ("ours fp32 ar / GenAI fp32", ("ours", "ar"), ("ortgenai", "model builder fp32")),
     ("ours fp32 ar / llama.cpp F32", ("ours", "ar"), ("llamacpp", "gguf f32")),
     ("fused fp32 ar / GenAI fp32", ("ours", "fused ar"), ("ortgenai", "model builder fp32")),
+    ("fused fp32 ar / llama.cpp F32", ("ours", "fused ar"), ("llamacpp", "gguf f32")),
     ("ours int8 ar / llama.cpp Q8_0", ("ours", "int8 ar"), ("llamacpp", "gguf q8_0")),
     ("fused int8 ar / llama.cpp Q8_0", ("ours", "fused int8 ar"), ("llamacpp", "gguf q8_0")),
     ("ours int4 ar / llama.cpp Q4_1", ("ours", "int4 ar"), ("llamacpp", "gguf q4_1")),

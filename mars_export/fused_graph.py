@@ -72,19 +72,20 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 def tile_one_token_windows(model: onnx.ModelProto) -> None:
     """Run a one-token window's attention as two rows, in place: every ``GroupQueryAttention`` gets its
-    packed QKV [1, S, (H + 2 Hkv) D] tiled to [1, 2, ...] when S = 1 (unchanged otherwise), and its output
-    sliced back to S rows. The second row, at position P + 1, writes KV beyond the window (past and present
+    query, key and value inputs (a packed QKV [1, S, (H + 2 Hkv) D], or three [1, S, . D] where the builder
+    normalizes Q and K apart, as for Qwen3) tiled to [1, 2, ...] when S = 1 (unchanged otherwise), and its
+    output sliced back to S rows. The second row, at position P + 1, writes KV beyond the window (past and present
     share one buffer; the runtime gives it room and never commits it) and its output is dropped, so the
     first row gets the bits any window of two or more gives it. The caller feeds attention_mask of
     P + max(S, 2) ones. Marks the model with ``{ONE_TOKEN_WINDOW_KEY: TILED}``.
 
     Raises:
-        ValueError: the graph has no GroupQueryAttention, or one takes separate key and value inputs.
+        ValueError: the graph has no GroupQueryAttention.
     """
     graph = model.graph
     attentions = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
-    if not attentions or any(len(n.input) > 2 and (n.input[1] or n.input[2]) for n in attentions):
-        raise ValueError("expected the model builder's GroupQueryAttention over a packed QKV input")
+    if not attentions:
+        raise ValueError("the model builder's graph has no GroupQueryAttention")
     prefix = "/mars_edge/one_token_window"
     const = lambda name, values: helper.make_node(  # noqa: E731
         "Constant", [], [f"{prefix}/{name}"], value=helper.make_tensor(f"{prefix}/{name}", TensorProto.INT64,
@@ -99,14 +100,18 @@ def tile_one_token_windows(model: onnx.ModelProto) -> None:
     nodes = list(graph.node)
     first = nodes.index(attentions[0])
     for i, node in enumerate(attentions):
-        qkv, out = node.input[0], node.output[0]
-        tiled, whole = f"{prefix}/{i}/qkv", f"{prefix}/{i}/out"
-        tile = helper.make_node("Tile", [qkv, f"{prefix}/repeats"], [tiled], name=f"{prefix}/{i}/Tile")
+        tiles = []
+        for j in (j for j in range(min(3, len(node.input))) if node.input[j]):  # query, key, value (or packed QKV)
+            tiled = f"{prefix}/{i}/input{j}"
+            tiles.append(helper.make_node("Tile", [node.input[j], f"{prefix}/repeats"], [tiled],
+                                          name=f"{prefix}/{i}/Tile{j}"))
+            node.input[j] = tiled
+        out, whole = node.output[0], f"{prefix}/{i}/out"
         cut = helper.make_node("Slice", [whole, f"{prefix}/zero", f"{prefix}/S", f"{prefix}/axis1"], [out],
                                name=f"{prefix}/{i}/Slice")
-        node.input[0], node.output[0] = tiled, whole
+        node.output[0] = whole
         at = nodes.index(node)
-        nodes[at:at + 1] = [tile, node, cut]
+        nodes[at:at + 1] = [*tiles, node, cut]
     nodes[first:first] = shared
     del graph.node[:]
     graph.node.extend(nodes)

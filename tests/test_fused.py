@@ -173,6 +173,23 @@ def test_a_fused_cache_has_one_slot_and_a_plain_cache_also_runs_the_graph(fused)
     assert np.array_equal(full, fed_in_windows(backend, config, ids, [9]))  # no room for the pad: new buffers
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_fused_graphs_keep_the_identity_in_one_token_windows(arch, tmp_path):
+    """Qwen2's builder graph packs QKV like Llama's; Qwen3's normalizes Q and K apart and feeds the attention
+    three inputs: every one is tiled, and a token gets the same logits in windows of 1 as in one window."""
+    ckpt = make_checkpoint(arch, tmp_path / "ckpt")
+    bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
+    config = load_config(bundle)
+    model = onnx.load(bundle / config.onnx_file, load_external_data=False)
+    inputs_per_attention = 3 if arch == "qwen3" else 1
+    assert sum(n.op_type == "Tile" for n in model.graph.node) == inputs_per_attention * config.num_layers
+    backend = OnnxBackend(bundle, config)
+    ids = list(range(5, 17))
+    whole = fed_in_windows(backend, config, ids, [12])
+    for cuts in ([1] * 12, [3, 1, 4, 1, 3]):
+        assert np.array_equal(fed_in_windows(backend, config, ids, cuts), whole), cuts
+
+
 def test_one_sequence_at_a_time(fused):
     """Batch 1: an engine with more slots is refused naming the fix; the server defaults to 1; a
     second row fed anyway is refused."""

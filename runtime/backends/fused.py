@@ -55,8 +55,8 @@ class FusedStep:
     def __init__(self, session, ort, config: BundleConfig):
         self.session, self.ort, self.config = session, ort, config
         self.binding = None
-        self.bound: list[np.ndarray] = []
-        self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED  # the arrays bound as past and present, layer by layer, key then value
+        self.bound: list[np.ndarray] = []  # the arrays bound as past and present, layer by layer, key then value
+        self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED
 
     def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
                  past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list]:

@@ -46,7 +46,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime import bundle
-from runtime.backends.fused import MIN_WINDOW, FusedStep
+from runtime.backends.fused import FusedStep, past_with_room
 from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
@@ -74,10 +74,7 @@ def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs
     buffers with room for the window and its pad, [1, H, P + max(W, 2), D], as its engine cache has."""
     ids, positions, mask, past = inputs
     if config.graph == "fused":
-        step = FusedStep(session, ort, config)
-        room = max(ids.shape[1], MIN_WINDOW)
-        buffers = [tuple(np.concatenate([a, np.zeros((*a.shape[:2], room, a.shape[3]), a.dtype)], axis=2) for a in pair)
-                   for pair in past]
+        step, buffers = FusedStep(session, ort, config), past_with_room(past, past[0][0].shape[2], ids.shape[1])
         return lambda: step(ids, positions, buffers)[0]
     feeds = bundle.step_feeds(ids, positions, mask, past)
     return lambda: session.run(None, feeds)[0]

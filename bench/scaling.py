@@ -48,7 +48,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from runtime import bundle
-from runtime.backends.fused import MIN_WINDOW
+from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
 from runtime.decode.batch import run_batch, window_mask
 from runtime.decode.kv_cache import KVCache
@@ -159,7 +159,7 @@ def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: in
     [B, H, P, D] random in the bundle dtype, 2·L distinct arrays as in a real cache). A fused bundle's
     past has room for the window and its pad, [1, H, P + max(W, 2), D], as its engine cache has
     (the graph writes the new entries into it; runtime.backends.fused)."""
-    room = max(window, MIN_WINDOW) if config.graph == "fused" else 0
+    room = written_positions(window) if config.graph == "fused" else 0
     shape = (batch, config.num_kv_heads, past + room, config.head_dim)
     ids = rng.integers(0, config.vocab_size, (batch, window), dtype=np.int64)                # [B, W]
     positions = np.broadcast_to(past + np.arange(window, dtype=np.int64), (batch, window)).copy()  # [B, W]

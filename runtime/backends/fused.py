@@ -88,11 +88,11 @@ class FusedStep:
         if window < MIN_WINDOW and not self.is_tiled:
             pad = np.full((1, MIN_WINDOW - window), self.config.pad_token_id, np.int64)
             ids = np.concatenate([input_ids, pad], axis=1)  # [1, MIN_WINDOW]
-        end = start + max(window, MIN_WINDOW)  # the attention's rows: a tiled graph's second row writes KV at P + 1
+        end = start + written_positions(window)
         if end > self.config.max_context:
             raise ValueError(f"positions up to {end - 1} exceed the model's context of {self.config.max_context}")
         if past[0][0].shape[2] < end:
-            past = [tuple(_holding(buffer, start, end) for buffer in pair) for pair in past]
+            past = past_with_room(past, start, window)
         self._bind_past(past)
         self.binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         self.binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
@@ -116,11 +116,23 @@ class FusedStep:
         self.bound = buffers  # held, so no other array can take their memory while bound
 
 
-def _holding(buffer: np.ndarray, count: int, length: int) -> np.ndarray:
-    """A zeroed [1, Hkv, ``length``, D] copy of ``buffer``'s first ``count`` positions."""
-    grown = np.zeros((*buffer.shape[:2], length, buffer.shape[3]), buffer.dtype)
-    grown[:, :, :count] = buffer[:, :, :count]
-    return grown
+def written_positions(window: int) -> int:
+    """KV positions a fused step of ``window`` tokens writes from P on: max(W, 2) (a one-token window's
+    second attention row, or its pad on older graphs, writes at P + 1)."""
+    return max(window, MIN_WINDOW)
+
+
+def past_with_room(past: list[tuple[np.ndarray, np.ndarray]], start: int,
+                   window: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Zeroed buffers [1, Hkv, P + :func:`written_positions` (W), D] per layer and name holding the first
+    P = ``start`` positions of ``past``: a past a fused step of ``window`` tokens can write into."""
+    length = start + written_positions(window)
+
+    def grown(buffer: np.ndarray) -> np.ndarray:
+        room = np.zeros((*buffer.shape[:2], length, buffer.shape[3]), buffer.dtype)
+        room[:, :, :start] = buffer[:, :, :start]
+        return room
+    return [tuple(grown(buffer) for buffer in pair) for pair in past]
 
 
 class FusedKVCache(KVCache):

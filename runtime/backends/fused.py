@@ -96,18 +96,18 @@ class FusedStep:
         self._bind_past(past)
         self.binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         self.binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
-        self.binding.bind_output(LOGITS)
-        self.session.run_with_iobinding(self.binding)
-        logits = self.binding.get_outputs()[0].numpy()[:, :window]  # [1, W, V]
-        return logits, [(key[:, :, start:start + window], value[:, :, start:start + window]) for key, value in past]
+        logits = np.empty((*ids.shape, self.config.vocab_size), np.float32)  # [1, W fed, V]: the graph writes here
+        self.binding.bind_output(LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        self.session.run_with_iobinding(self.binding)  # no get_outputs: it would wrap every present too
+        return logits[:, :window], [(key[:, :, start:start + window], value[:, :, start:start + window])
+                                    for key, value in past]
 
     def _bind_past(self, past: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """A new binding, logits first, with ``past`` as past and present, unless it holds these arrays already."""
+        """A new binding with ``past`` as past and present, unless it holds these arrays already."""
         buffers = [buffer for pair in past for buffer in pair]
         if len(buffers) == len(self.bound) and all(a is b for a, b in zip(buffers, self.bound)):
             return
         self.binding = self.session.io_binding()
-        self.binding.bind_output(LOGITS)  # output 0
         for layer, pair in enumerate(past):
             for name_in, name_out, buffer in zip(past_names(layer), present_names(layer), pair):
                 value = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy

@@ -63,7 +63,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +70,7 @@ import onnx
 import onnxruntime as ort
 
 from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
-from profile_step import load_bundles, make_session, mean_seconds  # bench/ is on the path as a script
+from profile_step import interleaved_times, load_bundles, make_session  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
 from runtime.decode.batch import run_batch, run_prefill
@@ -144,16 +143,6 @@ def agreement(logits: np.ndarray, reference: np.ndarray) -> dict:
             "top1_agreement": float((logits.argmax(-1) == reference.argmax(-1)).mean())}
 
 
-def time_interleaved(calls: dict, steps: int, rounds: int) -> dict[str, dict]:
-    """name -> {"step_ms", "cpu_ms"}: medians over ``rounds`` of the mean over ``steps``, the calls taking turns."""
-    samples = {name: {"step_ms": [], "cpu_ms": []} for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            samples[name]["step_ms"].append(mean_seconds(call, steps) * 1000)
-            samples[name]["cpu_ms"].append(mean_seconds(call, steps, time.process_time) * 1000)
-    return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
-
-
 def run(args, workdir: Path) -> dict:
     """All measurements; returns {"meta": ..., "rows": [...]} with one row per (graph, P, W)."""
     loaded = load_bundles(args.bundles)
@@ -173,7 +162,7 @@ def run(args, workdir: Path) -> dict:
         calls |= {name: builder_call(session, ids, past, args.max_context) for name, session in builders.items()}
         reference = next(iter(calls.values()))()  # also every graph's warm-up
         checks = {name: agreement(call(), reference) for name, call in calls.items()}
-        times = time_interleaved(calls, args.steps, args.rounds)
+        times = interleaved_times(calls, args.steps, args.rounds, with_argmax=False)
         first = next(iter(times.values()))
         for name, timing in times.items():
             rows.append({"graph": name, "past": past_len, "window": window, **timing, **checks[name],

@@ -23,8 +23,9 @@ new KV:
   [1, Hkv, max context, D] with I/O binding, as a runtime would run it (it writes the
   W new entries in place).
 
-Timing is interleaved (rounds of ``--repeats`` calls each, median of the round means; wall
-time and this process's CPU time, the steadier figure on a busy machine at ``--threads 1``),
+Timing is interleaved (``profile_step.interleaved_times``: rounds of ``--repeats`` calls each,
+median of the round means; wall time and this process's CPU time, the steadier figure on a busy
+machine at ``--threads 1``),
 and the per-call time is also given times ``--layers`` (ms per step).
 
 **Identity by chunking** (``--identity-tokens N``, ``--chunks``): tau = 1 is exactly greedy AR,
@@ -46,7 +47,6 @@ import io
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,7 @@ import torch
 from onnx import TensorProto, helper
 
 from mars_export.step_module import StepKV, rotary_joint, step_attention
+from profile_step import interleaved_times  # bench/ is on the path when this file runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 ROPE_THETA = 100000.0  # SmolLM2's; the value does not change the cost
@@ -199,16 +200,10 @@ def run(args) -> dict:
     for past, window in itertools.product(args.pasts, args.windows):
         inputs = make_inputs(*dims, past, window, rng)
         calls = {"ours": ours_call(ours, args.head_dim, inputs), "gqa": gqa_call(gqa, args.max_context, inputs)}
-        max_diff = float(np.abs(calls["ours"]()[0] - calls["gqa"]()[0]).max())  # also the warm-up
-        samples = {(name, clock): [] for name in calls for clock in ("ms", "cpu_ms")}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                start, cpu_start = time.perf_counter(), time.process_time()
-                for _ in range(args.repeats):
-                    call()
-                samples[name, "ms"].append((time.perf_counter() - start) / args.repeats * 1000)
-                samples[name, "cpu_ms"].append((time.process_time() - cpu_start) / args.repeats * 1000)
-        ms = {f"{name}_{clock}": float(np.median(s)) for (name, clock), s in samples.items()}
+        max_diff = float(np.abs(calls["ours"]()[0] - calls["gqa"]()[0]).max())
+        times = interleaved_times(calls, args.repeats, args.rounds, with_argmax=False)
+        ms = {f"{name}_{clock}": t[kind] for name, t in times.items()
+              for clock, kind in (("ms", "step_ms"), ("cpu_ms", "cpu_ms"))}
         rows.append({"past": past, "window": window, "max_abs_diff": max_diff, **ms,
                      "gqa_over_ours": ms["gqa_ms"] / ms["ours_ms"],
                      "gqa_over_ours_cpu": ms["gqa_cpu_ms"] / ms["ours_cpu_ms"],

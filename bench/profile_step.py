@@ -16,7 +16,8 @@ backend runs it (:class:`runtime.backends.fused.FusedStep`: the same past with r
 window, two positions for a one-token window; written in place; I/O binding).
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
-   bundle in turn, so that load from other processes hits all of them alike. Per
+   bundle in turn (after two untimed steps: a session's first steps after another's run
+   slower), so that load from other processes hits all of them alike. Per
    (bundle, B, P, W): the median over rounds of the mean step time (wall, and this
    process's CPU time), and their ratios to the first bundle's (the A/B figures to quote
    on a shared machine; at ``--threads 1`` the CPU time is the steadier one).
@@ -107,19 +108,26 @@ def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads
              for op, us in kernel_us.most_common()}, run_us / 1000)
 
 
-def interleaved_times(calls: dict, steps: int, rounds: int) -> dict[str, dict]:
-    """bundle -> {"step_ms", "cpu_ms", "greedy_ms"}: medians over ``rounds`` of the mean over ``steps`` of each
-    :func:`step_call`, bundles taking turns; greedy_ms adds the argmax over the logits [B, W, V], as a greedy
-    engine does. cpu_ms is this process's CPU time per step (all its threads, spinning included): at
-    ``--threads 1`` it hardly moves with other processes' load, so it is the steadier A/B figure."""
-    samples = {name: {"step_ms": [], "cpu_ms": [], "greedy_ms": []} for name in calls}
-    for call in calls.values():  # warm-up: first runs allocate
-        call()
+SETTLE_CALLS = 2  # untimed calls after another session ran: its first steps run ~13% slower (its caches are cold)
+
+
+def interleaved_times(calls: dict, steps: int, rounds: int, with_argmax: bool = True) -> dict[str, dict]:
+    """name -> {"step_ms", "cpu_ms"[, "greedy_ms"]}: medians over ``rounds`` of the mean over ``steps`` of each
+    call, the calls taking turns; each turn starts with :data:`SETTLE_CALLS` untimed calls (measured on the
+    default int8 bundle: a session's first 20 steps after another session's were 1.13-1.16x its next 20).
+    greedy_ms (``with_argmax``) adds the argmax over the call's logits [B, W, V], as a greedy engine does.
+    cpu_ms is this process's CPU time per step (all its threads, spinning included): at ``--threads 1`` it
+    hardly moves with other processes' load, so it is the steadier A/B figure."""
+    kinds = ("step_ms", "cpu_ms", "greedy_ms") if with_argmax else ("step_ms", "cpu_ms")
+    samples = {name: {kind: [] for kind in kinds} for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
+            for _ in range(SETTLE_CALLS):
+                call()
             samples[name]["step_ms"].append(mean_seconds(call, steps) * 1000)
             samples[name]["cpu_ms"].append(mean_seconds(call, steps, time.process_time) * 1000)
-            samples[name]["greedy_ms"].append(mean_seconds(lambda: call().argmax(-1), steps) * 1000)
+            if with_argmax:
+                samples[name]["greedy_ms"].append(mean_seconds(lambda: call().argmax(-1), steps) * 1000)
     return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
 
 

@@ -12,7 +12,10 @@ with each draft source (masks, lookup, both), and threshold mode with lookup dra
 tau and at tau 1 (where it must equal AR), each at every per-request block size (default:
 the bundle's B).
 Wall-clock covers prefill and decode of all requests (continuous batching admits them as
-slots free). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
+slots free). Where it goes: the time inside onnxruntime's session calls (``graph_seconds``)
+and the rest, the runtime's own work (Python and numpy: scheduling, inputs, I/O binding,
+acceptance, the cache commit), per forward (``runtime_ms_per_forward``, prefill forwards
+counted). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
 """
 
 from __future__ import annotations
@@ -45,23 +48,46 @@ def load_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.encode_chat(item.messages()) for item in items[:count]]
 
 
-def run_config(backend, config, prompts, scheme: str, batch_size: int, params: DecodeParams) -> tuple[dict, list]:
+class GraphClock:
+    """Seconds spent inside a session's ``run`` and ``run_with_iobinding`` (the graph's forwards), counted on
+    ``seconds`` from here on; the session's methods are wrapped in place."""
+
+    def __init__(self, session):
+        self.seconds = 0.0
+        for name in ("run", "run_with_iobinding"):
+            setattr(session, name, self._timed(getattr(session, name)))
+
+    def _timed(self, call):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def run_config(backend, clock: GraphClock, config, prompts, scheme: str, batch_size: int,
+               params: DecodeParams) -> tuple[dict, list]:
     engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size, scheme=scheme))
-    start = time.perf_counter()
+    start, graph_start = time.perf_counter(), clock.seconds
     results = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    seconds, graph_seconds = time.perf_counter() - start, clock.seconds - graph_start
     tokens = sum(r.num_tokens for r in results)
+    forwards = engine.num_steps + sum(r.num_prefill_forwards for r in results)
     row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "draft": params.draft, "tau": params.tau,
            "block_size": params.block_size or config.block_size,
            "num_requests": len(prompts), "num_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
            "tpf": tokens / sum(r.num_forwards for r in results), "batch_forwards": engine.num_steps,
-           "prefill_seconds_mean": sum(r.prefill_seconds for r in results) / len(results)}
+           "prefill_seconds_mean": sum(r.prefill_seconds for r in results) / len(results),
+           "graph_seconds": graph_seconds, "runtime_ms_per_forward": (seconds - graph_seconds) / forwards * 1000}
     return row, [r.token_ids for r in results]
 
 
 def run(args) -> list[dict]:
     config = load_config(args.bundle)
     backend, tokenizer = OnnxBackend(args.bundle, config, num_threads=args.threads), Tokenizer(args.bundle)
+    clock = GraphClock(backend.session)
     prompts = load_prompts(tokenizer, args.num_prompts)
     settings = [DecodeParams(mode="ar", max_new_tokens=args.max_new_tokens)]
     for block_size in args.block_sizes or [config.block_size]:
@@ -76,7 +102,7 @@ def run(args) -> list[dict]:
         for batch_size in args.batch_sizes:
             ar_row, ar_ids = None, None
             for params in settings:  # AR first: the baseline of this scheme and batch size
-                row, ids = run_config(backend, config, prompts, scheme, batch_size, params)
+                row, ids = run_config(backend, clock, config, prompts, scheme, batch_size, params)
                 ar_row, ar_ids = ar_row or row, ar_ids or ids
                 row["identical_to_ar"] = sum(a == b for a, b in zip(ids, ar_ids)) / len(ids)
                 row["speedup_vs_ar"] = row["tokens_per_second"] / ar_row["tokens_per_second"]

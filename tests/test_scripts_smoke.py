@@ -76,6 +76,7 @@ def test_engine_modes(smoke_model, tmp_path):
     drafted = [row for row in rows if row["mode"] == "threshold" and row["draft"] == "lookup"]
     assert sorted(row["tau"] for row in drafted) == [0.9, 0.9, 1.0, 1.0]
     assert all(row["identical_to_ar"] == 1.0 for row in verify + [r for r in drafted if r["tau"] == 1.0])
+    assert all(0 < row["graph_seconds"] < row["seconds"] and row["runtime_ms_per_forward"] > 0 for row in rows)
 
 
 def test_runtime_vs_transformers(smoke_model, tmp_path):

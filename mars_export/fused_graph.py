@@ -14,6 +14,12 @@ probabilities x V product of one query row), which would break "tau = 1 is exact
 (DESIGN.md §3). Duplicating the one row inside each attention keeps every other op at one row,
 where the runtime would otherwise feed a second, padding token through the whole model
 (``runtime.backends.fused``).
+
+A quantized fused bundle (``--int8``) also gets the MLP's gate and up projections (and any other MatMuls
+reading one input, as Qwen3's separate Q, K and V) fused into one MatMul and a Split
+(:func:`mars_export.fuse_projections.fuse_shared_input_matmuls`, the step graph's rule): one
+MatMulNBits kernel and one quantization of its input instead of two per layer. Same bits; speed in
+BENCHMARKS.md (it pays in int8, not in float32, where the Split costs what the kernel saves).
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from mars_export.fuse_projections import fuse_shared_input_matmuls
 from runtime.backends.fused import ONE_TOKEN_WINDOW_KEY, TILED  # model metadata: tile_one_token_windows ran
 from runtime.bundle import external_data_file
 
@@ -43,8 +51,12 @@ def require_builder() -> None:
         raise RuntimeError("--graph fused needs onnxruntime-genai's model builder: pip install 'mars-edge[fused]'")
 
 
-def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    """Write the model builder's float32 CPU graph of ``model`` to ``path`` (weights inline; over 2 GB in ``path`` + .data).
+def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
+                      fuse_projections: bool = False) -> None:
+    """Write the model builder's float32 CPU graph of ``model`` to ``path`` (weights inline; over 2 GB in
+    ``path`` + .data), one-token windows tiled (:func:`tile_one_token_windows`).
+
+    ``fuse_projections``: MatMuls reading one input become one (for a graph that will be quantized).
 
     Raises:
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last
@@ -65,6 +77,10 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
             raise RuntimeError(f"onnxruntime-genai's model builder failed: {lines[-1][:300]}")
         graph = onnx.load(str(out / BUILDER_FILE))  # the builder keeps the weights apart; one file, as ours, below 2 GB
+        if fuse_projections:
+            fused = ir.from_proto(graph)
+            fuse_shared_input_matmuls(fused.graph)
+            graph = ir.to_proto(fused)
         tile_one_token_windows(graph)
         onnx.save(graph, str(path), save_as_external_data=graph.ByteSize() > MAX_INLINE_BYTES,
                   location=external_data_file(path.name))

@@ -79,6 +79,10 @@ def test_the_bundle_holds_the_builders_graph_and_passed_parity(fused_bundles):
         tiled = {p.key: p.value for p in model.metadata_props}.get(fused_module.ONE_TOKEN_WINDOW_KEY)
         assert tiled == (None if name == "untiled" else fused_module.TILED)
         assert sum(n.op_type == "Tile" for n in model.graph.node) == (0 if name == "untiled" else config.num_layers)
+        matmuls = sum(n.op_type in ("MatMul", "MatMulNBits") for n in model.graph.node)  # per layer QKV, o, MLP; head
+        splits = sum(n.op_type == "Split" for n in model.graph.node)
+        assert (matmuls, splits) == ((4 * config.num_layers + 1, config.num_layers) if dtype == "int8"  # gate + up
+                                     else (5 * config.num_layers + 1, 0))
 
 
 def test_a_tiled_graph_runs_a_one_token_window_as_one_token(fused, monkeypatch):
@@ -173,12 +177,13 @@ def test_a_fused_cache_has_one_slot_and_a_plain_cache_also_runs_the_graph(fused)
     assert np.array_equal(full, fed_in_windows(backend, config, ids, [9]))  # no room for the pad: new buffers
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_qwen_fused_graphs_keep_the_identity_in_one_token_windows(arch, tmp_path):
+@pytest.mark.parametrize("arch, quantize", [("qwen2", []), ("qwen3", []), ("qwen3", ["--int8"])])
+def test_qwen_fused_graphs_keep_the_identity_in_one_token_windows(arch, quantize, tmp_path):
     """Qwen2's builder graph packs QKV like Llama's; Qwen3's normalizes Q and K apart and feeds the attention
-    three inputs: every one is tiled, and a token gets the same logits in windows of 1 as in one window."""
+    three inputs (in int8 split from one fused Q/K/V MatMul): every one is tiled, and a token gets the same
+    logits in windows of 1 as in one window."""
     ckpt = make_checkpoint(arch, tmp_path / "ckpt")
-    bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
+    bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused", *quantize)
     config = load_config(bundle)
     model = onnx.load(bundle / config.onnx_file, load_external_data=False)
     inputs_per_attention = 3 if arch == "qwen3" else 1

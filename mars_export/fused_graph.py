@@ -15,8 +15,8 @@ probabilities x V product of one query row), which would break "tau = 1 is exact
 where the runtime would otherwise feed a second, padding token through the whole model
 (``runtime.backends.fused``).
 
-A quantized fused bundle (``--int8``) also gets the MLP's gate and up projections (and any other MatMuls
-reading one input, as Qwen3's separate Q, K and V) fused into one MatMul and a Split
+A quantized fused bundle (``--int8``) also gets the MLP's gate and up projections (any MatMuls reading
+one input; the builder already packs Q, K and V, also for Qwen3) fused into one MatMul and a Split
 (:func:`mars_export.fuse_projections.fuse_shared_input_matmuls`, the step graph's rule): one
 MatMulNBits kernel and one quantization of its input instead of two per layer. Same bits; speed in
 BENCHMARKS.md (it pays in int8, not in float32, where the Split costs what the kernel saves).

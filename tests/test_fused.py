@@ -180,7 +180,7 @@ def test_a_fused_cache_has_one_slot_and_a_plain_cache_also_runs_the_graph(fused)
 @pytest.mark.parametrize("arch, quantize", [("qwen2", []), ("qwen3", []), ("qwen3", ["--int8"])])
 def test_qwen_fused_graphs_keep_the_identity_in_one_token_windows(arch, quantize, tmp_path):
     """Qwen2's builder graph packs QKV like Llama's; Qwen3's normalizes Q and K apart and feeds the attention
-    three inputs (in int8 split from one fused Q/K/V MatMul): every one is tiled, and a token gets the same
+    three inputs (split from the builder's packed Q/K/V MatMul): every one is tiled, and a token gets the same
     logits in windows of 1 as in one window."""
     ckpt = make_checkpoint(arch, tmp_path / "ckpt")
     bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused", *quantize)

@@ -35,7 +35,7 @@ from support import shared_data_file, shared_data_missing
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.engine import Engine, EngineConfig
-from runtime.decode.params import DRAFTS, DecodeParams
+from runtime.decode.params import DRAFTS, DecodeParams, ParamError
 from runtime.evaluation.tasks import load_gsm8k, load_humaneval
 from runtime.text.tokenizer import Tokenizer
 
@@ -127,7 +127,10 @@ def main() -> None:
     args = p.parse_args()
     if shared_data_missing():
         p.error(shared_data_missing())
-    rows = run(args)
+    try:
+        rows = run(args)
+    except ParamError as e:  # e.g. a prompt + --max-new-tokens beyond the bundle's context
+        p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "bundle": str(args.bundle), "command": "python bench/engine_modes.py " + " ".join(sys.argv[1:])}

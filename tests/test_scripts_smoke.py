@@ -77,6 +77,11 @@ def test_engine_modes(smoke_model, tmp_path):
     assert sorted(row["tau"] for row in drafted) == [0.9, 0.9, 1.0, 1.0]
     assert all(row["identical_to_ar"] == 1.0 for row in verify + [r for r in drafted if r["tau"] == 1.0])
     assert all(0 < row["graph_seconds"] < row["seconds"] and row["runtime_ms_per_forward"] > 0 for row in rows)
+    too_long = subprocess.run([sys.executable, "bench/engine_modes.py", str(bundle), "--batch-sizes", "1",
+                               "--max-new-tokens", "5000", "--out", str(tmp_path / "long")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert too_long.returncode == 2 and "exceeds the" in too_long.stderr and "Traceback" not in too_long.stderr
+    assert not (tmp_path / "long").exists()
 
 
 def test_runtime_vs_transformers(smoke_model, tmp_path):

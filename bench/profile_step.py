@@ -108,7 +108,7 @@ def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads
              for op, us in kernel_us.most_common()}, run_us / 1000)
 
 
-SETTLE_CALLS = 2  # untimed calls after another session ran: its first steps run ~13% slower (its caches are cold)
+SETTLE_CALLS = 2  # untimed calls per turn: after another session ran, a session's first steps run ~13% slower
 
 
 def interleaved_times(calls: dict, steps: int, rounds: int, with_argmax: bool = True) -> dict[str, dict]:

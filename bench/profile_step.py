@@ -72,7 +72,7 @@ def mean_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
 def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple):
     """A no-argument function running one step of ``session`` over ``inputs`` (``decode_inputs``' ids, positions,
     mask, past [B, H, P, D]); returns its logits float32 [B, W, V]. A fused bundle gets the past copied once into
-    buffers with room for the window and its pad, [1, H, P + max(W, 2), D], as its engine cache has."""
+    buffers with room for what the step writes (past_with_room: [1, H, P + max(W, 2), D]), as its engine cache has."""
     ids, positions, mask, past = inputs
     if config.graph == "fused":
         step, buffers = FusedStep(session, ort, config), past_with_room(past, past[0][0].shape[2], ids.shape[1])

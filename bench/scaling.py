@@ -157,7 +157,7 @@ def kv_bytes(config: bundle.BundleConfig, batch: int, positions: int) -> int:
 def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: int, rng: np.random.Generator) -> tuple:
     """(ids int64 [B, W], positions int64 [B, W], mask bool [B, 1, W, P + W], per layer (key, value)
     [B, H, P, D] random in the bundle dtype, 2·L distinct arrays as in a real cache). A fused bundle's
-    past has room for the window and its pad, [1, H, P + max(W, 2), D], as its engine cache has
+    past has room for what the step writes (written_positions: [1, H, P + max(W, 2), D]), as its engine cache has
     (the graph writes the new entries into it; runtime.backends.fused)."""
     room = written_positions(window) if config.graph == "fused" else 0
     shape = (batch, config.num_kv_heads, past + room, config.head_dim)

@@ -37,6 +37,7 @@ from onnx import TensorProto, helper
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
+from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.fused import ONE_TOKEN_WINDOW_KEY, TILED  # model metadata: tile_one_token_windows ran
 from runtime.bundle import external_data_file
 
@@ -54,7 +55,8 @@ def require_builder() -> None:
 def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
                       fuse_projections: bool = False) -> None:
     """Write the model builder's float32 CPU graph of ``model`` to ``path`` (weights inline; over 2 GB in
-    ``path`` + .data), one-token windows tiled (:func:`tile_one_token_windows`).
+    ``path`` + .data), one-token windows tiled (:func:`tile_one_token_windows`), the output head on the
+    window's last ``num_logits`` rows (:mod:`mars_export.logits_rows`).
 
     ``fuse_projections``: MatMuls reading one input become one (for a graph that will be quantized).
 
@@ -76,11 +78,12 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         if done.returncode != 0:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
             raise RuntimeError(f"onnxruntime-genai's model builder failed: {lines[-1][:300]}")
-        graph = onnx.load(str(out / BUILDER_FILE))  # the builder keeps the weights apart; one file, as ours, below 2 GB
+        # the builder keeps the weights apart: loaded into memory, saved as one file, as ours, below 2 GB
+        model = ir.from_proto(onnx.load(str(out / BUILDER_FILE)))
         if fuse_projections:
-            fused = ir.from_proto(graph)
-            fuse_shared_input_matmuls(fused.graph)
-            graph = ir.to_proto(fused)
+            fuse_shared_input_matmuls(model.graph)
+        compute_logits_of_last_rows(model.graph, has_default=False)  # FusedStep binds it (I/O binding)
+        graph = ir.to_proto(model)
         tile_one_token_windows(graph)
         onnx.save(graph, str(path), save_as_external_data=graph.ByteSize() > MAX_INLINE_BYTES,
                   location=external_data_file(path.name))

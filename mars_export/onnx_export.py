@@ -19,6 +19,7 @@ from torch.export import Dim
 from transformers import PreTrainedModel
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
+from mars_export.logits_rows import compute_logits_of_last_rows
 from mars_export.step_module import StepModule, step_graph_model
 from runtime import bundle
 
@@ -31,7 +32,8 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
 
     Weights go to external data next to ``path`` only when the graph is over 2 GB. The
     projections that share an input (Q/K/V, gate/up) are fused into one MatMul each
-    (:mod:`mars_export.fuse_projections`).
+    (:mod:`mars_export.fuse_projections`); the output head runs on the window's last
+    ``num_logits`` rows (:mod:`mars_export.logits_rows`).
 
     Raises:
         RuntimeError: the exporter failed (the message names the torch.export step).
@@ -56,6 +58,7 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
             input_names=bundle.input_names(num_layers), output_names=bundle.output_names(num_layers),
             opset_version=OPSET, optimize=True)
     fuse_shared_input_matmuls(program.model.graph)
+    compute_logits_of_last_rows(program.model.graph)  # the num_logits input: prefill skips the output head
     program.save(str(path), external_data=_size_bytes(model) > 2 * 1024**3)
 
 

@@ -11,7 +11,9 @@ and, in exports since 2026-11-30, W are dynamic axes):
                                         keys are the P cached entries, then the W new ones
              past_key_values.{i}.key    dtype [n, H, P, D]       (i = layer index)
              past_key_values.{i}.value  dtype [n, H, P, D]
-    outputs  logits                     float32 [n, W, V]        (float32 in fp16 exports too)
+             num_logits                 int64 []                 optional (a default: all W rows); exports since
+                                        2026-12-02: logits of the last min(num_logits, W) rows only
+    outputs  logits                     float32 [n, W, V]        (float32 in fp16 exports too; [n, min(num_logits, W), V])
              present.{i}.key            dtype [n, H, W, D]       ONLY the W new entries
              present.{i}.value          dtype [n, H, W, D]
 
@@ -21,6 +23,7 @@ name bound as both past and present (:mod:`runtime.backends.fused`):
     inputs   input_ids                  int64 [1, W]
              attention_mask             int64 [1, P + W]         ones: causal over all P + W
              past_key_values.{i}.key    float32 [1, H, S, D]     (and .value)
+             num_logits                 int64 []                 as in the step graph, but required (no default)
     outputs  logits                     float32 [1, W, V]
              present.{i}.key            float32 [1, H, S, D]     the same buffer, W entries written at P
 """
@@ -43,6 +46,7 @@ INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
+NUM_LOGITS = "num_logits"  # optional: logits of the window's last rows only (mars_export.logits_rows)
 DTYPES = ("float32", "float16")
 # Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.
 WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
@@ -91,7 +95,8 @@ def output_names(num_layers: int) -> list[str]:
 
 
 def fused_io_names(num_layers: int) -> tuple[set[str], set[str]]:
-    """The fused graph's input and output names (its order is the model builder's)."""
+    """The fused graph's input and output names (its order is the model builder's; ``num_logits`` not
+    counted: fused graphs exported before 2026-12-02 lack it)."""
     inputs = {INPUT_IDS, ATTENTION_MASK} | {name for i in range(num_layers) for name in past_names(i)}
     return inputs, set(output_names(num_layers))
 

@@ -11,7 +11,8 @@ V vocabulary, C context (tokens), n batch rows (the glossary in :mod:`runtime`).
     KV bytes = 2 (key and value) · L · H · D · C · n · bytes per element
 
 What is NOT counted: activations and the logits buffer (n · W · V · 4 bytes per decode
-step, prefill_chunk · V · 4 per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
+step; bundles exported before 2026-12-02, without ``num_logits``, also prefill_chunk · V · 4
+per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
 runtime's workspace, the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so
 measure what your image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
 """

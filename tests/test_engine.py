@@ -61,6 +61,22 @@ def test_prefill_forwards_give_the_tokens_of_window_prefill(tiny, chunk):
     assert [r.num_prefill_forwards for r in results] == [-(-(len(p) - 1) // per_forward) for p in prompts]
 
 
+def test_prefill_forwards_ask_the_backend_for_no_logits(tiny):
+    """A prefill forward reads no logits, so it asks the backend to skip the output head; decode steps do not."""
+    backend, config, prompts = tiny
+    engine = Engine(backend, config, EngineConfig(max_batch_size=1))
+    asked = []
+
+    class Spy:  # the real backend, recording per forward whether the row was prefilling and what was asked
+        def step(self, ids, positions, mask, past, **kwargs):
+            asked.append((engine.scheduler.running[0].is_prefilling, kwargs.get("logits", True)))
+            return backend.step(ids, positions, mask, past, **kwargs)
+
+    engine.backend = Spy()
+    engine.generate([prompts[0]], DecodeParams(max_new_tokens=4))
+    assert asked[0] == (True, False) and all(logits == (not prefilling) for prefilling, logits in asked)
+
+
 def test_a_long_prefill_runs_one_chunk_per_step_between_decode_steps(tiny):
     """A running request keeps getting a token every step while a long prompt prefills."""
     backend, config, prompts = tiny
@@ -84,9 +100,9 @@ def test_ar_steps_feed_only_real_tokens_unless_a_row_can_use_masks(tiny):
     windows = []
 
     class Spy:  # the real backend, recording the window of each decode step
-        def step(self, ids, positions, mask, past):
+        def step(self, ids, positions, mask, past, **kwargs):
             windows.append(ids.shape[1])
-            return backend.step(ids, positions, mask, past)
+            return backend.step(ids, positions, mask, past, **kwargs)
 
     def run(scheme, params, extra=()):
         engine = Engine(backend, config, EngineConfig(max_batch_size=3, scheme=scheme))
@@ -166,12 +182,12 @@ def test_lookup_rows_feed_only_their_drafts(tiny):
     windows, fed = [], []
 
     class Spy:  # the real backend, recording each step's window and what the row fed in it
-        def step(self, ids, positions, mask, past):
+        def step(self, ids, positions, mask, past, **kwargs):
             seq = engine.scheduler.running[0]
             if not seq.is_prefilling:
                 windows.append(ids.shape[1])
                 fed.append((ids[0].tolist(), seq.uncached + seq.drafts))
-            return backend.step(ids, positions, mask, past)
+            return backend.step(ids, positions, mask, past, **kwargs)
 
     engine.backend = Spy()
     engine.generate(prompts[:1], DecodeParams(mode="verify", draft="lookup", max_new_tokens=MAX_NEW))
@@ -260,10 +276,10 @@ def test_past_is_handed_to_the_graph_without_a_copy(tiny):
     shared = []
 
     class Spy:  # the real backend, recording whether each past array is a view of the cache
-        def step(self, ids, positions, mask, past):
+        def step(self, ids, positions, mask, past, **kwargs):
             shared.append(all(np.shares_memory(k, engine.cache.keys[i]) and np.shares_memory(v, engine.cache.values[i])
                               for i, (k, v) in enumerate(past)))
-            return backend.step(ids, positions, mask, past)
+            return backend.step(ids, positions, mask, past, **kwargs)
 
     engine.backend = Spy()
     engine.generate(prompts[:3], DecodeParams(max_new_tokens=8))

@@ -40,7 +40,8 @@ TEXTS = ["Hi", "Tell me a story about a cat who sails.", "List the planets. " * 
 @pytest.fixture(scope="module")
 def fused_bundles(tmp_path_factory):
     """(checkpoint, {"float32": bundle, "int8": bundle, "untiled": bundle}): one tiny Llama exported with
-    --graph fused, W = 4; "untiled" as exports before tile_one_token_windows wrote them (the runtime pads)."""
+    --graph fused, W = 4; "untiled" as exports before tile_one_token_windows wrote them (the runtime pads),
+    also without the num_logits input (older still)."""
     root = tmp_path_factory.mktemp("fused")
     ckpt = make_checkpoint("llama", root / "ckpt")
     bundles = {"float32": export(str(ckpt), root / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused"),
@@ -48,6 +49,7 @@ def fused_bundles(tmp_path_factory):
                               "--int8")}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_graph, "tile_one_token_windows", lambda model: None)
+        patch.setattr(fused_graph, "compute_logits_of_last_rows", lambda graph, has_default: None)
         bundles["untiled"] = export(str(ckpt), root / "fused-untiled", 4, 4, "--mask-token", "<mask>", "--graph",
                                     "fused")
     return ckpt, bundles
@@ -97,7 +99,8 @@ def test_a_tiled_graph_runs_a_one_token_window_as_one_token(fused, monkeypatch):
                         lambda name, array: (fed.append((name, array.shape)), real(name, array))[1])
     logits, presents = run_batch(backend, cache, [prompts[1][5:6]], config.pad_token_id)
     assert backend.fused.is_tiled == (bundle.name != "fused-untiled")
-    assert fed == [("input_ids", (1, 1 if backend.fused.is_tiled else 2)), ("attention_mask", (1, 7))]
+    expected = [("input_ids", (1, 1 if backend.fused.is_tiled else 2)), ("attention_mask", (1, 7))]
+    assert fed == expected + [("num_logits", ())] * backend.takes_num_logits  # the untiled bundle is older than it
     assert logits.shape == (1, 1, config.vocab_size) and presents[0][0].shape[2] == 1
 
 
@@ -160,6 +163,24 @@ def test_the_kv_cache_is_written_in_place_and_grows_without_changing_a_logit(fus
     assert cache.capacity == 32  # room for a one-token window's second row at position 16
     grown = fed_in_windows(backend, config, ids, [5, 4] * 4 + [4], capacity=16)
     assert np.array_equal(grown, fed_in_windows(backend, config, ids, [5, 4] * 4 + [4]))
+
+
+def test_a_prefill_forward_skips_the_output_head_and_writes_the_same_kv(fused):
+    """``step(..., logits=False)``: no logits rows (an older graph computes and drops them), the same KV."""
+    backend, config, prompts, _ = fused
+    assert backend.takes_num_logits == (backend.fused.is_tiled)  # the untiled bundle is also older than num_logits
+    ids = prompts[1][:7]
+    caches = [backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
+              for _ in range(2)]
+    outputs = []
+    for cache, logits in zip(caches, (True, False)):
+        cache.reserve(len(ids))
+        out, presents = backend.step(np.array([ids]), np.arange(len(ids))[None], None, cache.past(1), logits=logits)
+        cache.commit(presents, [len(ids)])
+        outputs.append(out)
+    assert outputs[0].shape == (1, 7, config.vocab_size) and outputs[1].shape == (1, 0, config.vocab_size)
+    assert all(np.array_equal(a[:, :, :7], b[:, :, :7]) for a, b in zip(caches[0].keys + caches[0].values,
+                                                                       caches[1].keys + caches[1].values))
 
 
 def test_a_fused_cache_has_one_slot_and_a_plain_cache_also_runs_the_graph(fused):

@@ -10,6 +10,8 @@ Each behaviour cites where it is documented:
   [H]  NVIDIA TensorRT include/NvInferRuntime.h (ICudaEngine, IExecutionContext, IOptimizationProfile)
   [HB] NVIDIA TensorRT include/NvInfer.h (BuilderFlag)
   [PY] TensorRT Python API reference (tensorrt.Builder, IBuilderConfig, ICudaEngine, IExecutionContext)
+  [OP] onnx-tensorrt ModelImporter.cpp, importInputs: a graph input that has an initializer is
+       imported as that weight, not as a network input
 
 The math is real: the "engine" runs the same ONNX file on onnxruntime (CPU, one thread),
 reading its inputs from and writing its outputs to the stand-in's device memory when the
@@ -141,6 +143,13 @@ def _dims(value_info) -> list:
     return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
 
 
+def _network_inputs(graph: onnx.GraphProto) -> list:
+    """[OP] The graph inputs that become network inputs: those without an initializer (an input with a
+    default value is imported as that constant)."""
+    weights = {t.name for t in graph.initializer}
+    return [value for value in graph.input if value.name not in weights]
+
+
 class Builder:
     """[PY] build_serialized_network returns the plan, or None when the build fails."""
 
@@ -162,7 +171,7 @@ class Builder:
         if not config.profiles:  # [H] IOptimizationProfile: dynamic inputs need at least one profile
             return None
         profile = config.profiles[0].shapes
-        for value in graph.input:
+        for value in _network_inputs(graph):
             shapes, dims = profile.get(value.name), _dims(value)
             if shapes is None or any(len(s) != len(dims) for s in shapes):
                 return None
@@ -196,7 +205,7 @@ class ICudaEngine:
         model = onnx.load_from_string(model_bytes)
         self.header = header
         self.profile = {k: tuple(tuple(s) for s in v) for k, v in header["profile"].items()}
-        self.io = {v.name: (TensorIOMode.INPUT, v) for v in model.graph.input}
+        self.io = {v.name: (TensorIOMode.INPUT, v) for v in _network_inputs(model.graph)}
         self.io.update({v.name: (TensorIOMode.OUTPUT, v) for v in model.graph.output})
         self.names = list(self.io)
         options = ort.SessionOptions()

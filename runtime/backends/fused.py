@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, BundleConfig, past_names, present_names
+from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, NUM_LOGITS, BundleConfig, past_names, present_names
 from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
@@ -54,12 +54,14 @@ class FusedStep:
 
     def __init__(self, session, ort, config: BundleConfig):
         self.session, self.ort, self.config = session, ort, config
+        # fused graphs exported since 2026-12-02 take num_logits (required; mars_export.logits_rows)
+        self.takes_num_logits = NUM_LOGITS in {i.name for i in session.get_inputs()}
         self.binding = None
         self.bound: list[np.ndarray] = []  # the arrays bound as past and present, layer by layer, key then value
         self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED
 
     def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
-                 past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list]:
+                 past: list[tuple[np.ndarray, np.ndarray]], logits: bool = True) -> tuple[np.ndarray, list]:
         """One forward of W tokens at positions P .. P+W-1 (P = ``position_ids[0, 0]``), the new KV written into ``past``.
 
         Args:
@@ -68,10 +70,12 @@ class FusedStep:
                 entries at 0 .. P-1. With S >= P + max(W, 2) (a :class:`FusedKVCache` reserves that) it is
                 written in place at P .. P+max(W, 2)-1; a shorter one (a past of exactly P entries) is
                 first copied into new buffers of P + max(W, 2) positions, and those are written.
+            logits: False when no logits are read (prefill): the output head is skipped where the
+                graph takes ``num_logits``.
 
         Returns:
-            logits float32 [1, W, V], and per layer (key, value) [1, Hkv, W, D]: views of the written
-            buffers at P .. P+W-1.
+            logits float32 [1, W, V] ([1, 0, V] when ``logits`` is False), and per layer (key, value)
+            [1, Hkv, W, D]: views of the written buffers at P .. P+W-1.
 
         Raises:
             ValueError: more than one row, positions that do not follow on from P, or P + max(W, 2)
@@ -96,11 +100,14 @@ class FusedStep:
         self._bind_past(past)
         self.binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         self.binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
-        logits = np.empty((*ids.shape, self.config.vocab_size), np.float32)  # [1, W fed, V]: the graph writes here
-        self.binding.bind_output(LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        rows = ids.shape[1] if logits or not self.takes_num_logits else 0
+        if self.takes_num_logits:
+            self.binding.bind_cpu_input(NUM_LOGITS, np.array(rows, np.int64))
+        out = np.empty((1, rows, self.config.vocab_size), np.float32)  # [1, W fed or 0, V]: the graph writes here
+        self.binding.bind_output(LOGITS, "cpu", 0, np.float32, out.shape, out.ctypes.data)
         self.session.run_with_iobinding(self.binding)  # no get_outputs: it would wrap every present too
-        return logits[:, :window], [(key[:, :, start:start + window], value[:, :, start:start + window])
-                                    for key, value in past]
+        return out[:, :window if logits else 0], [(key[:, :, start:start + window], value[:, :, start:start + window])
+                                                  for key, value in past]
 
     def _bind_past(self, past: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """A new binding with ``past`` as past and present, unless it holds these arrays already."""

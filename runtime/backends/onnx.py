@@ -62,6 +62,10 @@ class OnnxBackend:
         # Batch and past length are dynamic axes: any batch, any past up to the model's context;
         # a fused graph runs batch 1 and writes its KV into the past in place (runtime.backends.fused).
         self.fused = FusedStep(self.session, ort, config) if config.graph == "fused" else None
+        # Exports since 2026-12-02 take num_logits (step graph: an input with a default; fused: required):
+        # prefill forwards skip the output head.
+        self.takes_num_logits = self.fused.takes_num_logits if self.fused else bundle.NUM_LOGITS in {
+            i.name for i in self.session.get_overridable_initializers()}
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
 
@@ -73,7 +77,8 @@ class OnnxBackend:
         return kind(num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-             past: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+             past: list[tuple[np.ndarray, np.ndarray]],
+             logits: bool = True) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         """Run one forward over a window.
 
         Args:
@@ -82,18 +87,24 @@ class OnnxBackend:
             position_ids: int64 [n, W].
             attention_mask: bool [n, 1, W, P + W].
             past: per layer (key, value), each [n, H, P, D] in the bundle dtype.
+            logits: False when no logits are read (prefill): a graph with the ``num_logits``
+                input (``takes_num_logits``) then skips the output head.
 
         Returns:
-            logits float32 [n, W, V], and per layer the new (key, value) [n, H, W, D].
+            logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False), and per layer the new
+            (key, value) [n, H, W, D].
 
         A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
         past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1),
         writes the new KV into ``past`` in place and returns views of it.
         """
         if self.fused:
-            return self.fused(input_ids, position_ids, past)
-        logits, *kv = self.session.run(None, bundle.step_feeds(input_ids, position_ids, attention_mask, past))
-        return logits, list(zip(kv[0::2], kv[1::2]))
+            return self.fused(input_ids, position_ids, past, logits)
+        feeds = bundle.step_feeds(input_ids, position_ids, attention_mask, past)
+        if not logits and self.takes_num_logits:
+            feeds[bundle.NUM_LOGITS] = np.array(0, np.int64)
+        rows, *kv = self.session.run(None, feeds)
+        return (rows if logits else rows[:, :0]), list(zip(kv[0::2], kv[1::2]))
 
 
 def require_provider(provider: str) -> str:
@@ -137,6 +148,9 @@ def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceS
     name = require_provider(provider)
     options = ort.SessionOptions()
     options.intra_op_num_threads = num_threads
+    # Errors only: at warning level onnxruntime logs, at every load, that the step graph's num_logits
+    # "appears in graph inputs" (an input with a default, as mars_export.logits_rows intends).
+    options.log_severity_level = 3
     try:
         session = ort.InferenceSession(str(path), options, providers=[name])
     except _LOAD_ERRORS as e:
@@ -153,7 +167,7 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
     got_in = [i.name for i in session.get_inputs()]
     got_out = [o.name for o in session.get_outputs()]
     if config.graph == "fused":
-        if (set(got_in), set(got_out)) != bundle.fused_io_names(config.num_layers):
+        if (set(got_in) - {bundle.NUM_LOGITS}, set(got_out)) != bundle.fused_io_names(config.num_layers):
             raise BundleError(f"{path} is not the fused graph of a {config.num_layers}-layer model (inputs "
                               f"{got_in[:3]}...); re-export the bundle with mars-export --graph fused")
         return

@@ -55,7 +55,8 @@ def run_prefill(backend, cache: KVCache, slot: int, chunk: list[int]):
     T queries see the slot's committed keys and, causally, each other.
 
     Args:
-        backend: as :func:`run_batch`.
+        backend: as :func:`run_batch`, its ``step`` also taking ``logits=False`` (no logits are read:
+            graphs with the ``num_logits`` input skip the output head).
         cache: the slot cache; its capacity must hold the slot's length + T.
         slot: the cache slot.
         chunk: T >= 1 prompt token ids.
@@ -67,5 +68,5 @@ def run_prefill(backend, cache: KVCache, slot: int, chunk: list[int]):
     ids = np.array([chunk], np.int64)  # [1, T]
     positions = lengths[:, None] + np.arange(len(chunk), dtype=np.int64)[None]  # [1, T]
     mask = window_mask(lengths, cache.capacity, len(chunk))  # [1, 1, T, S + T]
-    _, presents = backend.step(ids, positions, mask, cache.past_of(slot))
+    _, presents = backend.step(ids, positions, mask, cache.past_of(slot), logits=False)
     return presents

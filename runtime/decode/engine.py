@@ -61,7 +61,8 @@ class EngineConfig:
         max_seq_len: positions per slot (prompt + generated + W); None = the bundle's max context.
         prefill_chunk: prompt tokens per prefill forward when the backend's graph has a
             dynamic window axis (``backend.is_window_dynamic``); 0 prefills through the
-            W-token step instead. Bounds the prefill's logits to ``prefill_chunk x V`` floats.
+            W-token step instead. Graphs without the ``num_logits`` input (exports before 2026-12-02)
+            also compute the chunk's logits, ``prefill_chunk x V`` floats.
 
     Raises:
         ValueError: a value out of range.

@@ -1,0 +1,97 @@
+"""The ``num_logits`` input: the output head runs only on the window rows whose logits are read (GitHub issue 11, item 4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from support import export
+
+from mars_export import onnx_export
+from mars_export.logits_rows import compute_logits_of_last_rows
+from runtime.backends.onnx import OnnxBackend
+from runtime.bundle import LOGITS, NUM_LOGITS, load_config, step_feeds
+from runtime.decode.batch import window_mask
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+
+T = 6  # window of the forwards below
+
+
+def window_feeds(config, batch: int = 2) -> dict:
+    """Feeds of a T-token window over an empty past, ``batch`` rows of random ids."""
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, T))  # [n, T]
+    empty = np.zeros((batch, config.num_kv_heads, 0, config.head_dim), config.dtype)  # [n, H, 0, D]
+    return step_feeds(ids, np.tile(np.arange(T), (batch, 1)), window_mask(np.zeros(batch, np.int64), 0, T),
+                      [(empty, empty)] * config.num_layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_num_logits_gives_the_last_rows_bit_for_bit_and_defaults_to_all(tiny_bundle, arch):
+    bundle_dir = tiny_bundle(arch, 4)[1]
+    config = load_config(bundle_dir)
+    session = ort.InferenceSession(str(bundle_dir / config.onnx_file), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_overridable_initializers()] == [NUM_LOGITS]  # not feeding it is allowed
+    feeds = window_feeds(config)
+    full, *kv = session.run(None, feeds)
+    assert full.shape == (2, T, config.vocab_size)
+    for count in (0, 1, 3, T, T + 1, 2 * T, 10**6):
+        part, *kv_part = session.run(None, {**feeds, NUM_LOGITS: np.array(count, np.int64)})
+        assert part.shape == (2, min(count, T), config.vocab_size)
+        assert np.array_equal(part, full[:, T - min(count, T):])
+        assert all(np.array_equal(a, b) for a, b in zip(kv, kv_part))
+
+
+def test_a_prefill_step_skips_the_output_head_and_writes_the_same_kv(tiny_bundle):
+    bundle_dir = tiny_bundle("llama", 4)[1]
+    config = load_config(bundle_dir)
+    backend = OnnxBackend(bundle_dir, config)
+    assert backend.takes_num_logits
+    feeds = window_feeds(config, batch=1)
+    args = [feeds["input_ids"], feeds["position_ids"], feeds["attention_mask"],
+            [(feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"]) for i in range(config.num_layers)]]
+    logits, kv = backend.step(*args)
+    none, kv_none = backend.step(*args, logits=False)
+    assert logits.shape == (1, T, config.vocab_size) and none.shape == (1, 0, config.vocab_size)
+    assert all(np.array_equal(a, c) and np.array_equal(b, d) for (a, b), (c, d) in zip(kv, kv_none))
+
+
+def test_bundles_exported_before_num_logits_still_prefill_and_decode_alike(tiny_bundle, tmp_path, monkeypatch):
+    """A step graph without the input (exports before 2026-12-02): the backend computes a prefill's logits and
+    drops them; the tokens are those of the new graph."""
+    ckpt, new = tiny_bundle("llama", 4)
+    monkeypatch.setattr(onnx_export, "compute_logits_of_last_rows", lambda graph: None)
+    old = export(str(ckpt), tmp_path / "old", 4, 4, "--mask-token", "<mask>")
+    config = load_config(old)
+    backend = OnnxBackend(old, config)
+    assert not backend.takes_num_logits
+    feeds = window_feeds(config, batch=1)
+    kv = [(feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"]) for i in range(config.num_layers)]
+    none, _ = backend.step(feeds["input_ids"], feeds["position_ids"], feeds["attention_mask"], kv, logits=False)
+    assert none.shape == (1, 0, config.vocab_size)
+    prompt = list(range(3, 40))  # a prompt long enough for a prefill forward of several tokens
+    params = DecodeParams(max_new_tokens=12, tau=0.7)
+    assert (Decoder(backend, config).generate(prompt, params).token_ids
+            == Decoder(OnnxBackend(new, load_config(new)), load_config(new)).generate(prompt, params).token_ids)
+
+
+def graph_with_output(op_type: str) -> ir.Graph:
+    """x [1, 2, 4] -> ``op_type`` -> logits: a MatMul head with a constant weight, or another op."""
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 2, 4]))
+    weight = ir.Value(name="w", const_value=ir.tensor(np.ones((4, 3), np.float32)))
+    node = ir.node(op_type, [x, weight] if op_type == "MatMul" else [x, x], outputs=[ir.Value(name=LOGITS)])
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[weight], opset_imports={"": 18})
+    return graph
+
+
+def test_the_rewrite_refuses_graphs_it_cannot_cut():
+    with pytest.raises(ValueError, match="not written by a MatMul"):
+        compute_logits_of_last_rows(graph_with_output("Add"))
+    graph = graph_with_output("MatMul")
+    compute_logits_of_last_rows(graph)
+    with pytest.raises(ValueError, match="already has a 'num_logits' input"):
+        compute_logits_of_last_rows(graph)
+    graph.outputs[0].name = "scores"
+    with pytest.raises(ValueError, match="no 'logits' output"):
+        compute_logits_of_last_rows(graph)

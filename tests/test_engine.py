@@ -77,6 +77,29 @@ def test_prefill_forwards_ask_the_backend_for_no_logits(tiny):
     assert asked[0] == (True, False) and all(logits == (not prefilling) for prefilling, logits in asked)
 
 
+def test_first_chunks_of_near_length_share_one_prefill_forward(tiny):
+    """Batched prefill: rows with nothing cached whose first chunks pad to the longest by at most
+    MAX_PREFILL_PADDING of the rows run one forward; a shorter one runs alone; tokens are those of solo runs."""
+    backend, config, prompts = tiny
+    base = next(p for p in prompts if 20 <= len(p) <= 200)
+    group = [base[:len(base) // 3], base[:-1], base]  # chunks of L/3 - 1, L - 2 and L - 1 tokens
+    engine = Engine(backend, config, EngineConfig(max_batch_size=3))
+    prefill_shapes = []
+
+    class Spy:  # the real backend, recording the ids' shape of each forward that reads no logits
+        def step(self, ids, positions, mask, past, **kwargs):
+            if not kwargs.get("logits", True):
+                prefill_shapes.append(ids.shape)
+            return backend.step(ids, positions, mask, past, **kwargs)
+
+    engine.backend = Spy()
+    params = DecodeParams(tau=1.0, max_new_tokens=8)
+    results = engine.generate(group, params)
+    assert prefill_shapes == [(2, len(base) - 1), (1, len(base) // 3 - 1)]
+    assert [r.num_prefill_forwards for r in results] == [1, 1, 1]
+    assert [r.token_ids for r in results] == [Decoder(backend, config).generate(p, params).token_ids for p in group]
+
+
 def test_a_long_prefill_runs_one_chunk_per_step_between_decode_steps(tiny):
     """A running request keeps getting a token every step while a long prompt prefills."""
     backend, config, prompts = tiny

@@ -9,7 +9,8 @@ positions 0..W-1 and sees only its own window, so its softmax stays finite; its 
 are ignored and nothing of it is committed.
 
 A prefill forward (graphs with a dynamic window axis) runs one slot alone over T prompt
-tokens instead of W, with the same mask rule.
+tokens instead of W, with the same mask rule, or the first chunks of several slots with
+nothing cached yet (batched prefill).
 """
 
 from __future__ import annotations
@@ -69,4 +70,30 @@ def run_prefill(backend, cache: KVCache, slot: int, chunk: list[int]):
     positions = lengths[:, None] + np.arange(len(chunk), dtype=np.int64)[None]  # [1, T]
     mask = window_mask(lengths, cache.capacity, len(chunk))  # [1, 1, T, S + T]
     _, presents = backend.step(ids, positions, mask, cache.past_of(slot), logits=False)
+    return presents
+
+
+def run_first_chunks(backend, cache: KVCache, chunks: list[list[int]], pad_id: int):
+    """One forward of the first prompt chunks of n slots with nothing cached yet (batched prefill).
+
+    Row i feeds ``chunks[i]`` (T_i >= 1 ids) then ``pad_id`` up to T = max T_i, at positions 0..T-1 over an
+    empty past; each query sees its row's earlier tokens only (causal), so a row's first T_i entries are
+    those of its chunk fed alone and the pads after them are not committed.
+
+    Args:
+        backend: as :func:`run_prefill`.
+        cache: the slot cache (its KV dtype and head sizes).
+        chunks: n lists of prompt token ids.
+        pad_id: id fed after a shorter chunk.
+
+    Returns:
+        per layer the new (key, value) [n, H, T, D]; the logits are not needed.
+    """
+    window = max(len(chunk) for chunk in chunks)
+    ids = np.array([chunk + [pad_id] * (window - len(chunk)) for chunk in chunks], np.int64)  # [n, T]
+    positions = np.tile(np.arange(window, dtype=np.int64), (len(chunks), 1))  # [n, T]
+    mask = window_mask(np.zeros(len(chunks), np.int64), 0, window)  # [n, 1, T, T]
+    _, num_kv_heads, _, head_dim = cache.keys[0].shape
+    empty = np.zeros((len(chunks), num_kv_heads, 0, head_dim), cache.keys[0].dtype)  # [n, H, 0, D]
+    _, presents = backend.step(ids, positions, mask, [(empty, empty)] * len(cache.keys), logits=False)
     return presents

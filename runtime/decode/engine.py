@@ -13,8 +13,9 @@ whose KV is not committed: commit appends the accepted tokens and drops the comm
 Every step is one forward of the step graph over the running rows:
   - a prefilling row feeds its next W prompt tokens (never the last one) and commits them;
     when the graph's window axis is dynamic, a prefilling row instead runs one forward of
-    up to ``prefill_chunk`` prompt tokens alone per step, sits out the batch forward,
-    and joins it once its prompt is cached;
+    up to ``prefill_chunk`` prompt tokens per step (alone, or with other rows' first chunks
+    of near length: batched prefill), sits out the batch forward, and joins it once its
+    prompt is cached;
   - a decoding row feeds its uncached real tokens, its drafts, then mask tokens; the output
     at the last real token is the AR prediction, each later output predicts one more token
     ahead; the acceptance rule picks how many to keep. Drafts (verify mode, or threshold
@@ -43,7 +44,7 @@ import numpy as np
 
 from runtime.bundle import BundleConfig
 from runtime.decode.acceptance import Accepted, accept, max_accept
-from runtime.decode.batch import run_batch, run_prefill
+from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
 from runtime.decode.sampling import select
@@ -239,8 +240,11 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One step: schedule, run the forward, accept per row, commit (DESIGN.md §3-4)."""
         plan = self.scheduler.schedule(self.default_tau)
-        for seq in plan.prefill:
-            self._prefill_chunk(seq)
+        for group in plan.prefill:
+            if len(group) == 1:
+                self._prefill_chunk(group[0])
+            else:
+                self._prefill_first_chunks(group)
         if not plan.rows:
             return []
         logits, presents = self._run(plan)  # [n, w, V]
@@ -269,6 +273,15 @@ class Engine:
         self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
         self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk))
         self._count_prefilled(seq, len(chunk))
+
+    def _prefill_first_chunks(self, group: list[Sequence]) -> None:
+        """Commit the first prefill chunks of several rows with nothing cached yet in one forward (batched prefill)."""
+        chunks = [seq.prefill_chunk(self.prefill_chunk) for seq in group]
+        self.cache.reserve(max(len(chunk) for chunk in chunks))
+        presents = run_first_chunks(self.backend, self.cache, chunks, self.config.pad_token_id)
+        for row, (seq, chunk) in enumerate(zip(group, chunks)):
+            self.cache.commit_slot(seq.slot, presents, row, len(chunk))
+            self._count_prefilled(seq, len(chunk))
 
     @staticmethod
     def _count_prefilled(seq: Sequence, num_tokens: int) -> None:

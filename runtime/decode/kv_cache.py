@@ -94,17 +94,19 @@ class KVCache:
             self._write(row, presents, row, int(counts[row]))
         self.lengths[:len(counts)] = ends
 
-    def commit_slot(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Append all T entries of one row's new KV ``[1, H, T, D]`` to slot ``slot`` (prefill).
+    def commit_slot(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int = 0,
+                    count: int | None = None) -> None:
+        """Append the first ``count`` (None: all T) entries of row ``row`` of the new KV ``[n, H, T, D]`` to slot
+        ``slot`` (prefill).
 
         Raises:
             ValueError: the slot would overflow the current capacity (call :meth:`reserve` first).
         """
-        count = presents[0][0].shape[2]
+        count = presents[0][0].shape[2] if count is None else count
         end = int(self.lengths[slot]) + count
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
-        self._write(slot, presents, 0, count)
+        self._write(slot, presents, row, count)
         self.lengths[slot] = end
 
     def _write(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:

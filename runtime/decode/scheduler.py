@@ -8,8 +8,10 @@ The plan of one step covers both batch schemes (DESIGN.md §4):
   - admission: ``continuous`` admits whenever a slot is free; ``block`` only at a block
     boundary (every running row holds just its anchor token uncached);
   - prefill: with a dynamic window axis (``prefill_chunk`` > 0) a prefilling row first runs
-    one chunk of up to T prompt tokens alone, and sits the batch forward out unless that
-    chunk finishes its prompt; otherwise it feeds W prompt tokens in the batch forward;
+    one chunk of up to T prompt tokens in a forward of its own, and sits the batch forward
+    out unless that chunk finishes its prompt; otherwise it feeds W prompt tokens in the
+    batch forward. Rows with nothing cached yet whose first chunks are of near length share
+    that forward (batched prefill: padding at most :data:`MAX_PREFILL_PADDING` of its rows);
   - width: W, or (continuous scheme, dynamic window, no W-token prefill row) the widest
     row's need, capped at W;
   - block boundaries: which rows fed a full block of W real tokens (the block closes once
@@ -26,6 +28,10 @@ from dataclasses import dataclass
 from runtime.decode.sequence import Sequence
 
 SCHEMES = ("continuous", "block")
+# Batched prefill pads a group's shorter chunks to its longest: at most this fraction of the forward's rows are
+# padding. One forward of n first chunks was 1.06-1.22x faster than n forwards (default model, 2 cores,
+# BENCHMARKS.md "Batched prefill"), so more padding than that would cost what batching saves.
+MAX_PREFILL_PADDING = 0.1
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,8 @@ class StepPlan:
     """One step's plan.
 
     Attributes:
-        prefill: rows that first run one prefill chunk alone (dynamic window).
+        prefill: groups of rows that first run one prefill chunk (dynamic window), each group one
+            forward: a group of several holds rows with nothing cached yet (batched prefill).
         rows: rows of the batch forward, ordered by slot (prefilling rows feed W prompt tokens).
         num_rows: n, the batch rows of the forward (idle rows included).
         width: w, the ids each row feeds.
@@ -42,7 +49,7 @@ class StepPlan:
             block is full once this step accepts.
     """
 
-    prefill: list[Sequence]
+    prefill: list[list[Sequence]]
     rows: list[Sequence]
     num_rows: int
     width: int
@@ -96,7 +103,8 @@ class Scheduler:
         is_block = self.scheme == "block"
         full = frozenset(s.slot for s in rows if is_block and s.params.mode != "verify" and not s.is_prefilling
                          and len(s.uncached) >= self.window)
-        return StepPlan(prefill, rows, self.num_rows, self._width(rows, default_tau), is_block, full)
+        return StepPlan(self._prefill_groups(prefill), rows, self.num_rows, self._width(rows, default_tau), is_block,
+                        full)
 
     def finish(self, seq: Sequence) -> None:
         """Take a running sequence out and free its slot."""
@@ -124,6 +132,22 @@ class Scheduler:
             seq.slot = heapq.heappop(self._free)
             seq.start_time = time.perf_counter()
             self.running[seq.slot] = seq
+
+    def _prefill_groups(self, prefill: list[Sequence]) -> list[list[Sequence]]:
+        """One forward per group: rows with nothing cached yet, longest first chunk first, share one as long as
+        padding the chunks to the longest keeps within :data:`MAX_PREFILL_PADDING` of the rows; others alone."""
+        def length(seq: Sequence) -> int:
+            return len(seq.prefill_chunk(self.prefill_chunk))
+
+        groups: list[list[Sequence]] = []
+        for seq in sorted((s for s in prefill if s.num_prefilled == 0), key=length, reverse=True):
+            lengths = [length(s) for s in (groups[-1] if groups else [])] + [length(seq)]
+            rows = len(lengths) * lengths[0]
+            if len(lengths) > 1 and rows - sum(lengths) <= MAX_PREFILL_PADDING * rows:
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        return groups + [[s] for s in prefill if s.num_prefilled > 0]
 
     def _prefill_finishes(self, seq: Sequence) -> bool:
         """Whether this step's prefill chunk caches the rest of the prompt (the row then decodes now)."""

@@ -1,7 +1,7 @@
 """Decode-step time, achieved memory bandwidth and prefill throughput against context, batch and threads.
 
     python bench/scaling.py [BUNDLE] [--contexts 128 256 512 1024 2048] [--batch-sizes 1 4 16] [--window W ...]
-                            [--prompt-lengths 128 256 512 1024] [--threads N] [--repeats 10]
+                            [--prompt-lengths 128 256 512 1024] [--prefill-batch 4] [--threads N] [--repeats 10]
                             [--warmup 2] [--max-seconds 6] [--max-kv-gib 4] [--stream-mib 1024]
                             [--out bench/results] [--name scaling]
 
@@ -20,8 +20,11 @@ decimal GB (1e9) and bandwidth in GB/s.
    + new KV written (B·2·L·H·W·D·itemsize); logits (B·W·V·4) are not counted. Divided by the
    median step time and compared with a STREAM-like test at the same thread count (reference:
    the better of copy and triad; numpy's triad is two passes per cache-sized chunk).
-3. Prefill: prompt tokens/s at B = 1, empty past; one forward of T tokens if the graph's
-   window axis is dynamic, else W-token forwards through the runtime's slot cache.
+3. Prefill: prompt tokens/s, empty past; one forward of T tokens if the graph's window axis is
+   dynamic, else W-token forwards through the runtime's slot cache. Graphs with the ``num_logits``
+   input are timed with the output head skipped (as the engine prefills) and on every row, and
+   (step graphs) ``--prefill-batch`` prompts in one forward [n, T] (batched prefill), the calls
+   taking turns.
 
 Writes {name}.json (machine, bundle config, STREAM, weights, rows), {name}.csv (all rows,
 column ``kind`` = decode | prefill) and {name}.png to --out, and prints Markdown tables.
@@ -50,7 +53,7 @@ from onnx import helper
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
-from runtime.decode.batch import run_batch, window_mask
+from runtime.decode.batch import run_batch, run_first_chunks, window_mask
 from runtime.decode.kv_cache import KVCache
 
 GB = 1e9
@@ -133,13 +136,18 @@ def _wall(fn) -> float:
 
 def time_calls(fn, warmup: int, repeats: int, max_seconds: float, min_runs: int) -> dict:
     """Run ``fn`` ``warmup`` times, then time it until ``repeats`` runs or ``max_seconds`` (at least
-    ``min_runs``). Returns median/p10/p90/min/max in ms and the number of timed runs."""
+    ``min_runs``). Returns :func:`summary` of the times."""
     for _ in range(warmup):
         fn()
     times, spent = [], 0.0
     while len(times) < min_runs or (len(times) < repeats and spent < max_seconds):
         times.append(_wall(fn))
         spent += times[-1]
+    return summary(times)
+
+
+def summary(times: list[float]) -> dict:
+    """Median/p10/p90/min/max in ms of ``times`` (seconds) and their number."""
     ms = np.array(times) * 1000
     return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
             "p90_ms": float(np.percentile(ms, 90)), "min_ms": float(ms.min()), "max_ms": float(ms.max()),
@@ -211,12 +219,13 @@ def add_bandwidth(row: dict, config, weights: dict, stream: dict) -> None:
 
 # ---------------------------------------------------------------- prefill
 
-def prefill_single(backend, config, ids: np.ndarray) -> None:
-    """All T ids [T] in one forward: W = T, mask [1, 1, T, T], past [1, H, 0, D]."""
+def prefill_single(backend, config, ids: np.ndarray, logits: bool = False) -> None:
+    """All T ids [T] in one forward: W = T, mask [1, 1, T, T], past [1, H, 0, D]; the output head skipped, as
+    the engine prefills, or run on every row (``logits``, as graphs without ``num_logits`` do)."""
     num_tokens = len(ids)
     empty = np.zeros((1, config.num_kv_heads, 0, config.head_dim), config.dtype)  # [1, H, 0, D]
     backend.step(ids[None], np.arange(num_tokens, dtype=np.int64)[None], window_mask(np.array([0]), 0, num_tokens),
-                 [(empty, empty)] * config.num_layers)
+                 [(empty, empty)] * config.num_layers, logits=logits)
 
 
 def prefill_chunked(backend, config, ids: np.ndarray) -> None:
@@ -233,21 +242,62 @@ def prefill_chunked(backend, config, ids: np.ndarray) -> None:
         cache.commit(presents, [count])
 
 
+def prefill_batched(backend, config, ids: np.ndarray, num_prompts: int) -> None:
+    """``num_prompts`` prompts of ids [T] prefilled in one forward [n, T], as the engine's batched prefill runs
+    rows with nothing cached (:func:`runtime.decode.batch.run_first_chunks`; output head skipped)."""
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids), config.dtype, num_prompts)
+    run_first_chunks(backend, cache, [ids.tolist()] * num_prompts, config.pad_token_id)
+
+
+def prefill_variants(backend, path: str, prompts_per_forward: int) -> list[tuple[str, bool, int]]:
+    """(output head, logits, prompts per forward) of each way to time: the single-forward path of a graph with
+    ``num_logits`` runs the head ``skipped`` (the engine's prefill) and on ``every row`` (graphs exported before),
+    and, with ``--prefill-batch`` n > 1 on a graph that takes batches, n prompts in one forward (batched prefill);
+    other graphs and the chunked path (W-token decode steps) run the head on every row."""
+    if path != "single" or not backend.takes_num_logits:
+        return [("every row", True, 1)]
+    variants = [("skipped", False, 1), ("every row", True, 1)]
+    if prompts_per_forward > 1 and backend.max_batch is None:
+        variants.append(("skipped", False, prompts_per_forward))
+    return variants
+
+
+def prefill_call(backend, config, ids: np.ndarray, path: str, logits: bool, prompts: int):
+    """The call that prefills ``prompts`` prompts ``ids`` [T] as one :func:`prefill_variants` entry says."""
+    if path != "single":
+        return partial(prefill_chunked, backend, config, ids)
+    if prompts == 1:
+        return partial(prefill_single, backend, config, ids, logits)
+    return partial(prefill_batched, backend, config, ids, prompts)
+
+
 def prefill_sweep(backend, config, path: str, args, rng) -> list[dict]:
-    """One row per prompt length T: time of the whole prefill and prompt tokens/s (B = 1)."""
-    run = prefill_single if path == "single" else prefill_chunked
-    warmup = 1 if path == "single" else 0  # chunked forwards have the decode step's shapes, already warm
+    """Rows per prompt length T and :func:`prefill_variants`: time of the whole prefill and prompt tokens/s, the
+    variants' calls taking turns."""
+    variants = prefill_variants(backend, path, args.prefill_batch)
     rows = []
     for num_tokens in args.prompt_lengths:
         ids = rng.integers(0, config.vocab_size, num_tokens, dtype=np.int64)  # [T]
         forwards = 1 if path == "single" else -(-num_tokens // config.window)
-        timing = time_calls(partial(run, backend, config, ids), warmup, args.prefill_repeats, args.max_seconds, 1)
-        rows.append({"kind": "prefill", "threads": args.threads, "batch_size": 1, "prompt_tokens": num_tokens,
-                     "path": path, "window": num_tokens if path == "single" else config.window,
-                     "num_forwards": forwards, "status": "ok", **timing,
-                     "tokens_per_s": num_tokens / (timing["median_ms"] / 1000)})
-        print(f"prefill {path} T={num_tokens}: {timing['median_ms'] / 1000:.2f} s, "
-              f"{rows[-1]['tokens_per_s']:.0f} tokens/s ({forwards} forwards)", flush=True)
+        calls = [prefill_call(backend, config, ids, path, logits, prompts) for _, logits, prompts in variants]
+        if path == "single":  # chunked forwards have the decode step's shapes, already warm
+            for call in calls:
+                call()
+        times, spent = [[] for _ in calls], 0.0
+        while not times[0] or (len(times[0]) < args.prefill_repeats and spent < args.max_seconds):
+            for samples, call in zip(times, calls):
+                samples.append(_wall(call))
+                spent += samples[-1]
+        for (head, _, prompts), samples in zip(variants, times):
+            timing = summary(samples)
+            rows.append({"kind": "prefill", "threads": args.threads, "batch_size": prompts,
+                         "prompt_tokens": num_tokens, "path": path,
+                         "window": num_tokens if path == "single" else config.window, "output_head": head,
+                         "num_forwards": forwards, "status": "ok", **timing,
+                         "tokens_per_s": prompts * num_tokens / (timing["median_ms"] / 1000)})
+            print(f"prefill {path} T={num_tokens} x {prompts} prompts, output head {head}: "
+                  f"{timing['median_ms'] / 1000:.2f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s "
+                  f"({forwards} forwards)", flush=True)
     return rows
 
 
@@ -306,9 +356,11 @@ def markdown(result: dict) -> str:
         lines.append(f"{head} {r['median_ms']:.1f} | "
                      f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f} | {r['num_runs']} | {r['bytes_per_step'] / GB:.3f} | "
                      f"{r['achieved_gbs']:.1f} | {r['fraction']:.2f} |")
-    lines += ["", "| T | path | forwards | prefill s (median) | prompt tokens/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['prompt_tokens']} | {r['path']} (W={r['window']}) | {r['num_forwards']} | {r['median_ms'] / 1000:.2f} | "
-              f"{r['tokens_per_s']:.0f} |" for r in rows if r["kind"] == "prefill"]
+    lines += ["", "| T | prompts | path | output head | forwards per prompt | prefill s (median) | prompt tokens/s |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['prompt_tokens']} | {r['batch_size']} | {r['path']} (W={r['window']}) | {r['output_head']} | "
+              f"{r['num_forwards']} | {r['median_ms'] / 1000:.2f} | {r['tokens_per_s']:.0f} |"
+              for r in rows if r["kind"] == "prefill"]
     lines += ["", "| STREAM threads | copy GB/s | triad GB/s |", "|---|---|---|"]
     lines += [f"| {s['threads']} | {s['copy_gbs']:.1f} | {s['triad_gbs']:.1f} |" for s in meta["stream"]]
     return "\n".join(lines + [threads_table(rows)])
@@ -357,9 +409,10 @@ def plot(rows: list[dict], path: Path) -> None:
     time_ax.set(title="decode step (W tokens per row)", xlabel="past P (tokens)", ylabel="median step time (ms)",
                 xscale="log", yscale="log")
     frac_ax.set(title="achieved / STREAM bandwidth", xlabel="past P (tokens)", ylabel="fraction", xscale="log")
-    for path_name in dict.fromkeys(r["path"] for r in rows if r["kind"] == "prefill"):
-        points = sorted((r["prompt_tokens"], r["tokens_per_s"]) for r in rows if r.get("path") == path_name)
-        fill_ax.plot(*zip(*points), marker="o", label=path_name)
+    for key in dict.fromkeys((r["path"], r["output_head"], r["batch_size"]) for r in rows if r["kind"] == "prefill"):
+        points = sorted((r["prompt_tokens"], r["tokens_per_s"]) for r in rows
+                        if r["kind"] == "prefill" and (r["path"], r["output_head"], r["batch_size"]) == key)
+        fill_ax.plot(*zip(*points), marker="o", label=f"{key[0]}, head {key[1]}, {key[2]} per forward")
     fill_ax.set(title="prefill, batch 1", xlabel="prompt tokens T", ylabel="prompt tokens/s", xscale="log")
     frac_ax.set_ylim(bottom=0)
     fill_ax.set_ylim(bottom=0)
@@ -385,6 +438,8 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=6.0, help="stop timing a point after this (min 3 steps)")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per T (at most; min 1)")
     p.add_argument("--also-chunked", action="store_true", help="dynamic-window graphs: also time chunked prefill")
+    p.add_argument("--prefill-batch", type=int, default=4,
+                   help="also time this many prompts prefilled in one forward (batched prefill; 1: not)")
     p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip points whose past KV exceeds this")
     p.add_argument("--stream-mib", type=int, default=1024, help="MiB per STREAM array (3 arrays)")
     p.add_argument("--stream-repeats", type=int, default=5)
@@ -394,8 +449,8 @@ def main() -> None:
     for name in ("contexts", "batch_sizes", "prompt_lengths", "window"):
         if getattr(args, name) is not None and min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1:
-        p.error("--threads must be in 1..256 and --repeats, --prefill-repeats at least 1")
+    if not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_batch < 1:
+        p.error("--threads must be in 1..256 and --repeats, --prefill-repeats, --prefill-batch at least 1")
     try:
         result = run(args)
     except bundle.BundleError as e:

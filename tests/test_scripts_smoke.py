@@ -95,8 +95,12 @@ def test_scaling(smoke_model, tmp_path):
     _, bundle = smoke_model
     python("bench/scaling.py", bundle, "--contexts", "16", "--batch-sizes", "1", "--prompt-lengths", "8",
            "--repeats", "1", "--warmup", "0", "--max-seconds", "1", "--prefill-repeats", "1", "--stream-mib", "1",
-           "--stream-repeats", "1", "--threads", "1", "--out", tmp_path)
-    assert_results(tmp_path, "scaling")
+           "--stream-repeats", "1", "--threads", "1", "--prefill-batch", "3", "--out", tmp_path)
+    rows = [row for row in assert_results(tmp_path, "scaling")["rows"] if row["kind"] == "prefill"]
+    # the output head skipped (as the engine prefills) and on every row; three prompts in one forward
+    assert sorted((row["output_head"], row["batch_size"]) for row in rows) == [("every row", 1), ("skipped", 1),
+                                                                               ("skipped", 3)]
+    assert all(row["tokens_per_s"] > 0 for row in rows)
 
 
 def test_scaling_on_a_fused_bundle(smoke_model, tmp_path):

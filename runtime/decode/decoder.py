@@ -36,7 +36,8 @@ class Decoder:
 
     Args:
         backend: object with ``step(input_ids, position_ids, attention_mask, past)`` and
-            ``is_window_dynamic`` as in :class:`runtime.backends.onnx.OnnxBackend`.
+            ``is_window_dynamic`` as in :class:`runtime.backends.onnx.OnnxBackend` (see
+            :class:`runtime.decode.engine.Engine`).
         config: the bundle config.
     """
 

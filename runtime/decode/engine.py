@@ -152,6 +152,8 @@ class Engine:
         backend: object with ``step(input_ids, position_ids, attention_mask, past)``,
             ``is_window_dynamic``, ``max_batch`` and ``max_past`` as
             :class:`runtime.backends.onnx.OnnxBackend`; no step feeds it a larger batch or past.
+            A backend with a dynamic window also takes ``step(..., logits=False)`` (prefill
+            forwards, whose logits are not read).
             A backend may offer ``make_cache`` (``KVCache``'s arguments) to hold the KV cache
             where it computes (:meth:`runtime.backends.trt.TrtBackend.make_cache`).
         config: the bundle config.

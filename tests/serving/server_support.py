@@ -47,7 +47,7 @@ class GatedBackend:
         self._permits: int | None = None  # None: open; else forwards that may still pass
         self._is_waiting = False  # a forward is at the gate
 
-    def step(self, *args):
+    def step(self, *args, **kwargs):
         with self._changed:
             self._is_waiting = True
             self._changed.notify_all()
@@ -57,7 +57,7 @@ class GatedBackend:
                 raise RuntimeError("a forward waited at the closed test gate for too long")
             if self._permits is not None:
                 self._permits -= 1
-        return self.backend.step(*args)
+        return self.backend.step(*args, **kwargs)
 
     @contextmanager
     def closed(self):

@@ -368,11 +368,11 @@ class FailingBackend:
     def __init__(self, backend, fail_at: int):
         self.backend, self.fail_at, self.num_calls = backend, fail_at, 0
 
-    def step(self, *args):
+    def step(self, *args, **kwargs):
         self.num_calls += 1
         if self.num_calls == self.fail_at:
             raise RuntimeError("injected backend failure")
-        return self.backend.step(*args)
+        return self.backend.step(*args, **kwargs)
 
 
 def test_engine_failure_is_a_500_and_the_server_keeps_serving(tiny_bundle):

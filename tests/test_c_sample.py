@@ -20,12 +20,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from mars_export import onnx_export
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
-from support import RUNTIME_PYTHON, fix_window, real_prompts
+from support import RUNTIME_PYTHON, export, fix_window, real_prompts
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "c"
 TINY_CASES = [("llama", 4), ("qwen2", 8), ("qwen3", 4)]
@@ -84,9 +85,8 @@ def check_same_as_python(binary: Path, bundle: Path, prompts: list[tuple[str, st
             got, counts = wrapper.run_binary(binary, bundle, ids, tau, max_new, block_size, num_threads, timeout=600)
             where = f"{kind} prompt {text[:50]!r} at tau={tau}, block_size={block_size}"
             assert got == expected.token_ids, f"C and Python ids differ on the {where}"
-            c_prefill = -(-(len(ids) - 1) // config.window)  # this program prefills W tokens per forward
             assert (counts["num_forwards"], counts["num_prefill_forwards"], counts["finish_reason"]) == (
-                expected.num_forwards, c_prefill, expected.finish_reason), where
+                expected.num_forwards, expected.num_prefill_forwards, expected.finish_reason), where
             all_counts.append({"tau": tau, "python_tps": expected.summary()["decode_tokens_per_second"], **counts})
     return all_counts
 
@@ -119,9 +119,27 @@ def test_prompt_at_the_context_bound_matches_python(mars_c, tiny_bundle):
     assert len(ids) + max_new + config.window == config.max_context
     expected = Decoder(OnnxBackend(bundle, config, num_threads=1), config).generate(
         ids, DecodeParams(tau=0.5, max_new_tokens=max_new))
-    assert wrapper.run_binary(mars_c, bundle, ids, 0.5, max_new, num_threads=1, timeout=600)[0] == expected.token_ids
+    got, counts = wrapper.run_binary(mars_c, bundle, ids, 0.5, max_new, num_threads=1, timeout=600)
+    assert got == expected.token_ids
+    assert counts["num_prefill_forwards"] == expected.num_prefill_forwards == 2  # chunks of 256 prompt tokens
     with pytest.raises(wrapper.MarsCError, match="exceeds the model's max context"):
         wrapper.run_binary(mars_c, bundle, ids + ids[-1:], 0.5, max_new, num_threads=1, timeout=600)
+
+
+@pytest.mark.usefixtures("shared_data")
+def test_bundles_of_a_fixed_window_or_without_num_logits_match_python(mars_c, tiny_bundle, tmp_path, monkeypatch):
+    """Older exports: a fixed window axis (before 2026-11-30) prefills W tokens per forward, padded; a step graph
+    without ``num_logits`` (before 2026-12-02) prefills T tokens and computes their logits. Both as Python does."""
+    ckpt, bundle = tiny_bundle("llama", 4)
+    fixed = fix_window(Path(shutil.copytree(bundle, tmp_path / "fixed")), 4)
+    monkeypatch.setattr(onnx_export, "compute_logits_of_last_rows", lambda graph: None)
+    unsliced = export(str(ckpt), tmp_path / "unsliced", 4, 4, "--mask-token", "<mask>")
+    assert not OnnxBackend(unsliced, load_config(unsliced)).takes_num_logits
+    for old in (fixed, unsliced):
+        counts = check_same_as_python(mars_c, old, tiny_prompts()[:2], (1.0, 0.5), TINY_MAX_NEW, num_threads=1)
+        prompt_lengths = [len(chat_ids(old, text)) for _, text in tiny_prompts()[:2] for _ in (1.0, 0.5)]
+        per_forward = 4 if old == fixed else 256
+        assert [c["num_prefill_forwards"] for c in counts] == [-(-(n - 1) // per_forward) for n in prompt_lengths]
 
 
 def make_fp16_kv_bundle(src: Path, dst: Path) -> Path:

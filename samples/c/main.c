@@ -5,8 +5,9 @@
  * Reads whitespace-separated prompt token ids (FILE, or stdin for "-", the default),
  * prints the generated ids on stdout as one line, and one JSON object with the counts on
  * stderr. Same semantics, step by step, as runtime/decode/decoder.py (Decoder.generate):
- *   - prefill: prompt[:-1] through the step graph, W tokens at a time (padded with the
- *     pad id); the last prompt token is the first decode step's pending token;
+ *   - prefill: prompt[:-1] through the step graph, PREFILL_CHUNK tokens per forward where its
+ *     window axis is dynamic (without the output head where it takes num_logits), else W at a
+ *     time padded with the pad id; the last prompt token is the first decode step's pending token;
  *   - decode step: the r pending real tokens, then W - r mask tokens; the logits at rows
  *     r-1 .. W-1 are the T = W - r + 1 predictions; the mask token's logit is set to
  *     the float32 minimum (it is never generated); accept (accept() below); only the KV
@@ -22,6 +23,7 @@
 #include "mars.h"
 
 #define MAX_THREADS 256
+#define PREFILL_CHUNK 256  /* prompt tokens per prefill forward, as runtime.decode.engine.EngineConfig.prefill_chunk */
 #define MAX_IDS_BYTES (64 << 20)
 
 static const char USAGE[] =
@@ -169,9 +171,13 @@ static void generate(StepGraph *graph, KVCache *cache, const MarsConfig *cfg, co
     int W = cfg->window, block_size = args->block_size ? args->block_size : cfg->block_size;
     int64_t *pending = MALLOC((size_t)W * sizeof(int64_t));  /* [r] real tokens whose KV is not cached yet */
     double start = now_seconds();
-    for (int chunk = 0; chunk < num_prompt - 1; chunk += W) {
-        int n = num_prompt - 1 - chunk < W ? num_prompt - 1 - chunk : W;
-        run_window(graph, cache, prompt + chunk, n, cfg->pad_token_id);
+    int chunk_size = graph->is_window_dynamic ? PREFILL_CHUNK : W;
+    for (int chunk = 0; chunk < num_prompt - 1; chunk += chunk_size) {
+        int n = num_prompt - 1 - chunk < chunk_size ? num_prompt - 1 - chunk : chunk_size;
+        if (graph->is_window_dynamic)
+            run_prefill(graph, cache, prompt + chunk, n);
+        else
+            run_window(graph, cache, prompt + chunk, n, cfg->pad_token_id);
         out->num_prefill_forwards++;
     }
     out->prefill_seconds = now_seconds() - start;

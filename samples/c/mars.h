@@ -85,10 +85,13 @@ typedef struct {
     OrtEnv *env;
     OrtSession *session;
     OrtMemoryInfo *cpu;          /* where all our tensors live */
-    const char **input_names;    /* [2 + 1 + 2L] graph order: input_ids, position_ids, attention_mask, past k/v */
+    const char **input_names;    /* [3 + 2L + 1] graph order: input_ids, position_ids, attention_mask, past k/v;
+                                    then num_logits, fed to prefill forwards of graphs that take it */
     const char **output_names;   /* [1 + 2L]: logits, present k/v */
     int num_layers;              /* L */
     int window;                  /* W */
+    int is_window_dynamic;       /* 1: the window axis is symbolic (exports since 2026-11-30): T-token prefill */
+    int takes_num_logits;        /* 1: num_logits can be fed (exports since 2026-12-02): prefill skips the head */
     int64_t *input_ids;          /* [1, W] int64 */
     int64_t *position_ids;       /* [1, W] int64 */
     uint8_t *attention_mask;     /* [1, 1, W, S + W] bool (1 byte), first W * (P + W) used */
@@ -105,5 +108,9 @@ void step_graph_free(StepGraph *graph);
  * P..P+W-1 under a causal mask; commit the KV of the num_tokens real tokens.
  * Afterwards graph->logits holds the [W, V] logits of this window. */
 void run_window(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id);
+/* Feed tokens[0..num_tokens-1] (T >= 1 prompt tokens, graphs with is_window_dynamic only) in one
+ * forward at positions P..P+T-1 under a causal mask and commit their KV; no logits are read
+ * (num_logits = 0 where the graph takes it: the output head is skipped). */
+void run_prefill(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens);
 
 #endif

@@ -6,8 +6,11 @@
  *            attention_mask            bool    [1, 1, W, P + W]  (keys: P cached, then W new)
  *            past_key_values.{i}.key   kv      [1, H, P, D]      (kv = float32 or float16)
  *            past_key_values.{i}.value kv      [1, H, P, D]
+ *            num_logits                int64   []                optional (an initializer with a default)
  *   outputs  logits                    float32 [1, W, V]
  *            present.{i}.key / .value  kv      [1, H, W, D]      ONLY the W new entries
+ * Graphs whose window axis is symbolic also take T prompt tokens in place of W (prefill), and
+ * those with num_logits skip the output head when it is 0 (logits [1, 0, V]).
  * Float16 KV is moved as opaque 2-byte elements: this program never does arithmetic on it.
  */
 #include <stdio.h>
@@ -76,11 +79,12 @@ static char *format_name(const char *fmt, int layer) {
 
 static void make_names(StepGraph *g) {
     int L = g->num_layers;
-    g->input_names = MALLOC((size_t)(3 + 2 * L) * sizeof(char *));
+    g->input_names = MALLOC((size_t)(4 + 2 * L) * sizeof(char *));
     g->output_names = MALLOC((size_t)(1 + 2 * L) * sizeof(char *));
     g->input_names[0] = "input_ids";
     g->input_names[1] = "position_ids";
     g->input_names[2] = "attention_mask";
+    g->input_names[3 + 2 * L] = "num_logits";
     g->output_names[0] = "logits";
     for (int i = 0; i < L; i++) {
         g->input_names[3 + 2 * i] = format_name("past_key_values.%d.key", i);
@@ -109,8 +113,24 @@ static ONNXTensorElementDataType io_type(const StepGraph *g, int is_output, size
     return type;
 }
 
+/* Whether the graph has an initializer named `wanted` that a run may feed (an input with a default). */
+static int has_overridable_initializer(const StepGraph *g, const char *wanted) {
+    OrtAllocator *allocator;
+    size_t count;
+    int found = 0;
+    CHECK(g_ort->GetAllocatorWithDefaultOptions(&allocator));
+    CHECK(g_ort->SessionGetOverridableInitializerCount(g->session, &count));
+    for (size_t k = 0; k < count && !found; k++) {
+        char *name;
+        CHECK(g_ort->SessionGetOverridableInitializerName(g->session, k, allocator, &name));
+        found = strcmp(name, wanted) == 0;
+        CHECK(g_ort->AllocatorFree(allocator, name));
+    }
+    return found;
+}
+
 /* The graph's I/O names (in order), window and KV dtype must match mars_config.json. */
-static void check_io(const StepGraph *g, const MarsConfig *cfg, const char *path) {
+static void check_io(StepGraph *g, const MarsConfig *cfg, const char *path) {
     size_t num_in, num_out, L = (size_t)cfg->num_layers, rank;
     OrtAllocator *allocator;
     CHECK(g_ort->GetAllocatorWithDefaultOptions(&allocator));
@@ -133,10 +153,12 @@ static void check_io(const StepGraph *g, const MarsConfig *cfg, const char *path
     }
     int64_t dims[4];
     ONNXTensorElementDataType type = io_type(g, 0, 0, dims, &rank);
-    /* dims[1] is -1 in graphs with a dynamic window axis (any length; this program feeds W). */
+    /* dims[1] is -1 in graphs with a dynamic window axis (any length: W per decode step, T per prefill). */
     CHECK(require(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && rank == 2 && (dims[1] == cfg->window || dims[1] < 0),
                   "%s: input_ids must be int64 [batch, %d] (the config's window), got rank %zu with %lld tokens; "
                   "re-export the bundle", path, cfg->window, rank, (long long)dims[1]));
+    g->is_window_dynamic = dims[1] < 0;
+    g->takes_num_logits = has_overridable_initializer(g, "num_logits");
     type = io_type(g, 0, 3, dims, &rank);
     CHECK(require(type == cfg->kv_type && rank == 4, "%s: past_key_values.0.key has element type %d (rank %zu), but "
                   "mars_config.json's dtype needs %d (1 float32, 10 float16); re-export the bundle", path, (int)type,
@@ -221,27 +243,67 @@ void step_graph_free(StepGraph *g) {
 
 /* ---- one forward ----------------------------------------------------------------- */
 
+/* inputs[2 ..]: the attention mask [1, 1, T, P + T] (query i sees the P cached keys and new keys
+ * 0..i), written into `mask` (T * (P + T) bytes), and the cache's past [1, H, P, D] per layer. */
+static void make_mask_and_past(StepGraph *g, const KVCache *cache, OrtValue **inputs, uint8_t *mask, int T) {
+    int P = cache->length, H = cache->num_kv_heads;
+    for (int i = 0; i < T; i++)
+        for (int k = 0; k < P + T; k++) mask[(size_t)i * (size_t)(P + T) + (size_t)k] = k <= P + i;
+    size_t past_bytes = (size_t)H * (size_t)P * (size_t)cache->head_dim * cache->elem_size;
+    int64_t mask_shape[4] = {1, 1, T, P + T}, past_shape[4] = {1, H, P, cache->head_dim};
+    inputs[2] = make_tensor(g, mask, (size_t)T * (size_t)(P + T), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
+    ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    for (int i = 0; i < g->num_layers; i++) {
+        inputs[3 + 2 * i] = make_tensor(g, cache->keys[i], past_bytes, past_shape, 4, kv_type);
+        inputs[4 + 2 * i] = make_tensor(g, cache->values[i], past_bytes, past_shape, 4, kv_type);
+    }
+}
+
 void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id) {
-    int W = g->window, P = cache->length, L = g->num_layers, H = cache->num_kv_heads;
+    int W = g->window, P = cache->length, L = g->num_layers;
     CHECK(require(num_tokens >= 1 && num_tokens <= W, "run_window: %d tokens, expected 1..%d", num_tokens, W));
     for (int i = 0; i < W; i++) {
         g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, W] */
         g->position_ids[i] = P + i;                              /* [1, W] */
     }
-    for (int i = 0; i < W; i++)  /* [1, 1, W, P + W]: query i sees the P cached keys and new keys 0..i */
-        for (int k = 0; k < P + W; k++) g->attention_mask[(size_t)i * (size_t)(P + W) + (size_t)k] = k <= P + i;
-
-    size_t past_bytes = (size_t)H * (size_t)P * (size_t)cache->head_dim * cache->elem_size;
-    int64_t mask_shape[4] = {1, 1, W, P + W}, past_shape[4] = {1, H, P, cache->head_dim};
     OrtValue **inputs = g->inputs;
-    inputs[2] = make_tensor(g, g->attention_mask, (size_t)W * (size_t)(P + W), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
-    ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    for (int i = 0; i < L; i++) {
-        inputs[3 + 2 * i] = make_tensor(g, cache->keys[i], past_bytes, past_shape, 4, kv_type);
-        inputs[4 + 2 * i] = make_tensor(g, cache->values[i], past_bytes, past_shape, 4, kv_type);
-    }
+    make_mask_and_past(g, cache, inputs, g->attention_mask, W);
     CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, (size_t)(3 + 2 * L),
                      g->output_names, (size_t)(1 + 2 * L), g->outputs));
     for (int k = 2; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
     kv_cache_commit(cache, g->presents, W, num_tokens);
+}
+
+void run_prefill(StepGraph *g, KVCache *cache, const int64_t *tokens, int T) {
+    int P = cache->length, L = g->num_layers;
+    CHECK(require(g->is_window_dynamic && T >= 1, "run_prefill: %d tokens through a graph whose window is %s", T,
+                  g->is_window_dynamic ? "dynamic" : "fixed (prefill W tokens at a time with run_window)"));
+    int64_t *ids = MALLOC((size_t)T * sizeof(int64_t)), *positions = MALLOC((size_t)T * sizeof(int64_t));
+    uint8_t *mask = MALLOC((size_t)T * (size_t)(P + T));
+    for (int i = 0; i < T; i++) {
+        ids[i] = tokens[i];   /* [1, T] */
+        positions[i] = P + i; /* [1, T] */
+    }
+    int64_t ids_shape[2] = {1, T}, no_logits = 0;
+    OrtValue **inputs = MALLOC((size_t)(4 + 2 * L) * sizeof(OrtValue *));
+    inputs[0] = make_tensor(g, ids, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    inputs[1] = make_tensor(g, positions, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    make_mask_and_past(g, cache, inputs, mask, T);
+    inputs[3 + 2 * L] = make_tensor(g, &no_logits, sizeof no_logits, NULL, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    size_t num_inputs = (size_t)(3 + 2 * L + g->takes_num_logits);
+    OrtValue **outputs = MALLOC((size_t)(1 + 2 * L) * sizeof(OrtValue *));  /* ORT allocates: [1, T or 0, V], [1, H, T, D] */
+    memset(outputs, 0, (size_t)(1 + 2 * L) * sizeof(OrtValue *));
+    CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, num_inputs,
+                     g->output_names, (size_t)(1 + 2 * L), outputs));
+    void **presents = MALLOC((size_t)(2 * L) * sizeof(void *));
+    for (int k = 0; k < 2 * L; k++) CHECK(g_ort->GetTensorMutableData(outputs[1 + k], &presents[k]));
+    kv_cache_commit(cache, presents, T, T);
+    for (int k = 0; k < 4 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
+    for (int k = 0; k < 1 + 2 * L; k++) g_ort->ReleaseValue(outputs[k]);
+    free(presents);
+    free(outputs);
+    free(inputs);
+    free(mask);
+    free(positions);
+    free(ids);
 }

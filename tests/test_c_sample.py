@@ -14,6 +14,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import onnx
@@ -290,3 +291,24 @@ def test_non_integer_ids_give_clear_error(mars_c, tiny_bundle):
     proc = subprocess.run([str(mars_c), str(tiny_bundle("llama", 4)[1])], input="1 2 x3", capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1 and "'x3' (item 2) is not an integer token id" in proc.stderr, proc.stderr
+
+
+@pytest.mark.usefixtures("shared_data")
+def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
+    """bench/c_sample.py runs two binaries and the Python runtime on two prompt lengths and writes its results;
+    every engine gives the same ids and one prefill forward per prompt (both under 256 tokens)."""
+    _, bundle = tiny_bundle("llama", 4)
+    script = Path(__file__).resolve().parents[1] / "bench" / "c_sample.py"
+    command = [sys.executable, str(script), str(bundle), "--binary", f"a={mars_c}", "--binary", f"b={mars_c}",
+               "--python", "--prompt-lengths", "8", "40", "--repeats", "1", "--max-new-tokens", "6", "--threads", "1",
+               "--out", str(tmp_path), "--name", "smoke"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for suffix in (".json", ".csv", ".png"):
+        assert (tmp_path / f"smoke{suffix}").stat().st_size > 0
+    summary = json.loads((tmp_path / "smoke.json").read_text())["summary"]
+    assert sorted((s["engine"], s["prompt_tokens"]) for s in summary) == [
+        (engine, length) for engine in ("a", "b", "python") for length in (8, 40)]
+    assert all(s["same_ids_as_first"] and s["prefill_forwards"] == 1 for s in summary)
+    bad = subprocess.run([*command[:4], "a=/nonexistent/mars_c"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "is no file" in bad.stderr and "Traceback" not in bad.stderr

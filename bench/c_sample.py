@@ -1,0 +1,198 @@
+"""Prefill and decode speed of the C sample (samples/c, ``mars_c``): binaries against each other and the Python runtime.
+
+    python bench/c_sample.py BUNDLE --binary NAME=PATH [--binary NAME=PATH ...] [--python]
+                             [--prompt-lengths 64 512] [--max-new-tokens 32] [--tau 1.0]
+                             [--repeats 5] [--threads 2] [--out bench/results] [--name c_sample]
+
+Prompts are real text (GSM8K test questions, joined, through the bundle's tokenizer) cut to each
+length in tokens. Every repeat runs each prompt length through every engine in turn (interleaved,
+so a slow spell of the machine hits all of them): each ``--binary`` (its own ``prefill_seconds``
+and ``decode_tokens_per_second``, session load excluded) and, with ``--python``,
+``runtime.decode.decoder.Decoder`` on ``OnnxBackend`` with the same threads. Writes
+``{name}.json`` (rows and a summary of medians, each engine against the first), ``{name}.csv``
+and ``{name}.png`` (prompt tokens/s of the prefill against prompt length); prints the summary
+as a markdown table. Raises nothing to the shell: a failing binary stops with its own message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from support import shared_data_file, shared_data_missing  # noqa: E402
+
+from runtime.backends.onnx import OnnxBackend  # noqa: E402
+from runtime.bundle import BundleError, load_config  # noqa: E402
+from runtime.decode.decoder import Decoder  # noqa: E402
+from runtime.decode.params import DecodeParams  # noqa: E402
+from runtime.evaluation.tasks import load_gsm8k  # noqa: E402
+from runtime.text.tokenizer import Tokenizer  # noqa: E402
+
+PYTHON = "python"  # the engine name of the Python runtime's rows
+
+
+def load_wrapper():
+    """samples/c/mars_c.py (``run_binary``), which is not a package module."""
+    spec = importlib.util.spec_from_file_location("mars_c_wrapper", ROOT / "samples" / "c" / "mars_c.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prompt_of(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` ids of GSM8K test questions joined by blank lines.
+
+    Raises:
+        ValueError: the questions hold fewer tokens.
+    """
+    questions = [item.user_message for item in load_gsm8k(shared_data_file("gsm8k/test.jsonl"), 200)]
+    ids = tokenizer.encode("\n\n".join(questions))
+    if len(ids) < num_tokens:
+        raise ValueError(f"the GSM8K questions hold {len(ids)} tokens, fewer than {num_tokens}")
+    return ids[:num_tokens]
+
+
+def run(args) -> dict:
+    wrapper = load_wrapper()
+    config = load_config(args.bundle)
+    tokenizer = Tokenizer(args.bundle)
+    decoder = Decoder(OnnxBackend(args.bundle, config, num_threads=args.threads), config) if args.python else None
+    params = DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens)
+    prompts = {length: prompt_of(tokenizer, length) for length in args.prompt_lengths}
+    rows = []
+    for repeat in range(args.repeats):
+        for length, ids in prompts.items():
+            first_ids = None
+            for name, binary in [*args.binary, *([(PYTHON, None)] if decoder else [])]:
+                if binary is None:
+                    result = decoder.generate(ids, params)
+                    summary = result.summary()
+                    out_ids, prefill_s, forwards, decode_tps = (result.token_ids, result.prefill_seconds,
+                                                                result.num_prefill_forwards,
+                                                                summary["decode_tokens_per_second"])
+                else:
+                    out_ids, counts = wrapper.run_binary(binary, args.bundle, ids, args.tau, args.max_new_tokens,
+                                                         num_threads=args.threads, timeout=600)
+                    prefill_s, forwards, decode_tps = (counts["prefill_seconds"], counts["num_prefill_forwards"],
+                                                       counts["decode_tokens_per_second"])
+                first_ids = first_ids if first_ids is not None else out_ids
+                rows.append({"engine": name, "prompt_tokens": length, "repeat": repeat,
+                             "prefill_seconds": prefill_s, "prefill_forwards": forwards,
+                             "prompt_tokens_per_s": (length - 1) / prefill_s if prefill_s > 0 else None,
+                             "decode_tokens_per_second": decode_tps, "num_tokens": len(out_ids),
+                             "same_ids_as_first": out_ids == first_ids})
+    return {"bundle": str(args.bundle), "threads": args.threads, "tau": args.tau,
+            "max_new_tokens": args.max_new_tokens, "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per engine and prompt length: median prefill seconds and decode tok/s, and their ratios to the first engine
+    (prefill: first / this, so > 1 is faster; decode: this / first)."""
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    out = []
+    for length in dict.fromkeys(r["prompt_tokens"] for r in rows):
+        medians = {}
+        for engine in engines:
+            mine = [r for r in rows if r["engine"] == engine and r["prompt_tokens"] == length]
+            medians[engine] = (statistics.median(r["prefill_seconds"] for r in mine),
+                               statistics.median(r["decode_tokens_per_second"] for r in mine),
+                               mine[0]["prefill_forwards"], all(r["same_ids_as_first"] for r in mine))
+        base_prefill, base_decode = medians[engines[0]][:2]
+        for engine, (prefill, decode, forwards, same) in medians.items():
+            out.append({"engine": engine, "prompt_tokens": length, "prefill_forwards": forwards,
+                        "median_prefill_seconds": prefill, "median_decode_tokens_per_second": decode,
+                        "prefill_speedup_vs_first": base_prefill / prefill if prefill > 0 else None,
+                        "decode_vs_first": decode / base_decode if base_decode > 0 else None,
+                        "same_ids_as_first": same})
+    return out
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = ["| engine | prompt tokens | prefill forwards | prefill s (median) | vs first | decode tok/s | vs first | "
+             "same ids |", "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        speed = f"{s['prefill_speedup_vs_first']:.2f}x" if s["prefill_speedup_vs_first"] else "-"
+        decode = f"{s['decode_vs_first']:.2f}x" if s["decode_vs_first"] else "-"
+        lines.append(f"| {s['engine']} | {s['prompt_tokens']} | {s['prefill_forwards']} | "
+                     f"{s['median_prefill_seconds']:.3f} | {speed} | {s['median_decode_tokens_per_second']:.1f} | "
+                     f"{decode} | {s['same_ids_as_first']} |")
+    return "\n".join(lines)
+
+
+def write(result: dict, out: Path, name: str) -> None:
+    """{name}.json, {name}.csv (the rows) and {name}.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for engine in dict.fromkeys(s["engine"] for s in result["summary"]):
+        points = sorted((s["prompt_tokens"], (s["prompt_tokens"] - 1) / s["median_prefill_seconds"])
+                        for s in result["summary"] if s["engine"] == engine and s["median_prefill_seconds"] > 0)
+        ax.plot(*zip(*points), marker="o", label=engine)
+    ax.set(title=f"prefill, batch 1, {result['threads']} threads", xlabel="prompt tokens", ylabel="prompt tokens/s",
+           xscale="log")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+
+
+def parse_binary(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--binary takes NAME=PATH, got {text!r}")
+    if name == PYTHON:
+        raise argparse.ArgumentTypeError(f"{PYTHON!r} names the Python runtime's rows; give the binary another name")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{path} is no file; build samples/c first (samples/c/README.md)")
+    return name, Path(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--binary", type=parse_binary, action="append", required=True, metavar="NAME=PATH",
+                   help="a mars_c binary and its name in the results; repeat to compare builds")
+    p.add_argument("--python", action="store_true", help="also run the Python runtime (Decoder on OnnxBackend)")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[64, 512], help="prompt tokens")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--tau", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (0: its choice)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--name", default="c_sample", help="stem of the output files (default c_sample)")
+    args = p.parse_args()
+    if min(args.prompt_lengths) < 2 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 0:
+        p.error("--prompt-lengths must be >= 2, --repeats and --max-new-tokens >= 1, --threads >= 0")
+    missing = shared_data_missing()
+    if missing:
+        p.error(missing)
+    try:
+        config = load_config(args.bundle)
+    except BundleError as e:
+        p.error(str(e))
+    longest = max(args.prompt_lengths) + args.max_new_tokens + config.window
+    if longest > config.max_context:
+        p.error(f"the longest prompt + --max-new-tokens + window = {longest} exceeds the bundle's context of "
+                f"{config.max_context}; shorten --prompt-lengths or --max-new-tokens")
+    result = run(args)
+    write(result, args.out, args.name)
+    print(markdown(result["summary"]))
+
+
+if __name__ == "__main__":
+    main()

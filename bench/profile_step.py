@@ -55,6 +55,7 @@ def make_session(path: Path, threads: int, profile_dir: str | None = None) -> or
     """A CPU session with ``threads`` intra-op threads; profiling into ``profile_dir`` when given."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.log_severity_level = 3  # errors only, as runtime.backends.onnx: num_logits "appears in graph inputs"
     if profile_dir is not None:
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(profile_dir, "step")

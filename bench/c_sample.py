@@ -17,16 +17,16 @@ as a markdown table. Raises nothing to the shell: a failing binary stops with it
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
-import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from results_files import write_results  # noqa: E402 (bench/ is on the path as a script)
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from runtime.backends.onnx import OnnxBackend  # noqa: E402
@@ -127,14 +127,8 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict, out: Path, name: str) -> None:
-    """{name}.json, {name}.csv (the rows) and {name}.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
-        writer.writeheader()
-        writer.writerows(result["rows"])
+def plot(result: dict, path: Path) -> None:
+    """Prompt tokens/s of the prefill (medians) against prompt length, one line per engine."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -148,7 +142,7 @@ def write(result: dict, out: Path, name: str) -> None:
     ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 def parse_binary(text: str) -> tuple[str, Path]:
@@ -190,7 +184,7 @@ def main() -> None:
         p.error(f"the longest prompt + --max-new-tokens + window = {longest} exceeds the bundle's context of "
                 f"{config.max_context}; shorten --prompt-lengths or --max-new-tokens")
     result = run(args)
-    write(result, args.out, args.name)
+    write_results(args.out, args.name, result, result["rows"], partial(plot, result))
     print(markdown(result["summary"]))
 
 

@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
-import json
 import os
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +51,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime import bundle
+from results_files import write_results  # bench/ is on the path when this file runs as a script
 from scaling import GB, machine_info, stream_bandwidth, time_calls  # bench/ is on the path when this file runs as a script
 
 FORMAT = re.compile(r"^(fp32|int(8|4)-(\d+))$")
@@ -175,17 +175,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict, out: Path, name: str) -> None:
-    """{name}.json, {name}.csv and {name}.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
-        writer.writeheader()
-        writer.writerows(result["rows"])
-    plot(result, out / f"{name}.png")
-
-
 def plot(result: dict, path: Path) -> None:
     """Weights-only step bandwidth per format, one bar group per M, STREAM as a line."""
     import matplotlib
@@ -232,7 +221,7 @@ def main() -> None:
         result = run(args)
     except (ValueError, bundle.BundleError) as e:
         sys.exit(f"error: {e}")
-    write(result, args.out, args.name)
+    write_results(args.out, args.name, result, result["rows"], partial(plot, result))
     print(markdown(result))
 
 

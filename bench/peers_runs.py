@@ -17,11 +17,13 @@ ratio per run, and its median) to --out, and prints Markdown tables.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
+
+from results_files import write_results  # bench/ is on the path when this file runs as a script
 
 OK = "ok"
 # (label, numerator (engine, variant), denominator (engine, variant)): the comparisons of GitHub issue 11.
@@ -90,20 +92,13 @@ def markdown(summary: dict, num_runs: int) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict, out: Path, name: str) -> None:
-    """{name}.json, {name}.csv and {name}.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+def csv_rows(result: dict) -> list[dict]:
+    """The CSV's rows: each speed, then each ratio, their per-run values joined by spaces."""
     rows = [{"kind": "speed", **{k: v for k, v in s.items() if k != "per_run"},
              "per_run": " ".join(f"{v:.2f}" for v in s["per_run"])} for s in result["speeds"]]
     rows += [{"kind": "ratio", **{k: v for k, v in r.items() if k != "per_run"},
               "per_run": " ".join(f"{v:.3f}" for v in r["per_run"])} for r in result["ratios"]]
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(result["ratios"], out / f"{name}.png")
+    return rows
 
 
 def plot(ratios: list[dict], path: Path) -> None:
@@ -134,7 +129,8 @@ def main() -> None:
     summary = summarize(runs)
     if not summary["speeds"]:
         sys.exit("error: no row ran in every run; pass runs of the same settings")
-    write({"runs": [str(r) for r in args.runs], **summary}, args.out, args.name)
+    result = {"runs": [str(r) for r in args.runs], **summary}
+    write_results(args.out, args.name, result, csv_rows(result), partial(plot, summary["ratios"]))
     print(markdown(summary, len(runs)))
 
 

@@ -33,7 +33,6 @@ column ``kind`` = decode | prefill) and {name}.png to --out, and prints Markdown
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -50,6 +49,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from results_files import write_results  # bench/ is on the path when this file runs as a script
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
@@ -380,18 +380,6 @@ def threads_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(result: dict, out: Path, name: str) -> None:
-    """{name}.json, {name}.csv (union of row fields) and {name}.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    fields = list(dict.fromkeys(k for r in result["rows"] for k in r))
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(result["rows"])
-    plot(result["rows"], out / f"{name}.png")
-
-
 def plot(rows: list[dict], path: Path) -> None:
     """Step time vs P per (batch, threads); achieved bandwidth fraction vs P; prefill tokens/s vs T."""
     import matplotlib
@@ -455,7 +443,7 @@ def main() -> None:
         result = run(args)
     except bundle.BundleError as e:
         sys.exit(f"error: {e}")
-    write(result, args.out, args.name)
+    write_results(args.out, args.name, result, result["rows"], partial(plot, result["rows"]))
     print(markdown(result))
 
 

@@ -293,20 +293,26 @@ def test_small_temperature_accepts_no_more_than_greedy_at_the_same_tau(tiny_bund
     assert [(r.token_ids, r.num_forwards) for r in top1] == [(r.token_ids, r.num_forwards) for r in greedy]
 
 
-def test_past_is_handed_to_the_graph_without_a_copy(tiny):
+def test_decode_steps_hand_the_past_to_the_graph_without_a_copy(tiny):
+    """Decode steps pass views of the cache; prefill forwards (logits=False) pass the committed entries only."""
     backend, config, prompts = tiny
     engine = Engine(backend, config, EngineConfig(max_batch_size=3))
-    shared = []
+    shared, prefill_pasts = [], []
 
     class Spy:  # the real backend, recording whether each past array is a view of the cache
         def step(self, ids, positions, mask, past, **kwargs):
-            shared.append(all(np.shares_memory(k, engine.cache.keys[i]) and np.shares_memory(v, engine.cache.values[i])
-                              for i, (k, v) in enumerate(past)))
+            if kwargs.get("logits", True):
+                shared.append(all(np.shares_memory(k, engine.cache.keys[i])
+                                  and np.shares_memory(v, engine.cache.values[i]) for i, (k, v) in enumerate(past)))
+            else:
+                prefill_pasts.append((past[0][0].shape[2], int(positions[0, 0]), mask.shape[-1] - ids.shape[1]))
             return backend.step(ids, positions, mask, past, **kwargs)
 
     engine.backend = Spy()
-    engine.generate(prompts[:3], DecodeParams(max_new_tokens=8))
+    engine.generate([(p * 3)[:400] for p in prompts[:3]], DecodeParams(max_new_tokens=8))  # over one 256-token chunk
     assert shared and all(shared)
+    assert any(past > 0 for past, _, _ in prefill_pasts)  # a later chunk, over a committed prefix
+    assert all(past == start == keys for past, start, keys in prefill_pasts)  # P entries, P masked-in keys
 
 
 def test_request_errors_name_the_problem(tiny):

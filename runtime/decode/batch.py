@@ -68,8 +68,9 @@ def run_prefill(backend, cache: KVCache, slot: int, chunk: list[int]):
     lengths = cache.lengths[slot:slot + 1]  # [1]
     ids = np.array([chunk], np.int64)  # [1, T]
     positions = lengths[:, None] + np.arange(len(chunk), dtype=np.int64)[None]  # [1, T]
-    mask = window_mask(lengths, cache.capacity, len(chunk))  # [1, 1, T, S + T]
-    _, presents = backend.step(ids, positions, mask, cache.past_of(slot), logits=False)
+    past = cache.past_of(slot)  # [1, H, P', D]: the committed P entries (KVCache), or the buffers with room
+    mask = window_mask(lengths, past[0][0].shape[2], len(chunk))  # [1, 1, T, P' + T]
+    _, presents = backend.step(ids, positions, mask, past, logits=False)
     return presents
 
 

@@ -10,7 +10,7 @@ view, so the past is handed to the backend without a copy, and the attention mas
 positions ``>= lengths[i]`` of each row (stale KV of earlier requests included).
 
 Memory traffic of the cache manager per step:
-  - :meth:`past`, :meth:`past_of`: none (views).
+  - :meth:`past`: none (views). :meth:`past_of` (prefill): a copy of the slot's committed entries.
   - :meth:`commit`: writes ``2 * L * H * D * count_i`` elements for each row ``i`` (only
     positions whose input was a real token; KV of mask and padding positions is dropped);
     :meth:`commit_slot` writes ``2 * L * H * D * T`` for a T-token prefill chunk.
@@ -77,8 +77,15 @@ class KVCache:
         return [(k[:num_rows], v[:num_rows]) for k, v in zip(self.keys, self.values)]
 
     def past_of(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` alone (no copy; prefill)."""
-        return [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(self.keys, self.values)]
+        """Slot ``slot``'s committed entries ``([1, H, P, D], [1, H, P, D])`` per layer, P = its length (prefill).
+
+        C-contiguous (a copy of the P positions where H > 1), so that a prefill forward of T tokens
+        attends over P + T keys rather than the capacity S + T (its KV comes out bit-identical either
+        way, the mask hiding the rest).
+        """
+        length = int(self.lengths[slot])
+        return [(np.ascontiguousarray(k[slot:slot + 1, :, :length]), np.ascontiguousarray(v[slot:slot + 1, :, :length]))
+                for k, v in zip(self.keys, self.values)]
 
     def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], counts) -> None:
         """Append, for each row i, the first ``counts[i]`` of its new KV ``[n, H, W, D]`` to slot i.

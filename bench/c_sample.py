@@ -11,7 +11,8 @@ and ``decode_tokens_per_second``, session load excluded) and, with ``--python``,
 ``runtime.decode.decoder.Decoder`` on ``OnnxBackend`` with the same threads. Writes
 ``{name}.json`` (rows and a summary of medians, each engine against the first), ``{name}.csv``
 and ``{name}.png`` (prompt tokens/s of the prefill against prompt length); prints the summary
-as a markdown table. Raises nothing to the shell: a failing binary stops with its own message.
+as a markdown table. Bad arguments stop before anything runs, a failing binary with its own
+message, each as one ``error:`` line and nothing written.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from results_files import write_results  # noqa: E402 (bench/ is on the path as a script)
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
-from runtime.backends.onnx import OnnxBackend  # noqa: E402
+from runtime.backends.onnx import MAX_THREADS, OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
@@ -47,6 +48,9 @@ def load_wrapper():
     return module
 
 
+wrapper = load_wrapper()
+
+
 def prompt_of(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
     """The first ``num_tokens`` ids of GSM8K test questions joined by blank lines.
 
@@ -61,7 +65,6 @@ def prompt_of(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
 
 
 def run(args) -> dict:
-    wrapper = load_wrapper()
     config = load_config(args.bundle)
     tokenizer = Tokenizer(args.bundle)
     decoder = Decoder(OnnxBackend(args.bundle, config, num_threads=args.threads), config) if args.python else None
@@ -146,14 +149,47 @@ def plot(result: dict, path: Path) -> None:
 
 
 def parse_binary(text: str) -> tuple[str, Path]:
+    """``NAME=PATH`` -> (name, absolute path) of a mars_c binary that can run."""
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"--binary takes NAME=PATH, got {text!r}")
     if name == PYTHON:
         raise argparse.ArgumentTypeError(f"{PYTHON!r} names the Python runtime's rows; give the binary another name")
-    if not Path(path).is_file():
-        raise argparse.ArgumentTypeError(f"{path} is no file; build samples/c first (samples/c/README.md)")
-    return name, Path(path)
+    problem = wrapper.binary_problem(path)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return name, Path(path).resolve()
+
+
+def usage_problem(args) -> str | None:
+    """What is wrong with the arguments, checked before anything runs (the bundle and data too), or None."""
+    names = [name for name, _ in args.binary]
+    if len(set(names)) < len(names):
+        return f"--binary names must differ, got {names}"
+    if min(args.prompt_lengths) < 2 or args.repeats < 1 or args.max_new_tokens < 1:
+        return "--prompt-lengths must be >= 2, --repeats and --max-new-tokens >= 1"
+    if not 0 <= args.threads <= MAX_THREADS:
+        return f"--threads must be in 0..{MAX_THREADS} (0: onnxruntime's choice), got {args.threads}"
+    try:
+        DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens)
+    except ValueError as e:
+        return str(e)
+    if "/" in args.name or not args.name:
+        return f"--name is a file stem without '/', got {args.name!r}"
+    if args.out.exists() and not args.out.is_dir():
+        return f"--out {args.out} is a file, not a folder"
+    missing = shared_data_missing()
+    if missing:
+        return missing
+    try:
+        config = load_config(args.bundle)
+    except BundleError as e:
+        return str(e)
+    longest = max(args.prompt_lengths) + args.max_new_tokens + config.window
+    if longest > config.max_context:
+        return (f"the longest prompt + --max-new-tokens + window = {longest} exceeds the bundle's context of "
+                f"{config.max_context}; shorten --prompt-lengths or --max-new-tokens")
+    return None
 
 
 def main() -> None:
@@ -170,20 +206,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--name", default="c_sample", help="stem of the output files (default c_sample)")
     args = p.parse_args()
-    if min(args.prompt_lengths) < 2 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 0:
-        p.error("--prompt-lengths must be >= 2, --repeats and --max-new-tokens >= 1, --threads >= 0")
-    missing = shared_data_missing()
-    if missing:
-        p.error(missing)
+    problem = usage_problem(args)
+    if problem:
+        p.error(problem)
     try:
-        config = load_config(args.bundle)
-    except BundleError as e:
-        p.error(str(e))
-    longest = max(args.prompt_lengths) + args.max_new_tokens + config.window
-    if longest > config.max_context:
-        p.error(f"the longest prompt + --max-new-tokens + window = {longest} exceeds the bundle's context of "
-                f"{config.max_context}; shorten --prompt-lengths or --max-new-tokens")
-    result = run(args)
+        result = run(args)
+    except (BundleError, ValueError, wrapper.MarsCError) as e:  # a binary's or the tokenizer's own message
+        sys.exit(f"error: {e}")
     write_results(args.out, args.name, result, result["rows"], partial(plot, result))
     print(markdown(result["summary"]))
 

@@ -192,6 +192,7 @@ def test_default_model_same_ids_as_python(mars_c, default_bundle):
 @pytest.mark.usefixtures("shared_data")
 def test_wrapper_text_equals_python(mars_c, tiny_bundle, capsys):
     _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
     kind, text = tiny_prompts()[0]
     assert wrapper.main([str(bundle), "--prompt", text, "--chat", "--tau", "0.5", "--max-new-tokens", "20",
                          "--threads", "1", "--binary", str(mars_c), "--json"]) == 0
@@ -310,5 +311,22 @@ def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
     assert sorted((s["engine"], s["prompt_tokens"]) for s in summary) == [
         (engine, length) for engine in ("a", "b", "python") for length in (8, 40)]
     assert all(s["same_ids_as_first"] and s["prefill_forwards"] == 1 for s in summary)
-    bad = subprocess.run([*command[:4], "a=/nonexistent/mars_c"], capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "is no file" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "a_file").write_text("")
+    not_executable = tmp_path / "a_file"
+    for bad_args, message in [(["--binary", "a=/nonexistent/mars_c"], "is no file"),
+                              (["--binary", f"a={not_executable}"], "is not executable"),
+                              (["--binary", f"a={mars_c}", "--binary", f"a={mars_c}"], "names must differ"),
+                              (["--binary", f"a={mars_c}", "--threads", "1000"], "--threads must be in 0..256"),
+                              (["--binary", f"a={mars_c}", "--tau", "nan"], "tau must be"),
+                              (["--binary", f"a={mars_c}", "--name", "x/y"], "--name is a file stem"),
+                              (["--binary", f"a={mars_c}", "--out", str(not_executable)], "is a file, not a folder"),
+                              (["--binary", f"a={mars_c}", "--prompt-lengths", "600"], "exceeds the bundle's context")]:
+        out = tmp_path / "bad"
+        bad = subprocess.run([sys.executable, str(script), str(bundle), "--out", str(out), *bad_args],
+                             capture_output=True, text=True, timeout=600)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, (bad_args, bad.stderr)
+        assert not out.exists()
+    no_model = Path(shutil.copytree(bundle, tmp_path / "no-model"))
+    (no_model / "model.onnx").unlink()  # the binary's own error, after the arguments passed
+    failed = subprocess.run([*command[:2], str(no_model), *command[3:]], capture_output=True, text=True, timeout=600)
+    assert failed.returncode == 1 and "re-export the bundle" in failed.stderr and "Traceback" not in failed.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,16 @@ DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
 
 class MarsCError(RuntimeError):
     """The binary exited with an error; the message is its own (``mars_c: error at FILE:LINE: ...``)."""
+
+
+def binary_problem(binary: str | Path) -> str | None:
+    """Why ``binary`` cannot be run as ``mars_c`` (missing, or not executable), or None."""
+    path = Path(binary)
+    if not path.is_file():
+        return f"{binary} is no file; build mars_c first (see samples/c/README.md)"
+    if not os.access(path, os.X_OK):
+        return f"{binary} is not executable; build mars_c with CMake (see samples/c/README.md)"
+    return None
 
 
 def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], tau: float = 1.0,
@@ -46,8 +57,9 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
     Raises:
         MarsCError: the binary failed (bad bundle, bad ids, onnxruntime error).
     """
-    command = [str(binary), str(bundle), "--tau", repr(float(tau)), "--max-new-tokens", str(max_new_tokens),
-               "--threads", str(num_threads)]
+    # resolved: a bare file name means the file in this folder, not a program on PATH
+    command = [str(Path(binary).resolve()), str(bundle), "--tau", repr(float(tau)), "--max-new-tokens",
+               str(max_new_tokens), "--threads", str(num_threads)]
     if block_size is not None:
         command += ["--block-size", str(block_size)]
     proc = subprocess.run(command, input=" ".join(map(str, prompt_ids)), capture_output=True, text=True,
@@ -76,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.text.tokenizer import Tokenizer
 
     args = parse_args(argv)
-    if not Path(args.binary).is_file():
-        print(f"error: {args.binary} not found; build it first (see samples/c/README.md)", file=sys.stderr)
+    problem = binary_problem(args.binary)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         tokenizer = Tokenizer(args.bundle)

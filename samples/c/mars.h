@@ -62,19 +62,21 @@ typedef struct {
 /* Reads and validates BUNDLE_DIR/mars_config.json; any problem is a CHECK failure. */
 void load_config(MarsConfig *cfg, const char *bundle_dir);
 
-/* ---- the KV cache: per layer a contiguous [1, H, P, D] block, capacity S ---------
- * The buffers hold exactly the layout the step graph takes as past_key_values.{i},
- * so no copy is made to feed them; commit() grows them in place (DESIGN.md §3: only
- * the KV of real-token positions is committed). */
+/* ---- the KV cache: per layer a contiguous [1, H, S, D] block --------------------
+ * As runtime/decode/kv_cache.py: position p of head h at index p of row h, the first P
+ * committed; a decode step reads the whole [1, H, S, D] (its mask hides positions >= P)
+ * and commits the KV of its real tokens at P.. (DESIGN.md §3), a copy of only those
+ * entries. S doubles (from 16, up to the capacity) when a step needs more room. */
 typedef struct {
-    void **keys;                 /* [L] buffers of H * S * D elements, first H * P * D used as [1, H, P, D] */
+    void **keys;                 /* [L] buffers of H * capacity * D elements, the first H * S * D as [1, H, S, D] */
     void **values;               /* [L] same as keys */
     int num_layers;              /* L */
     int num_kv_heads;            /* H */
     int head_dim;                /* D */
     size_t elem_size;            /* bytes per element: 4 or 2 */
     int length;                  /* P, committed positions */
-    int capacity;                /* S */
+    int size;                    /* S, positions per head in the layout the graph reads */
+    int capacity;                /* the most positions S may grow to */
 } KVCache;
 
 void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity);
@@ -94,7 +96,7 @@ typedef struct {
     int takes_num_logits;        /* 1: num_logits can be fed (exports since 2026-12-02): prefill skips the head */
     int64_t *input_ids;          /* [1, W] int64 */
     int64_t *position_ids;       /* [1, W] int64 */
-    uint8_t *attention_mask;     /* [1, 1, W, S + W] bool (1 byte), first W * (P + W) used */
+    uint8_t *attention_mask;     /* [1, 1, W, S + W] bool (1 byte), S up to the cache's capacity */
     float *logits;               /* [1, W, V] float32, output */
     void **presents;             /* [2L] buffers, each [1, H, W, D] of the KV dtype: k0, v0, k1, v1, ... */
     OrtValue **inputs;           /* [3 + 2L]: 0, 1 over input_ids, position_ids (fixed); the rest made per run */
@@ -105,11 +107,13 @@ void step_graph_init(StepGraph *graph, const MarsConfig *cfg, const char *bundle
                      int max_cache);
 void step_graph_free(StepGraph *graph);
 /* Feed tokens[0..num_tokens-1] (1..W real tokens) padded with fill_id to W at positions
- * P..P+W-1 under a causal mask; commit the KV of the num_tokens real tokens.
+ * P..P+W-1 over the cache's [1, H, S, D] under a causal mask; commit the KV of the
+ * num_tokens real tokens.
  * Afterwards graph->logits holds the [W, V] logits of this window. */
 void run_window(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id);
 /* Feed tokens[0..num_tokens-1] (T >= 1 prompt tokens, graphs with is_window_dynamic only) in one
- * forward at positions P..P+T-1 under a causal mask and commit their KV; no logits are read
+ * forward at positions P..P+T-1 over a copy of the P committed entries (P + T keys, as the
+ * Python runtime's prefill) under a causal mask and commit their KV; no logits are read
  * (num_logits = 0 where the graph takes it: the output head is skipped). */
 void run_prefill(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens);
 

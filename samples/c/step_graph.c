@@ -3,9 +3,9 @@
  * Step graph I/O (runtime/bundle.py; DESIGN.md §5), batch 1:
  *   inputs   input_ids                 int64   [1, W]
  *            position_ids              int64   [1, W]
- *            attention_mask            bool    [1, 1, W, P + W]  (keys: P cached, then W new)
- *            past_key_values.{i}.key   kv      [1, H, P, D]      (kv = float32 or float16)
- *            past_key_values.{i}.value kv      [1, H, P, D]
+ *            attention_mask            bool    [1, 1, W, S + W]  (keys: S past, the first P cached; W new)
+ *            past_key_values.{i}.key   kv      [1, H, S, D]      (kv = float32 or float16)
+ *            past_key_values.{i}.value kv      [1, H, S, D]
  *            num_logits                int64   []                optional (an initializer with a default)
  *   outputs  logits                    float32 [1, W, V]
  *            present.{i}.key / .value  kv      [1, H, W, D]      ONLY the W new entries
@@ -21,6 +21,8 @@
 
 /* ---- KV cache ------------------------------------------------------------------ */
 
+#define MIN_CACHE_SIZE 16  /* S of a new cache, as runtime.decode.kv_cache.MIN_CAPACITY */
+
 void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity) {
     size_t num_bytes = (size_t)cfg->num_kv_heads * (size_t)capacity * (size_t)cfg->head_dim * (size_t)cfg->kv_elem_size;
     cache->num_layers = cfg->num_layers;
@@ -29,11 +31,12 @@ void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity) {
     cache->elem_size = (size_t)cfg->kv_elem_size;
     cache->length = 0;
     cache->capacity = capacity;
+    cache->size = capacity < MIN_CACHE_SIZE ? capacity : MIN_CACHE_SIZE;
     cache->keys = MALLOC((size_t)cfg->num_layers * sizeof(void *));
     cache->values = MALLOC((size_t)cfg->num_layers * sizeof(void *));
-    for (int i = 0; i < cfg->num_layers; i++) {
-        cache->keys[i] = MALLOC(num_bytes);
-        cache->values[i] = MALLOC(num_bytes);
+    for (int i = 0; i < cfg->num_layers; i++) {  /* zeroed: a step reads the masked positions too (weight 0 x finite = 0) */
+        cache->keys[i] = memset(MALLOC(num_bytes), 0, num_bytes);
+        cache->values[i] = memset(MALLOC(num_bytes), 0, num_bytes);
     }
 }
 
@@ -46,25 +49,40 @@ void kv_cache_free(KVCache *cache) {
     free(cache->values);
 }
 
-/* Grows one [1, H, P, D] block in place to [1, H, P + n, D], appending the first n of the
- * W entries of present [1, H, W, D]. Heads move from last to first so that no source is
- * overwritten before it has moved (head h goes from row h*P to row h*(P+n) >= h*P). */
-static void grow_block(char *block, const char *present, int H, int P, int W, int n, size_t row_bytes) {
-    for (int h = H - 1; h >= 0; h--) {
-        char *head = block + (size_t)h * (size_t)(P + n) * row_bytes;
-        memmove(head, block + (size_t)h * (size_t)P * row_bytes, (size_t)P * row_bytes);
-        memcpy(head + (size_t)P * row_bytes, present + (size_t)h * (size_t)W * row_bytes, (size_t)n * row_bytes);
-    }
+/* Lays one block out again from S = old to new (> old) positions per head, keeping the first P of
+ * each. Heads move from last to first, so that no source is overwritten before it has moved (head h
+ * goes from row h*old to row h*new >= h*old). */
+static void relayout(char *block, int H, int P, int old, int new, size_t row_bytes) {
+    for (int h = H - 1; h > 0; h--)
+        memmove(block + (size_t)h * (size_t)new * row_bytes, block + (size_t)h * (size_t)old * row_bytes,
+                (size_t)P * row_bytes);
 }
 
-/* Commits the KV of the first n (real-token) positions of presents [2L] x [1, H, W, D]. */
-static void kv_cache_commit(KVCache *cache, void *const *presents, int W, int n) {
-    CHECK(require(cache->length + n <= cache->capacity, "KV cache overflow: %d positions > capacity %d",
-                  cache->length + n, cache->capacity));
+/* Makes S at least `needed`: doubles it until it fits, capped at the capacity (O(P) per doubling,
+ * so O(1) per generated position overall). */
+static void kv_cache_reserve(KVCache *cache, int needed) {
+    CHECK(require(needed <= cache->capacity, "KV cache overflow: %d positions > capacity %d", needed,
+                  cache->capacity));
+    int size = cache->size;
+    while (size < needed) size = size * 2 < cache->capacity ? size * 2 : cache->capacity;
+    if (size == cache->size) return;
     size_t row_bytes = (size_t)cache->head_dim * cache->elem_size;
     for (int i = 0; i < cache->num_layers; i++) {
-        grow_block(cache->keys[i], presents[2 * i], cache->num_kv_heads, cache->length, W, n, row_bytes);
-        grow_block(cache->values[i], presents[2 * i + 1], cache->num_kv_heads, cache->length, W, n, row_bytes);
+        relayout(cache->keys[i], cache->num_kv_heads, cache->length, cache->size, size, row_bytes);
+        relayout(cache->values[i], cache->num_kv_heads, cache->length, cache->size, size, row_bytes);
+    }
+    cache->size = size;
+}
+
+/* Commits the KV of the first n (real-token) positions of presents [2L] x [1, H, W, D] at P.. of every head. */
+static void kv_cache_commit(KVCache *cache, void *const *presents, int W, int n) {
+    kv_cache_reserve(cache, cache->length + n);
+    size_t row_bytes = (size_t)cache->head_dim * cache->elem_size;
+    for (int i = 0; i < 2 * cache->num_layers; i++) {
+        char *block = i % 2 ? cache->values[i / 2] : cache->keys[i / 2];
+        for (int h = 0; h < cache->num_kv_heads; h++)
+            memcpy(block + ((size_t)h * (size_t)cache->size + (size_t)cache->length) * row_bytes,
+                   (const char *)presents[i] + (size_t)h * (size_t)W * row_bytes, (size_t)n * row_bytes);
     }
     cache->length += n;
 }
@@ -243,35 +261,53 @@ void step_graph_free(StepGraph *g) {
 
 /* ---- one forward ----------------------------------------------------------------- */
 
-/* inputs[2 ..]: the attention mask [1, 1, T, P + T] (query i sees the P cached keys and new keys
- * 0..i), written into `mask` (T * (P + T) bytes), and the cache's past [1, H, P, D] per layer. */
-static void make_mask_and_past(StepGraph *g, const KVCache *cache, OrtValue **inputs, uint8_t *mask, int T) {
+/* inputs[2 ..]: the attention mask [1, 1, T, S + T] (query i sees the P cached keys among the S
+ * past positions and new keys 0..i), written into `mask` (T * (S + T) bytes), and per layer the
+ * past [1, H, S, D] in keys[i], values[i]. */
+static void make_mask_and_past(StepGraph *g, const KVCache *cache, int S, void **keys, void **values,
+                               OrtValue **inputs, uint8_t *mask, int T) {
     int P = cache->length, H = cache->num_kv_heads;
     for (int i = 0; i < T; i++)
-        for (int k = 0; k < P + T; k++) mask[(size_t)i * (size_t)(P + T) + (size_t)k] = k <= P + i;
-    size_t past_bytes = (size_t)H * (size_t)P * (size_t)cache->head_dim * cache->elem_size;
-    int64_t mask_shape[4] = {1, 1, T, P + T}, past_shape[4] = {1, H, P, cache->head_dim};
-    inputs[2] = make_tensor(g, mask, (size_t)T * (size_t)(P + T), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
+        for (int k = 0; k < S + T; k++) mask[(size_t)i * (size_t)(S + T) + (size_t)k] = k < P || (k >= S && k - S <= i);
+    size_t past_bytes = (size_t)H * (size_t)S * (size_t)cache->head_dim * cache->elem_size;
+    int64_t mask_shape[4] = {1, 1, T, S + T}, past_shape[4] = {1, H, S, cache->head_dim};
+    inputs[2] = make_tensor(g, mask, (size_t)T * (size_t)(S + T), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
     ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     for (int i = 0; i < g->num_layers; i++) {
-        inputs[3 + 2 * i] = make_tensor(g, cache->keys[i], past_bytes, past_shape, 4, kv_type);
-        inputs[4 + 2 * i] = make_tensor(g, cache->values[i], past_bytes, past_shape, 4, kv_type);
+        inputs[3 + 2 * i] = make_tensor(g, keys[i], past_bytes, past_shape, 4, kv_type);
+        inputs[4 + 2 * i] = make_tensor(g, values[i], past_bytes, past_shape, 4, kv_type);
     }
 }
 
 void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id) {
     int W = g->window, P = cache->length, L = g->num_layers;
     CHECK(require(num_tokens >= 1 && num_tokens <= W, "run_window: %d tokens, expected 1..%d", num_tokens, W));
+    kv_cache_reserve(cache, P + W);  /* the graph also writes the new entries at their positions P.. of the past */
     for (int i = 0; i < W; i++) {
         g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, W] */
         g->position_ids[i] = P + i;                              /* [1, W] */
     }
     OrtValue **inputs = g->inputs;
-    make_mask_and_past(g, cache, inputs, g->attention_mask, W);
+    make_mask_and_past(g, cache, cache->size, cache->keys, cache->values, inputs, g->attention_mask, W);
     CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, (size_t)(3 + 2 * L),
                      g->output_names, (size_t)(1 + 2 * L), g->outputs));
     for (int k = 2; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
     kv_cache_commit(cache, g->presents, W, num_tokens);
+}
+
+/* The P committed entries of every layer, copied into new [1, H, P, D] blocks: [2L] keys then values. */
+static void **committed_copy(const KVCache *cache) {
+    int L = cache->num_layers, H = cache->num_kv_heads, P = cache->length;
+    size_t row_bytes = (size_t)cache->head_dim * cache->elem_size;
+    void **blocks = MALLOC((size_t)(2 * L) * sizeof(void *));
+    for (int i = 0; i < 2 * L; i++) {
+        const char *src = i < L ? cache->keys[i] : cache->values[i - L];
+        blocks[i] = MALLOC((size_t)H * (size_t)P * row_bytes);
+        for (int h = 0; h < H; h++)
+            memcpy((char *)blocks[i] + (size_t)h * (size_t)P * row_bytes, src + (size_t)h * (size_t)cache->size * row_bytes,
+                   (size_t)P * row_bytes);
+    }
+    return blocks;
 }
 
 void run_prefill(StepGraph *g, KVCache *cache, const int64_t *tokens, int T) {
@@ -288,7 +324,8 @@ void run_prefill(StepGraph *g, KVCache *cache, const int64_t *tokens, int T) {
     OrtValue **inputs = MALLOC((size_t)(4 + 2 * L) * sizeof(OrtValue *));
     inputs[0] = make_tensor(g, ids, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
     inputs[1] = make_tensor(g, positions, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    make_mask_and_past(g, cache, inputs, mask, T);
+    void **past = committed_copy(cache);  /* [2L]: P + T keys per query, not S + T */
+    make_mask_and_past(g, cache, P, past, past + L, inputs, mask, T);
     inputs[3 + 2 * L] = make_tensor(g, &no_logits, sizeof no_logits, NULL, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
     size_t num_inputs = (size_t)(3 + 2 * L + g->takes_num_logits);
     OrtValue **outputs = MALLOC((size_t)(1 + 2 * L) * sizeof(OrtValue *));  /* ORT allocates: [1, T or 0, V], [1, H, T, D] */
@@ -300,6 +337,8 @@ void run_prefill(StepGraph *g, KVCache *cache, const int64_t *tokens, int T) {
     kv_cache_commit(cache, presents, T, T);
     for (int k = 0; k < 4 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
     for (int k = 0; k < 1 + 2 * L; k++) g_ort->ReleaseValue(outputs[k]);
+    for (int k = 0; k < 2 * L; k++) free(past[k]);
+    free(past);
     free(presents);
     free(outputs);
     free(inputs);

@@ -8,8 +8,9 @@
  *   - prefill: prompt[:-1] through the step graph, PREFILL_CHUNK tokens per forward where its
  *     window axis is dynamic (without the output head where it takes num_logits), else W at a
  *     time padded with the pad id; the last prompt token is the first decode step's pending token;
- *   - decode step: the r pending real tokens, then W - r mask tokens; the logits at rows
- *     r-1 .. W-1 are the T = W - r + 1 predictions; the mask token's logit is set to
+ *   - decode step: the r pending real tokens, then w - r mask tokens, w = min(r + B - 1, W) at
+ *     tau < 1 and r at tau >= 1 (no mask can be accepted) where the window axis is dynamic,
+ *     else W; the logits at rows r-1 .. w-1 are the T = w - r + 1 predictions; the mask token's logit is set to
  *     the float32 minimum (it is never generated); accept (accept() below); only the KV
  *     of the r real tokens is committed; the accepted tokens are the next pending ones.
  */
@@ -177,17 +178,20 @@ static void generate(StepGraph *graph, KVCache *cache, const MarsConfig *cfg, co
         if (graph->is_window_dynamic)
             run_prefill(graph, cache, prompt + chunk, n);
         else
-            run_window(graph, cache, prompt + chunk, n, cfg->pad_token_id);
+            run_window(graph, cache, prompt + chunk, n, W, cfg->pad_token_id);
         out->num_prefill_forwards++;
     }
     out->prefill_seconds = now_seconds() - start;
     int num_pending = 1;
     pending[0] = prompt[num_prompt - 1];
     while (!out->is_stopped && out->num_tokens < args->max_new_tokens) {
-        run_window(graph, cache, pending, num_pending, cfg->mask_token_id);
+        /* steps only as wide as needed (runtime/decode/scheduler.py): masks only where tau < 1 can accept them */
+        int width = num_pending + (args->tau < 1.0 ? block_size - 1 : 0);
+        width = !graph->is_window_dynamic || width > W ? W : width;
+        run_window(graph, cache, pending, num_pending, width, cfg->mask_token_id);
         int budget = args->max_new_tokens - out->num_tokens;
         float *rows = graph->logits + (size_t)(num_pending - 1) * (size_t)cfg->vocab_size;  /* [T, V] */
-        num_pending = accept(rows, W - num_pending + 1, cfg, args->tau, budget < block_size ? budget : block_size, pending);
+        num_pending = accept(rows, width - num_pending + 1, cfg, args->tau, budget < block_size ? budget : block_size, pending);
         memcpy(out->token_ids + out->num_tokens, pending, (size_t)num_pending * sizeof(int64_t));
         out->num_tokens += num_pending;
         out->is_stopped = is_stop_id(cfg, pending[num_pending - 1]);

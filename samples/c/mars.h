@@ -92,25 +92,26 @@ typedef struct {
     const char **output_names;   /* [1 + 2L]: logits, present k/v */
     int num_layers;              /* L */
     int window;                  /* W */
+    int vocab_size;              /* V */
     int is_window_dynamic;       /* 1: the window axis is symbolic (exports since 2026-11-30): T-token prefill */
     int takes_num_logits;        /* 1: num_logits can be fed (exports since 2026-12-02): prefill skips the head */
-    int64_t *input_ids;          /* [1, W] int64 */
-    int64_t *position_ids;       /* [1, W] int64 */
+    int64_t *input_ids;          /* [1, w] int64, w <= W the step's window */
+    int64_t *position_ids;       /* [1, w] int64 */
     uint8_t *attention_mask;     /* [1, 1, W, S + W] bool (1 byte), S up to the cache's capacity */
-    float *logits;               /* [1, W, V] float32, output */
-    void **presents;             /* [2L] buffers, each [1, H, W, D] of the KV dtype: k0, v0, k1, v1, ... */
-    OrtValue **inputs;           /* [3 + 2L]: 0, 1 over input_ids, position_ids (fixed); the rest made per run */
-    OrtValue **outputs;          /* [1 + 2L] over logits and presents (ORT writes into our buffers) */
+    float *logits;               /* [1, w, V] float32, output */
+    void **presents;             /* [2L] buffers, each [1, H, w, D] of the KV dtype: k0, v0, k1, v1, ... */
+    OrtValue **inputs;           /* [3 + 2L] made per run over the buffers above, the mask and the cache */
+    OrtValue **outputs;          /* [1 + 2L] made per run over logits and presents (ORT writes into our buffers) */
 } StepGraph;
 
 void step_graph_init(StepGraph *graph, const MarsConfig *cfg, const char *bundle_dir, int num_threads,
                      int max_cache);
 void step_graph_free(StepGraph *graph);
-/* Feed tokens[0..num_tokens-1] (1..W real tokens) padded with fill_id to W at positions
- * P..P+W-1 over the cache's [1, H, S, D] under a causal mask; commit the KV of the
- * num_tokens real tokens.
- * Afterwards graph->logits holds the [W, V] logits of this window. */
-void run_window(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id);
+/* Feed tokens[0..num_tokens-1] (1..w real tokens) padded with fill_id to w at positions
+ * P..P+w-1 over the cache's [1, H, S, D] under a causal mask; commit the KV of the
+ * num_tokens real tokens. The window w is 1..W on graphs with is_window_dynamic, else W.
+ * Afterwards graph->logits holds the [w, V] logits of this window. */
+void run_window(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens, int width, int64_t fill_id);
 /* Feed tokens[0..num_tokens-1] (T >= 1 prompt tokens, graphs with is_window_dynamic only) in one
  * forward at positions P..P+T-1 over a copy of the P committed entries (P + T keys, as the
  * Python runtime's prefill) under a causal mask and commit their KV; no logits are read

@@ -201,6 +201,7 @@ void step_graph_init(StepGraph *g, const MarsConfig *cfg, const char *bundle_dir
     memset(g, 0, sizeof *g);
     g->num_layers = cfg->num_layers;
     g->window = cfg->window;
+    g->vocab_size = cfg->vocab_size;
     char path[4096];
     CHECK(require(snprintf(path, sizeof path, "%s/%s", bundle_dir, cfg->onnx_file) < (int)sizeof path,
                   "bundle path too long: %s", bundle_dir));
@@ -225,26 +226,14 @@ void step_graph_init(StepGraph *g, const MarsConfig *cfg, const char *bundle_dir
     g->logits = MALLOC((size_t)W * (size_t)cfg->vocab_size * sizeof(float));
     g->presents = MALLOC((size_t)(2 * L) * sizeof(void *));
     g->outputs = MALLOC((size_t)(1 + 2 * L) * sizeof(OrtValue *));
-    int64_t ids_shape[2] = {1, W}, logits_shape[3] = {1, W, cfg->vocab_size};
-    int64_t present_shape[4] = {1, cfg->num_kv_heads, W, cfg->head_dim};
     g->inputs = MALLOC((size_t)(3 + 2 * L) * sizeof(OrtValue *));
-    g->inputs[0] = make_tensor(g, g->input_ids, (size_t)W * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    g->inputs[1] = make_tensor(g, g->position_ids, (size_t)W * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    g->outputs[0] = make_tensor(g, g->logits, (size_t)W * (size_t)cfg->vocab_size * sizeof(float), logits_shape, 3,
-                                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-    for (int k = 0; k < 2 * L; k++) {
-        g->presents[k] = MALLOC(present_bytes);
-        g->outputs[1 + k] = make_tensor(g, g->presents[k], present_bytes, present_shape, 4, cfg->kv_type);
-    }
+    for (int k = 0; k < 2 * L; k++) g->presents[k] = MALLOC(present_bytes);
 }
 
 void step_graph_free(StepGraph *g) {
-    for (int k = 0; k < 1 + 2 * g->num_layers; k++) g_ort->ReleaseValue(g->outputs[k]);
     for (int k = 0; k < 2 * g->num_layers; k++) free(g->presents[k]);
     for (int k = 3; k < 3 + 2 * g->num_layers; k++) free((char *)g->input_names[k]);
     for (int k = 1; k < 1 + 2 * g->num_layers; k++) free((char *)g->output_names[k]);
-    g_ort->ReleaseValue(g->inputs[0]);
-    g_ort->ReleaseValue(g->inputs[1]);
     free(g->inputs);
     free(g->outputs);
     free(g->presents);
@@ -279,20 +268,31 @@ static void make_mask_and_past(StepGraph *g, const KVCache *cache, int S, void *
     }
 }
 
-void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tokens, int64_t fill_id) {
-    int W = g->window, P = cache->length, L = g->num_layers;
-    CHECK(require(num_tokens >= 1 && num_tokens <= W, "run_window: %d tokens, expected 1..%d", num_tokens, W));
-    kv_cache_reserve(cache, P + W);  /* the graph also writes the new entries at their positions P.. of the past */
-    for (int i = 0; i < W; i++) {
-        g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, W] */
-        g->position_ids[i] = P + i;                              /* [1, W] */
+void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tokens, int width, int64_t fill_id) {
+    int P = cache->length, L = g->num_layers, H = cache->num_kv_heads, D = cache->head_dim;
+    CHECK(require(width >= 1 && width <= g->window && (width == g->window || g->is_window_dynamic) &&
+                  num_tokens >= 1 && num_tokens <= width, "run_window: %d tokens in a window of %d (graph window %d, %s)",
+                  num_tokens, width, g->window, g->is_window_dynamic ? "dynamic" : "fixed"));
+    kv_cache_reserve(cache, P + width);  /* the graph also writes the new entries at their positions P.. of the past */
+    for (int i = 0; i < width; i++) {
+        g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, w] */
+        g->position_ids[i] = P + i;                              /* [1, w] */
     }
-    OrtValue **inputs = g->inputs;
-    make_mask_and_past(g, cache, cache->size, cache->keys, cache->values, inputs, g->attention_mask, W);
+    int64_t ids_shape[2] = {1, width}, logits_shape[3] = {1, width, g->vocab_size}, present_shape[4] = {1, H, width, D};
+    size_t present_bytes = (size_t)H * (size_t)width * (size_t)D * cache->elem_size;
+    ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    OrtValue **inputs = g->inputs, **outputs = g->outputs;  /* over this program's buffers: ORT writes into them */
+    inputs[0] = make_tensor(g, g->input_ids, (size_t)width * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    inputs[1] = make_tensor(g, g->position_ids, (size_t)width * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    make_mask_and_past(g, cache, cache->size, cache->keys, cache->values, inputs, g->attention_mask, width);
+    outputs[0] = make_tensor(g, g->logits, (size_t)width * (size_t)g->vocab_size * sizeof(float), logits_shape, 3,
+                             ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    for (int k = 0; k < 2 * L; k++) outputs[1 + k] = make_tensor(g, g->presents[k], present_bytes, present_shape, 4, kv_type);
     CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, (size_t)(3 + 2 * L),
-                     g->output_names, (size_t)(1 + 2 * L), g->outputs));
-    for (int k = 2; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
-    kv_cache_commit(cache, g->presents, W, num_tokens);
+                     g->output_names, (size_t)(1 + 2 * L), outputs));
+    for (int k = 0; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
+    for (int k = 0; k < 1 + 2 * L; k++) g_ort->ReleaseValue(outputs[k]);
+    kv_cache_commit(cache, g->presents, width, num_tokens);
 }
 
 /* The P committed entries of every layer, copied into new [1, H, P, D] blocks: [2L] keys then values. */

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 
 from runtime.bundle import BundleConfig
-from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.engine import Engine, EngineConfig, check_max_seq_len
 from runtime.decode.params import DecodeParams, GenerationResult
 
 
@@ -58,7 +58,11 @@ class Decoder:
                 max_new_tokens beyond the bundle's max context.
         """
         start = time.perf_counter()
-        engine = Engine(self.backend, self.config, EngineConfig(max_batch_size=1))
+        # The slot holds what this request can reach (as the C sample's cache), so the capacity S, the past every
+        # step reads, doubles up to that and never past it (the model's max context would allow up to twice it).
+        limit = check_max_seq_len(None, self.config.max_context, self.backend.max_past)
+        needed = len(prompt_ids) + params.max_new_tokens + self.config.window
+        engine = Engine(self.backend, self.config, EngineConfig(max_batch_size=1, max_seq_len=min(needed, limit)))
         result = engine.generate([prompt_ids], params)[0]
         result.seconds = time.perf_counter() - start
         return result

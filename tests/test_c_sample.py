@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,19 @@ def mars_c(tmp_path_factory) -> Path:
     assert fetch.returncode == 0, f"fetch_headers.sh failed:\n{fetch.stderr}"
     for command in (["cmake", "-S", str(SAMPLE), "-B", str(build), f"-DPython3_EXECUTABLE={RUNTIME_PYTHON}"],
                     ["cmake", "--build", str(build)]):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return build / "mars_c"
+
+
+@pytest.fixture(scope="session")
+def mars_c_sanitized(mars_c, tmp_path_factory) -> Path:
+    """``mars_c`` built with ``-DMARS_C_SANITIZE=ON`` (AddressSanitizer + UndefinedBehaviorSanitizer), with the
+    headers the plain build fetched."""
+    build = tmp_path_factory.mktemp("c-sample-asan")
+    headers = mars_c.parent / "onnxruntime-headers" / "include"
+    for command in (["cmake", "-S", str(SAMPLE), "-B", str(build), f"-DPython3_EXECUTABLE={RUNTIME_PYTHON}",
+                     "-DMARS_C_SANITIZE=ON", f"-DORT_INCLUDE_DIR={headers}"], ["cmake", "--build", str(build)]):
         proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}"
     return build / "mars_c"
@@ -330,3 +344,23 @@ def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
     (no_model / "model.onnx").unlink()  # the binary's own error, after the arguments passed
     failed = subprocess.run([*command[:2], str(no_model), *command[3:]], capture_output=True, text=True, timeout=600)
     assert failed.returncode == 1 and "re-export the bundle" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_sanitized_build_runs_clean_through_cache_growth(mars_c, mars_c_sanitized, tiny_bundle, tmp_path):
+    """Long generations (the KV cache laid out again at every doubling, prefill in several chunks) on float32,
+    fp16-KV and fixed-window bundles: no AddressSanitizer / UBSan report, no leak, the plain build's ids."""
+    _, bundle = tiny_bundle("llama", 4)
+    fp16 = make_fp16_kv_bundle(tiny_bundle("qwen3", 4)[1], tmp_path / "fp16")
+    fixed = fix_window(Path(shutil.copytree(bundle, tmp_path / "fixed")), 4)
+    prompt = [(i * 7) % 200 + 3 for i in range(300)]  # 2 prefill chunks
+    env = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+    for case, args in [(bundle, ["--tau", "0.5"]), (bundle, ["--tau", "1.0", "--block-size", "2"]),
+                       (fp16, ["--tau", "0.5"]), (fixed, ["--tau", "0.9"])]:
+        command = [str(case), *args, "--max-new-tokens", "150", "--threads", "1"]
+        ids = " ".join(map(str, prompt))
+        plain = subprocess.run([str(mars_c), *command], input=ids, capture_output=True, text=True, timeout=600)
+        checked = subprocess.run([str(mars_c_sanitized), *command], input=ids, capture_output=True, text=True,
+                                 timeout=600, env={**os.environ, **env})
+        assert checked.returncode == 0 and "Sanitizer" not in checked.stderr and "runtime error" not in checked.stderr, (
+            case.name, args, checked.stderr[-2000:])
+        assert checked.stdout == plain.stdout and len(plain.stdout.split()) == 150, (case.name, args)

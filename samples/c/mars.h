@@ -74,6 +74,7 @@ typedef struct {
     int num_kv_heads;            /* H */
     int head_dim;                /* D */
     size_t elem_size;            /* bytes per element: 4 or 2 */
+    ONNXTensorElementDataType type; /* FLOAT or FLOAT16, as the config's kv_type */
     int length;                  /* P, committed positions */
     int size;                    /* S, positions per head in the layout the graph reads */
     int capacity;                /* the most positions S may grow to */

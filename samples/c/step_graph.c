@@ -29,6 +29,7 @@ void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity) {
     cache->num_kv_heads = cfg->num_kv_heads;
     cache->head_dim = cfg->head_dim;
     cache->elem_size = (size_t)cfg->kv_elem_size;
+    cache->type = cfg->kv_type;
     cache->length = 0;
     cache->capacity = capacity;
     cache->size = capacity < MIN_CACHE_SIZE ? capacity : MIN_CACHE_SIZE;
@@ -261,10 +262,9 @@ static void make_mask_and_past(StepGraph *g, const KVCache *cache, int S, void *
     size_t past_bytes = (size_t)H * (size_t)S * (size_t)cache->head_dim * cache->elem_size;
     int64_t mask_shape[4] = {1, 1, T, S + T}, past_shape[4] = {1, H, S, cache->head_dim};
     inputs[2] = make_tensor(g, mask, (size_t)T * (size_t)(S + T), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
-    ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     for (int i = 0; i < g->num_layers; i++) {
-        inputs[3 + 2 * i] = make_tensor(g, keys[i], past_bytes, past_shape, 4, kv_type);
-        inputs[4 + 2 * i] = make_tensor(g, values[i], past_bytes, past_shape, 4, kv_type);
+        inputs[3 + 2 * i] = make_tensor(g, keys[i], past_bytes, past_shape, 4, cache->type);
+        inputs[4 + 2 * i] = make_tensor(g, values[i], past_bytes, past_shape, 4, cache->type);
     }
 }
 
@@ -280,14 +280,13 @@ void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tok
     }
     int64_t ids_shape[2] = {1, width}, logits_shape[3] = {1, width, g->vocab_size}, present_shape[4] = {1, H, width, D};
     size_t present_bytes = (size_t)H * (size_t)width * (size_t)D * cache->elem_size;
-    ONNXTensorElementDataType kv_type = cache->elem_size == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     OrtValue **inputs = g->inputs, **outputs = g->outputs;  /* over this program's buffers: ORT writes into them */
     inputs[0] = make_tensor(g, g->input_ids, (size_t)width * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
     inputs[1] = make_tensor(g, g->position_ids, (size_t)width * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
     make_mask_and_past(g, cache, cache->size, cache->keys, cache->values, inputs, g->attention_mask, width);
     outputs[0] = make_tensor(g, g->logits, (size_t)width * (size_t)g->vocab_size * sizeof(float), logits_shape, 3,
                              ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-    for (int k = 0; k < 2 * L; k++) outputs[1 + k] = make_tensor(g, g->presents[k], present_bytes, present_shape, 4, kv_type);
+    for (int k = 0; k < 2 * L; k++) outputs[1 + k] = make_tensor(g, g->presents[k], present_bytes, present_shape, 4, cache->type);
     CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, (size_t)(3 + 2 * L),
                      g->output_names, (size_t)(1 + 2 * L), outputs));
     for (int k = 0; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = make_train_parser()
     args = parser.parse_args(argv)
-    from mars_export.training.trainer import prepare_trainer, save_final_model
+    from mars_export.training.trainer import end_process_group, prepare_trainer, save_final_model
     try:
         config = config_from_args(args)
         trainer, resume_from = prepare_trainer(config)
@@ -137,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     save_final_model(trainer, config)
     if trainer.is_world_process_zero():  # once, not once per process under accelerate launch / torchrun
         print(f"saved the MARS model to {config.output}")
-    # Under accelerate launch / torchrun: wait for the main process to finish writing, then destroy
-    # the process group. A process that exits with gloo's threads still alive can die of SIGABRT
-    # ("terminate called without an active exception") and fail the whole launch after a good run.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    end_process_group(trainer)  # under accelerate launch / torchrun: the order that cannot hang at exit
     return 0
 
 

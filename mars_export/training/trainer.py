@@ -8,6 +8,9 @@ Hugging Face checkpoint whose ``config.json`` records the mask token and block s
 
 from __future__ import annotations
 
+import gc
+import logging
+import weakref
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from mars_export.training.data import ExampleDataset, MarsCollator, load_example
 from mars_export.training.objective import MarsLoss, compute_mars_loss
 
 ADAPTER_DIR = "adapter"
+log = logging.getLogger(__name__)
 
 
 class MarsTrainer(Trainer):
@@ -187,3 +191,28 @@ def save_final_model(trainer: MarsTrainer, config: TrainConfig) -> None:
         return
     model.config.mars_block_size = config.block_size
     trainer.save_model(config.output)
+
+
+def end_process_group(trainer: MarsTrainer) -> None:
+    """End a run under ``accelerate launch`` / ``torchrun`` so that no process hangs or aborts at exit.
+
+    Every process waits for the main one to finish writing (a barrier), drops the DDP wrapper, then
+    destroys the process group. The order is the fix of two failures seen in CI: a process that exits
+    with gloo's worker threads alive can die of SIGABRT after a good run; and if the DDP wrapper's
+    ``Reducer`` holds the last reference to the gloo process group, its destructor joins the worker
+    threads with the GIL held while a worker waits for the GIL to free the barrier's tensors, and the
+    process hangs for ever (pytorch/pytorch#56297). Dropped first, the wrapper leaves the process group's
+    last reference to its Python object, whose destructor releases the GIL. In one process (no process
+    group) this only frees the wrapper.
+    """
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    wrapped = trainer.model_wrapped
+    wrapper = weakref.ref(wrapped) if wrapped is not trainer.model else None
+    del wrapped
+    trainer.model_wrapped = trainer.model
+    accelerator.free_memory()
+    gc.collect()
+    if wrapper is not None and wrapper() is not None:
+        log.warning("the DDP-wrapped model outlived the run; if this process hangs at exit, report it")
+    accelerator.end_training()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,24 +102,14 @@ def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_pa
     assert "do not apply with --lora-init" in capsys.readouterr().err
 
 
-def test_every_process_waits_for_the_writer_then_destroys_its_process_group(tiny_checkpoint, tiny_jsonl,
-                                                                              tmp_path, monkeypatch):
+def test_every_process_ends_its_process_group_after_saving(tiny_checkpoint, tiny_jsonl, tmp_path, monkeypatch):
     """Under accelerate launch a process that exits with gloo's threads alive can die of SIGABRT
     after a good run (a CI failure of test_distributed); main must end every run the clean way."""
     import mars_export.training.trainer as trainer_module
 
     calls = []
 
-    class Accelerator:
-        def wait_for_everyone(self):
-            calls.append("wait_for_everyone")
-
-        def end_training(self):
-            calls.append("end_training")
-
     class Trainer:
-        accelerator = Accelerator()
-
         def train(self, resume_from_checkpoint):
             calls.append("train")
 
@@ -126,5 +118,37 @@ def test_every_process_waits_for_the_writer_then_destroys_its_process_group(tiny
 
     monkeypatch.setattr(trainer_module, "prepare_trainer", lambda config: (Trainer(), None))
     monkeypatch.setattr(trainer_module, "save_final_model", lambda trainer, config: calls.append("save"))
+    monkeypatch.setattr(trainer_module, "end_process_group", lambda trainer: calls.append("end_process_group"))
     assert train(tiny_checkpoint, tiny_jsonl, tmp_path / "run", "--max-steps", "1") == 0
-    assert calls == ["train", "save", "wait_for_everyone", "end_training"]
+    assert calls == ["train", "save", "end_process_group"]
+
+
+def test_the_ddp_wrapper_is_gone_before_the_process_group_is_destroyed():
+    """If the DDP wrapper's Reducer holds the gloo process group's last reference, destroying it joins
+    gloo's threads with the GIL held and can hang the process for ever (a CI hang of test_distributed,
+    pytorch/pytorch#56297): the barrier comes first, then the wrapper goes, then the process group."""
+    from mars_export.training.trainer import end_process_group
+
+    events = []
+    model = torch.nn.Linear(2, 2)
+    wrapper = torch.nn.Sequential(model)  # stands for DistributedDataParallel(model)
+    alive = weakref.ref(wrapper)
+
+    class Accelerator:
+        def __init__(self):
+            self._models = [wrapper]
+
+        def wait_for_everyone(self):
+            events.append(("barrier", alive() is not None))
+
+        def free_memory(self):
+            self._models = []
+
+        def end_training(self):
+            events.append(("destroy", alive() is not None))
+
+    trainer = SimpleNamespace(accelerator=Accelerator(), model=model, model_wrapped=wrapper)
+    del wrapper
+    end_process_group(trainer)
+    assert events == [("barrier", True), ("destroy", False)]
+    assert trainer.model_wrapped is model

@@ -12,17 +12,19 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
 
 - Attention (:func:`step_attention`, through transformers' ``AttentionInterface``): the
   query heads of one KV head are stacked along the query axis, [B, Hkv, G·W, D], so the
-  KV heads are never repeated; scores against the past and against the W new keys are
-  one MatMul against all keys and one against all values, each over the past + new KV
-  with every new entry also written at the index of its position (:func:`at_positions`;
-  the mask is moved likewise, and the copy left after the past is hidden). A key then
+  KV heads are never repeated; the scores are one MatMul against the past keys, read in
+  place, and one against the W new keys, laid out as if every new key were also written at
+  the index of its position (:func:`at_positions`; the mask is moved likewise, and the
+  copy left after the past is hidden); p·v is one MatMul against the past values with the
+  new ones written that way (a copy of the past values). A key then
   sits at the same index whether it is fed in a window or was committed by an earlier
   step into the runtime's cache (which holds position p at index p, capacity padded), so
   the softmax sum and p·v add the same terms in the same lanes and blocks: a token scored
   inside a window gets the bits of the same token fed one step at a time. Otherwise
   1-ulp differences appear, which int8 activations (MatMulNBits ``accuracy_level`` 4)
   grow into logit differences above 1, so verification left greedy AR. The price is one
-  copy of the past K and V per layer and step (measured: no slower, CPU, int4).
+  copy of the past values per layer and step (the sum over keys of p·v is what the layout
+  fixes; a score is one dot product wherever its key sits, so the past keys need none).
 - RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with
   the sign of rotate_half folded into the sine: one half-swap instead of two, no Neg.
 - RMSNorm (:func:`rms_norm_div_form`) is traced as ``x / sqrt(mean(x²) + eps) * w``, the
@@ -118,9 +120,10 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
 
     Scores, mask and softmax run in float32 (in fp16, q·k over D = 64..128 can pass 65504
     and a softmax over K keys loses the small terms); the weights go back to the model
-    dtype (in [0, 1]) for p·v. Keys and values are laid out by :func:`at_positions`, so a
+    dtype (in [0, 1]) for p·v. Scores and values are laid out by :func:`at_positions`, so a
     token scored in a window gets the bits of one-at-a-time steps over the runtime's cache
-    (onnxruntime CPU). Query head h uses KV head h // G, as ``repeat_kv`` would.
+    (onnxruntime CPU); the past keys are read in place. Query head h uses KV head h // G, as
+    ``repeat_kv`` would.
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -134,7 +137,8 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     num_kv_heads, past = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
     grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
-    scores = grouped @ _float(at_positions(past_key, key, step_kv.positions)).transpose(2, 3)  # [B, Hkv, G·W, K]
+    scores = at_positions(grouped @ _float(past_key).transpose(2, 3),  # [B, Hkv, G·W, P]: the past read in place
+                          grouped @ _float(key).transpose(2, 3), step_kv.positions, dim=3)  # [B, Hkv, G·W, K]
     scores = scores.view(batch, num_kv_heads, group, window, past + window)  # [B, Hkv, G, W, K]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, K]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
@@ -144,16 +148,23 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     return out.transpose(1, 2), None  # [B, W, H, D]
 
 
-def at_positions(past: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """past [B, Hkv, P, D] followed by new [B, Hkv, W, D], new entry j of row b also written at
-    index ``positions[b, j]`` -> [B, Hkv, P + W, D].
+def at_positions(past: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, dim: int = 2) -> torch.Tensor:
+    """past followed by new along the key axis ``dim``, new entry j of row b also written at index
+    ``positions[b, j]`` of that axis.
+
+    Values: past [B, Hkv, P, D], new [B, Hkv, W, D], dim 2 -> [B, Hkv, P + W, D]. Scores: past
+    [B, Hkv, G·W, P] (queries against the past keys), new [B, Hkv, G·W, W] (against the new keys),
+    dim 3 -> [B, Hkv, G·W, P + W]: the scores of the keys laid out this way, each score the same
+    dot product, without a copy of the past keys.
 
     The runtime's cache holds position p at index p (StepModule's mask hides the rest), so
     each key lands where a later step will read it from the cache; the copies at P.. stay
     hidden by the mask unless they are that index (a past of exactly the committed length).
     """
-    index = positions[:, None, :, None].expand(new.shape)  # [B, Hkv, W, D]
-    return torch.cat([past, new], dim=2).scatter(2, index, new)
+    shape = [positions.shape[0], 1, 1, 1]
+    shape[dim] = positions.shape[1]
+    index = positions.reshape(shape).expand(new.shape)  # new's shape, positions[b, j] along dim
+    return torch.cat([past, new], dim=dim).scatter(dim, index, new)
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:

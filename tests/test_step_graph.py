@@ -117,3 +117,46 @@ def test_matmuls_sharing_an_input_become_one_matmul_and_split():
            for m in (model, fused)]
     for before, after in zip(*run):
         np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+
+
+def window_logits(session, rows: list[list[int]], cache: list[np.ndarray], lengths: list[int]) -> np.ndarray:
+    """logits [n, W, V] of one forward of the rows' tokens at positions lengths[b].. over the runtime's
+    cache layout (per past input one buffer [n, Hkv, S, D], position p at index p, stale values after a
+    row's length, hidden by the mask); the new KV entries are then written into the buffers at their positions."""
+    window, capacity = len(rows[0]), cache[0].shape[2]
+    mask = np.zeros((len(rows), 1, window, capacity + window), bool)
+    for b, length in enumerate(lengths):
+        mask[b, 0, :, :length] = True
+    mask[:, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
+    positions = np.array([np.arange(length, length + window) for length in lengths])
+    feeds = {bundle.INPUT_IDS: np.array(rows), bundle.POSITION_IDS: positions, bundle.ATTENTION_MASK: mask,
+             **dict(zip(bundle.input_names(len(cache) // 2)[3:], cache))}
+    logits, *present = session.run(None, feeds)
+    for buffer, new in zip(cache, present):
+        for b, length in enumerate(lengths):
+            buffer[b, :, length:length + window] = new[b]
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, arch):
+    """float32, batch 2 at different lengths: a token scored inside a 4-token window gets the logits of the
+    same token fed one step at a time, bit for bit (verify mode and lookup drafts rest on it); scores against
+    the past keys read in place and the new keys' scores laid out at their positions keep it."""
+    session = ort.InferenceSession(str(tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE), providers=["CPUExecutionProvider"])
+    shapes = [i.shape for i in session.get_inputs()[3:]]
+    rng = np.random.default_rng(0)
+    capacity, window = 48, 4
+    cache = [rng.standard_normal((2, shape[1], capacity, shape[3])).astype(np.float32) for shape in shapes]
+    lengths = [5, 11]  # each row's committed length; the rest of its buffer holds stale values
+    tokens = rng.integers(3, 90, (2, 24)).tolist()
+    compared = 0
+    for start in range(0, 24, window):
+        windowed = window_logits(session, [row[start:start + window] for row in tokens],
+                                 [buffer.copy() for buffer in cache], [length + start for length in lengths])
+        for offset in range(window):
+            single = window_logits(session, [[row[start + offset]] for row in tokens], cache,
+                                   [length + start + offset for length in lengths])
+            np.testing.assert_array_equal(windowed[:, offset], single[:, 0])
+            compared += 1
+    assert compared == 24

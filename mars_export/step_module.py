@@ -137,8 +137,12 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     num_kv_heads, past = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
     grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
+    # Against the new keys twice over, then the first W columns: a one-column MatMul (W = 1) would take MLAS's
+    # matrix-vector kernel, whose sums differ from the general kernel's unless onnxruntime's optimizer has fused
+    # the transpose (bits kept at every graph optimization level, not only at the default).
+    new_keys = _float(torch.cat([key, key], dim=2)).transpose(2, 3)  # [B, Hkv, D, 2W]
     scores = at_positions(grouped @ _float(past_key).transpose(2, 3),  # [B, Hkv, G·W, P]: the past read in place
-                          grouped @ _float(key).transpose(2, 3), step_kv.positions, dim=3)  # [B, Hkv, G·W, K]
+                          (grouped @ new_keys)[..., :window], step_kv.positions, dim=3)  # [B, Hkv, G·W, K]
     scores = scores.view(batch, num_kv_heads, group, window, past + window)  # [B, Hkv, G, W, K]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, K]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)

@@ -138,12 +138,17 @@ def window_logits(session, rows: list[list[int]], cache: list[np.ndarray], lengt
     return logits
 
 
+@pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, arch):
+def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, arch, level):
     """float32, batch 2 at different lengths: a token scored inside a 4-token window gets the logits of the
     same token fed one step at a time, bit for bit (verify mode and lookup drafts rest on it); scores against
-    the past keys read in place and the new keys' scores laid out at their positions keep it."""
-    session = ort.InferenceSession(str(tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE), providers=["CPUExecutionProvider"])
+    the past keys read in place and the new keys' scores laid out at their positions keep it, with or without
+    onnxruntime's graph optimizations (unfused, a one-column score MatMul took another kernel)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    session = ort.InferenceSession(str(tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE), options,
+                                   providers=["CPUExecutionProvider"])
     shapes = [i.shape for i in session.get_inputs()[3:]]
     rng = np.random.default_rng(0)
     capacity, window = 48, 4

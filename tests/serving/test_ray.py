@@ -289,7 +289,8 @@ def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):
     scaled = SimpleNamespace(http=httpx.Client(base_url=deployed.url, timeout=DEADLINE_S),
                              client=openai.OpenAI(base_url=f"{deployed.url}/v1", api_key="none", max_retries=0,
                                                   timeout=DEADLINE_S))
-    assert len(replicas(scaled)) == 1
+    # a replica reports to the board after it starts serving: on a loaded machine that can come after deploy returns
+    wait_until(lambda: len(replicas(scaled)) == 1, "the first replica's report")
     stop = threading.Event()
 
     def client(worker: int) -> None:

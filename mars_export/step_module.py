@@ -123,7 +123,9 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     dtype (in [0, 1]) for p·v. Scores and values are laid out by :func:`at_positions`, so a
     token scored in a window gets the bits of one-at-a-time steps over the runtime's cache
     (onnxruntime CPU); the past keys are read in place. Query head h uses KV head h // G, as
-    ``repeat_kv`` would.
+    ``repeat_kv`` would. No MatMul here runs one row or one column: MLAS gives those its matrix-vector
+    kernel, whose sums differ from the general kernel's, so a one-token step would get other bits than a
+    window; with one query head per KV head (G = 1) every query row is therefore scored twice.
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -137,17 +139,22 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     num_kv_heads, past = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
     grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
+    rows = group * window  # query rows per KV head
+    if group == 1:  # one query row per KV head at W = 1: score each row twice, so that no MatMul runs one row
+        grouped = torch.cat([grouped, grouped], dim=2)  # [B, Hkv, 2·W, D]
     # Against the new keys twice over, then the first W columns: a one-column MatMul (W = 1) would take MLAS's
     # matrix-vector kernel, whose sums differ from the general kernel's unless onnxruntime's optimizer has fused
     # the transpose (bits kept at every graph optimization level, not only at the default).
     new_keys = _float(torch.cat([key, key], dim=2)).transpose(2, 3)  # [B, Hkv, D, 2W]
     scores = at_positions(grouped @ _float(past_key).transpose(2, 3),  # [B, Hkv, G·W, P]: the past read in place
                           (grouped @ new_keys)[..., :window], step_kv.positions, dim=3)  # [B, Hkv, G·W, K]
-    scores = scores.view(batch, num_kv_heads, group, window, past + window)  # [B, Hkv, G, W, K]
+    scores = scores.view(batch, num_kv_heads, -1, window, past + window)  # [B, Hkv, G, W, K]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, K]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
-    weights = weights.view(batch, num_kv_heads, group * window, past + window)  # [B, Hkv, G·W, K]
+    weights = weights.view(batch, num_kv_heads, -1, past + window)  # [B, Hkv, G·W, K]
     out = weights @ at_positions(past_value, value, step_kv.positions)  # [B, Hkv, G·W, D]
+    if group == 1:
+        out = out[:, :, :rows]  # the first copy of each row
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]
     return out.transpose(1, 2), None  # [B, W, H, D]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import types
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -11,6 +12,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from support import export
+from tiny_models import make_checkpoint
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
@@ -138,17 +141,27 @@ def window_logits(session, rows: list[list[int]], cache: list[np.ndarray], lengt
     return logits
 
 
+@pytest.fixture(scope="module")
+def one_query_head_per_kv_head_bundle(tmp_path_factory) -> Path:
+    """A tiny Llama with as many KV heads as query heads (G = 1, as Llama-2-7B or SmolLM2-1.7B), W = 4."""
+    root = tmp_path_factory.mktemp("llama-g1")
+    return export(str(make_checkpoint("llama", root / "ckpt", num_kv_heads=4)), root / "bundle", 4, 4,
+                  "--mask-token", "<mask>")
+
+
 @pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, arch, level):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-g1"])
+def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, one_query_head_per_kv_head_bundle,
+                                                                    arch, level):
     """float32, batch 2 at different lengths: a token scored inside a 4-token window gets the logits of the
     same token fed one step at a time, bit for bit (verify mode and lookup drafts rest on it); scores against
     the past keys read in place and the new keys' scores laid out at their positions keep it, with or without
-    onnxruntime's graph optimizations (unfused, a one-column score MatMul took another kernel)."""
+    onnxruntime's graph optimizations (unfused, a one-column score MatMul took another kernel), and with one
+    query head per KV head (a one-row attention MatMul at W = 1 took another kernel)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
-    session = ort.InferenceSession(str(tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE), options,
-                                   providers=["CPUExecutionProvider"])
+    path = one_query_head_per_kv_head_bundle if arch == "llama-g1" else tiny_bundle(arch, 4)[1]
+    session = ort.InferenceSession(str(path / bundle.ONNX_FILE), options, providers=["CPUExecutionProvider"])
     shapes = [i.shape for i in session.get_inputs()[3:]]
     rng = np.random.default_rng(0)
     capacity, window = 48, 4

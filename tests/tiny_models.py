@@ -50,10 +50,11 @@ def make_tokenizer(spare: tuple[str, ...] = ("<mask>",)) -> PreTrainedTokenizerF
     return fast
 
 
-def make_checkpoint(arch: str, directory: Path, seed: int = 0, max_context: int = 512) -> Path:
-    """Save a 2-layer random model of ``arch`` (``max_context`` positions) plus tokenizer to ``directory``; return it."""
+def make_checkpoint(arch: str, directory: Path, seed: int = 0, max_context: int = 512, num_kv_heads: int = 2) -> Path:
+    """Save a 2-layer random model of ``arch`` (``max_context`` positions, 4 query heads over ``num_kv_heads`` KV
+    heads) plus tokenizer to ``directory``; return it."""
     tokenizer = make_tokenizer()
-    return _save_random_model(arch, directory, tokenizer, len(tokenizer), seed, max_context)
+    return _save_random_model(arch, directory, tokenizer, len(tokenizer), seed, max_context, num_kv_heads)
 
 
 def make_a2d_checkpoint(layout: str, directory: Path, seed: int = 0) -> Path:
@@ -75,10 +76,11 @@ def make_a2d_checkpoint(layout: str, directory: Path, seed: int = 0) -> Path:
 
 
 def _save_random_model(arch: str, directory: Path, tokenizer: PreTrainedTokenizerFast, vocab_size: int, seed: int,
-                       max_context: int) -> Path:
+                       max_context: int, num_kv_heads: int = 2) -> Path:
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_context,
+                        num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
+                        max_position_embeddings=max_context,
                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)

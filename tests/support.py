@@ -73,3 +73,27 @@ def load_script(path: Path):
     sys.modules[path.stem] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
+
+
+def window_logits(session, rows: list[list[int]], cache: list, lengths: list[int]):
+    """logits [n, W, V] (numpy) of one step-graph forward of the rows' tokens at positions lengths[b].. over
+    the runtime's cache layout (per past input one buffer [n, Hkv, S, D], position p at index p, stale values
+    after a row's length, hidden by the mask); the new KV entries are then written into the buffers at their
+    positions."""
+    import numpy as np
+
+    from runtime import bundle
+
+    window, capacity = len(rows[0]), cache[0].shape[2]
+    mask = np.zeros((len(rows), 1, window, capacity + window), bool)
+    for b, length in enumerate(lengths):
+        mask[b, 0, :, :length] = True
+    mask[:, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
+    positions = np.array([np.arange(length, length + window) for length in lengths])
+    feeds = {bundle.INPUT_IDS: np.array(rows), bundle.POSITION_IDS: positions, bundle.ATTENTION_MASK: mask,
+             **dict(zip(bundle.input_names(len(cache) // 2)[3:], cache))}
+    logits, *present = session.run(None, feeds)
+    for buffer, new in zip(cache, present):
+        for b, length in enumerate(lengths):
+            buffer[b, :, length:length + window] = new[b]
+    return logits

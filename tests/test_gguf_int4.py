@@ -18,6 +18,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from support import window_logits
 from tiny_gguf import LAYERS, write_tiny_gguf
 
 from mars_export.gguf_blocks import read_block_weights
@@ -131,22 +132,6 @@ def test_unmerged_adapter_matches_merged_float32_graph(tmp_path):
     np.testing.assert_allclose(run_graph(tmp_path / "int4.onnx", ids), reference, atol=1e-4, rtol=0)  # ... and is kept
 
 
-def step_logits(session: ort.InferenceSession, ids: list[int], cache: list[np.ndarray], length: int) -> np.ndarray:
-    """logits [W, V] of one forward of ``ids`` at positions ``length``.. over a cache laid out as the
-    runtime's (per past input a buffer [1, Hkv, S, D] holding positions < ``length`` at their index,
-    stale values after them, hidden by the mask); the W new KV entries are written into it."""
-    window, capacity = len(ids), cache[0].shape[2]
-    mask = np.zeros((1, 1, window, capacity + window), bool)
-    mask[..., :length] = True
-    mask[0, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
-    feeds = {"input_ids": np.array([ids]), "position_ids": np.arange(length, length + window)[None],
-             "attention_mask": mask, **dict(zip(bundle.input_names(LAYERS)[3:], cache))}
-    logits, *present = session.run(None, feeds)
-    for buffer, new in zip(cache, present):
-        buffer[:, :, length:length + window] = new
-    return logits[0]
-
-
 @pytest.mark.parametrize("weight_dtype", ["int4", "int8"])
 def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight_dtype):
     """At accuracy level 4 (int8 activations, the shipped setting) a token scored inside a W-token
@@ -164,13 +149,13 @@ def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight
     rng = np.random.default_rng(0)
     cache = [rng.standard_normal((1, shape[1], CONTEXT, shape[3])).astype(np.float32) for shape in shapes]
     prompt, tokens = [3, 17, 42, 90, 5, 61, 23, 8, 77], rng.integers(3, 94, 40).tolist()
-    step_logits(session, prompt, cache, 0)
+    window_logits(session, [prompt], cache, [0])
     for start in range(0, len(tokens), WINDOW):  # each window after the cache of the ones before
         window = tokens[start:start + WINDOW]
-        windowed = step_logits(session, window, cache, len(prompt) + start)
+        windowed = window_logits(session, [window], cache, [len(prompt) + start])[0]
         for offset, token in enumerate(window):
             position = len(prompt) + start + offset
-            single = step_logits(session, [token], cache, position)
+            single = window_logits(session, [[token]], cache, [position])[0]
             np.testing.assert_allclose(windowed[offset], single[0], atol=1e-4, rtol=0, err_msg=f"position {position}")
 
     config = bundle.BundleConfig(block_size=WINDOW, window=WINDOW, mask_token="<mask>", mask_token_id=95,

@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
-from support import export
+from support import export, window_logits
 from tiny_models import make_checkpoint
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
@@ -122,25 +122,6 @@ def test_matmuls_sharing_an_input_become_one_matmul_and_split():
         np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
 
 
-def window_logits(session, rows: list[list[int]], cache: list[np.ndarray], lengths: list[int]) -> np.ndarray:
-    """logits [n, W, V] of one forward of the rows' tokens at positions lengths[b].. over the runtime's
-    cache layout (per past input one buffer [n, Hkv, S, D], position p at index p, stale values after a
-    row's length, hidden by the mask); the new KV entries are then written into the buffers at their positions."""
-    window, capacity = len(rows[0]), cache[0].shape[2]
-    mask = np.zeros((len(rows), 1, window, capacity + window), bool)
-    for b, length in enumerate(lengths):
-        mask[b, 0, :, :length] = True
-    mask[:, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
-    positions = np.array([np.arange(length, length + window) for length in lengths])
-    feeds = {bundle.INPUT_IDS: np.array(rows), bundle.POSITION_IDS: positions, bundle.ATTENTION_MASK: mask,
-             **dict(zip(bundle.input_names(len(cache) // 2)[3:], cache))}
-    logits, *present = session.run(None, feeds)
-    for buffer, new in zip(cache, present):
-        for b, length in enumerate(lengths):
-            buffer[b, :, length:length + window] = new[b]
-    return logits
-
-
 @pytest.fixture(scope="module")
 def one_query_head_per_kv_head_bundle(tmp_path_factory) -> Path:
     """A tiny Llama with as many KV heads as query heads (G = 1, as Llama-2-7B or SmolLM2-1.7B), W = 4."""
@@ -149,7 +130,8 @@ def one_query_head_per_kv_head_bundle(tmp_path_factory) -> Path:
                   "--mask-token", "<mask>")
 
 
-@pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL])
+@pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                                   ort.GraphOptimizationLevel.ORT_ENABLE_ALL])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-g1"])
 def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, one_query_head_per_kv_head_bundle,
                                                                     arch, level):

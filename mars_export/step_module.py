@@ -139,7 +139,6 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     num_kv_heads, past = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
     grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
-    rows = group * window  # query rows per KV head
     if group == 1:  # one query row per KV head at W = 1: score each row twice, so that no MatMul runs one row
         grouped = torch.cat([grouped, grouped], dim=2)  # [B, Hkv, 2·W, D]
     # Against the new keys twice over, then the first W columns: a one-column MatMul (W = 1) would take MLAS's
@@ -154,7 +153,7 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     weights = weights.view(batch, num_kv_heads, -1, past + window)  # [B, Hkv, G·W, K]
     out = weights @ at_positions(past_value, value, step_kv.positions)  # [B, Hkv, G·W, D]
     if group == 1:
-        out = out[:, :, :rows]  # the first copy of each row
+        out = out[:, :, :window]  # the first copy of each row
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]
     return out.transpose(1, 2), None  # [B, W, H, D]
 

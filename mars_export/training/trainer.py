@@ -207,9 +207,7 @@ def end_process_group(trainer: MarsTrainer) -> None:
     """
     accelerator = trainer.accelerator
     accelerator.wait_for_everyone()
-    wrapped = trainer.model_wrapped
-    wrapper = weakref.ref(wrapped) if wrapped is not trainer.model else None
-    del wrapped
+    wrapper = weakref.ref(trainer.model_wrapped) if trainer.model_wrapped is not trainer.model else None
     trainer.model_wrapped = trainer.model
     accelerator.free_memory()
     gc.collect()

@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trt", action="store_true", help="also build engine.plan with TensorRT (NVIDIA GPU only)")
     p.add_argument("--trt-max-batch", type=int, default=8, help="largest batch of the TensorRT profile (default 8)")
     p.add_argument("--trt-max-context", type=int, default=None,
-                   help="largest past + window of the TensorRT profile (default: min(model context, 4096))")
+                   help="largest past (KV cache capacity, positions per sequence) of the TensorRT profile "
+                        "(default: min(model context, 4096))")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     return p.parse_args(argv)
 

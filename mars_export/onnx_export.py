@@ -1,8 +1,9 @@
 """Export the step graph to ONNX with torch's dynamo exporter (opset 18).
 
-Batch, past length (0 at the first step) and window length are dynamic axes. The runtime
-decodes with the bundle's window W and prefills with longer windows; TensorRT engines fix
-W in their optimization profile.
+Batch, KV cache capacity S and window length are dynamic axes; the KV outputs have the
+inputs' shapes (the cache with the window's entries written in place, :mod:`mars_export.step_module`).
+The runtime decodes with the bundle's window W and prefills with longer windows; TensorRT
+engines fix W in their optimization profile.
 I/O names come from :mod:`runtime.bundle`, the one place they are defined.
 """
 
@@ -41,13 +42,14 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     cfg = model.config
     num_layers, num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    batch, past = Dim("batch", min=1, max=1024), Dim("past", min=0, max=max_context)
+    batch, past = Dim("batch", min=1, max=1024), Dim("past", min=1, max=max_context)
     length = Dim("window", min=1, max=max_context)
-    # The example needs W >= 2: torch.export specializes a dimension whose example size is 1.
+    # The example needs W >= 2: torch.export specializes a dimension whose example size is 1. The mask's last
+    # axis is the cache's (S): one symbol, so the graph and TensorRT profiles know they are equal.
     example = _example_inputs(cfg.vocab_size, num_layers, num_kv_heads, head_dim, max(window, 2), model.dtype)
     kv_shapes = [({0: batch, 2: past}, {0: batch, 2: past}) for _ in range(num_layers)]
     dynamic_shapes = {"input_ids": {0: batch, 1: length}, "position_ids": {0: batch, 1: length},
-                      "attention_mask": {0: batch, 2: length, 3: Dim.AUTO}, "past": kv_shapes}
+                      "attention_mask": {0: batch, 2: length, 3: past}, "past": kv_shapes}
     # The exporter narrates each pass on stdout and warns about unrelated optional packages
     # (torchvision) and deprecations; the bundle's parity check is what reports on the result.
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _quiet("torch.onnx"), \
@@ -77,9 +79,9 @@ def _example_inputs(vocab: int, num_layers: int, num_kv_heads: int, head_dim: in
     b, p = _EXAMPLE_BATCH, _EXAMPLE_PAST
     input_ids = torch.randint(0, vocab, (b, window))  # [B, W]
     position_ids = torch.arange(p, p + window).repeat(b, 1)  # [B, W]
-    mask = torch.ones(b, 1, window, p + window, dtype=torch.bool).tril(p)  # [B, 1, W, P + W]
-    past = [(torch.zeros(b, num_kv_heads, p, head_dim, dtype=dtype),
-             torch.zeros(b, num_kv_heads, p, head_dim, dtype=dtype)) for _ in range(num_layers)]
+    mask = torch.ones(b, 1, window, p + window, dtype=torch.bool).tril(p)  # [B, 1, W, S]: S = P + W, room for W
+    past = [(torch.zeros(b, num_kv_heads, p + window, head_dim, dtype=dtype),
+             torch.zeros(b, num_kv_heads, p + window, head_dim, dtype=dtype)) for _ in range(num_layers)]
     return input_ids, position_ids, mask, past
 
 

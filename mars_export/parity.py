@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from runtime.bundle import BundleConfig
-from runtime.decode.batch import window_mask
+from runtime.backends.fused import written_positions
+from runtime.decode.batch import scratch_past, window_mask
 
 
 class ParityError(RuntimeError):
@@ -63,15 +64,14 @@ def _graph_logits(backend, config: BundleConfig, ids: list[int]) -> np.ndarray:
     """Logits float32 [T_padded, V] of ``ids`` fed W at a time, the last window padded with masks."""
     window, dtype = config.window, np.dtype(config.dtype)
     padded = ids + [config.mask_token_id] * (-len(ids) % window)
-    empty = np.zeros((1, config.num_kv_heads, 0, config.head_dim), dtype)  # [1, H, 0, D]
-    past = [(empty, empty) for _ in range(config.num_layers)]
+    room = written_positions(window) - window if config.graph == "fused" else 0  # a one-token window's second row
+    capacity = len(padded) + room
+    past = scratch_past(config.num_layers, 1, config.num_kv_heads, capacity, config.head_dim, dtype)  # [1, H, S, D]
     chunks = []
     for start in range(0, len(padded), window):
         tokens = np.array([padded[start:start + window]], dtype=np.int64)  # [1, W]
         positions = np.arange(start, start + window, dtype=np.int64)[None]  # [1, W]
-        logits, presents = backend.step(tokens, positions, window_mask(np.array([start]), start, window), past)
-        past = [(np.concatenate([k, nk], axis=2), np.concatenate([v, nv], axis=2))  # [1, H, P + W, D]
-                for (k, v), (nk, nv) in zip(past, presents)]
+        logits, past = backend.step(tokens, positions, window_mask(np.array([start]), capacity, window), past)
         chunks.append(logits[0])
     return np.concatenate(chunks)
 

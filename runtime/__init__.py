@@ -16,7 +16,7 @@ Dimension letters, the same in every module of the runtime and of the reference 
     B  block size: most tokens one decode step accepts     W  window: tokens fed per decode step
     w  this step's window, <= W (a shrunk AR/verify step)   r  uncached real tokens a row feeds first
     k  drafts a row feeds after them                         M  predictions one step offers a row (w - r + 1)
-    T  prompt tokens of one prefill forward                  P  past length fed to the step graph
+    T  prompt tokens of one prefill forward                  P  committed positions of a slot (its length)
     S  cache capacity (positions per slot)                   C  context length in tokens (memory sizing)
     V  vocabulary    L  layers    H  KV heads    D  head dim    d  hidden size    I  MLP width
 """

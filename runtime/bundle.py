@@ -3,19 +3,22 @@
 This module is the one place where the I/O names of the step graph live; the exporter
 (`mars_export`) and every runtime backend import them from here.
 
-Step graph I/O (n batch rows, W window, P past length, H KV heads, D head dim, V vocab; n, P
+Step graph I/O (n batch rows, W window, S KV cache capacity, H KV heads, D head dim, V vocab; n, S
 and, in exports since 2026-11-30, W are dynamic axes):
     inputs   input_ids                  int64 [n, W]
-             position_ids               int64 [n, W]
-             attention_mask             bool  [n, 1, W, P + W]   True = query may see key;
-                                        keys are the P cached entries, then the W new ones
-             past_key_values.{i}.key    dtype [n, H, P, D]       (i = layer index)
-             past_key_values.{i}.value  dtype [n, H, P, D]
+             position_ids               int64 [n, W]             each < S: where the entry is written
+             attention_mask             bool  [n, 1, W, S]       True = query may see the key at that
+                                        cache index (the window's own keys at their positions)
+             past_key_values.{i}.key    dtype [n, H, S, D]       (i = layer index) the KV cache, position
+             past_key_values.{i}.value  dtype [n, H, S, D]       p at index p
              num_logits                 int64 []                 optional (a default: all W rows); exports since
                                         2026-12-02: logits of the last min(num_logits, W) rows only
     outputs  logits                     float32 [n, W, V]        (float32 in fp16 exports too; [n, min(num_logits, W), V])
-             present.{i}.key            dtype [n, H, W, D]       ONLY the W new entries
-             present.{i}.value          dtype [n, H, W, D]
+             present.{i}.key            dtype [n, H, S, D]       the past with entry j of row b written at
+             present.{i}.value          dtype [n, H, S, D]       index position_ids[b, j]
+A runtime binds each present to its past's buffer (I/O binding) and the step writes its W entries into
+the cache in place (exports since 2026-12-02, twelfth session; older step graphs output only the W new entries and
+:func:`check_kv_in_place` refuses them).
 
 Fused graph (``graph: "fused"``, GitHub issue 11): onnxruntime-genai's model-builder graph of the
 same weights (GroupQueryAttention), batch 1, the KV cache one buffer [1, H, S, D] per layer and
@@ -69,7 +72,7 @@ def past_names(layer: int) -> tuple[str, str]:
 
 
 def present_names(layer: int) -> tuple[str, str]:
-    """Names of the key and value outputs of ``layer`` (the W new entries only)."""
+    """Names of the key and value outputs of ``layer`` (the cache with the new entries written)."""
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
@@ -80,6 +83,53 @@ def step_feeds(input_ids, position_ids, attention_mask, past) -> dict:
         key_name, value_name = past_names(i)
         feeds[key_name], feeds[value_name] = key, value
     return feeds
+
+
+def check_kv_in_place(past_shape: list, present_shape: list, path) -> None:
+    """Refuse a step graph whose KV outputs are not its KV inputs written in place.
+
+    Args:
+        past_shape, present_shape: the declared shapes of ``past_key_values.0.key`` and ``present.0.key``
+            (symbols as strings, as onnxruntime reports them).
+        path: the graph file, for the message.
+
+    Raises:
+        BundleError: the present's position axis is not the past's (an older step graph, whose
+            presents hold only the W new entries).
+    """
+    if present_shape[2] != past_shape[2]:
+        raise BundleError(f"{path} is an older step graph that outputs only the window's new KV entries (this runtime "
+                          "writes them into the KV cache in place); re-export the bundle with mars-export")
+
+
+def check_step_inputs(input_ids, position_ids, attention_mask, past, num_layers: int) -> None:
+    """Refuse step inputs that do not fit the step graph's I/O (above), before a backend runs them.
+
+    Args:
+        input_ids, position_ids: [n, W]; attention_mask: [n, 1, W, S]; past: per layer (key, value)
+            [n, H, S, D] (any arrays with ``shape``: numpy, or a device backend's tensors).
+        num_layers: the model's layers.
+
+    Raises:
+        ValueError: shapes that disagree (the message names both), a past of another layer count, or a
+            position outside 0..S-1 (the step writes each new entry at its position).
+    """
+    n, window = input_ids.shape
+    capacity = past[0][0].shape[2] if past else 0
+    if len(past) != num_layers:
+        raise ValueError(f"the past has {len(past)} layers but the model has {num_layers}")
+    if tuple(position_ids.shape) != (n, window) or tuple(attention_mask.shape) != (n, 1, window, capacity):
+        raise ValueError(f"step inputs disagree: input_ids {tuple(input_ids.shape)}, position_ids "
+                         f"{tuple(position_ids.shape)}, attention_mask {tuple(attention_mask.shape)} for a past of "
+                         f"{capacity} positions; expected [n, W], [n, W], [n, 1, W, S]")
+    shape = tuple(past[0][0].shape)
+    if shape[0] != n or any(tuple(array.shape) != shape for pair in past for array in pair):
+        raise ValueError(f"every past array must be [n, H, S, D] = [{n}, H, {capacity}, D] like the first, "
+                         f"{shape}; got {sorted({tuple(a.shape) for pair in past for a in pair})}")
+    if position_ids.size and (position_ids.min() < 0 or position_ids.max() >= capacity):
+        raise ValueError(f"positions {position_ids.min()}..{position_ids.max()} do not fit a past of {capacity} "
+                         "positions: the step writes each new KV entry at its position, so give the past room "
+                         "for the window (KVCache.reserve)")
 
 
 def input_names(num_layers: int) -> list[str]:

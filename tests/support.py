@@ -78,22 +78,34 @@ def load_script(path: Path):
 def window_logits(session, rows: list[list[int]], cache: list, lengths: list[int]):
     """logits [n, W, V] (numpy) of one step-graph forward of the rows' tokens at positions lengths[b].. over
     the runtime's cache layout (per past input one buffer [n, Hkv, S, D], position p at index p, stale values
-    after a row's length, hidden by the mask); the new KV entries are then written into the buffers at their
-    positions."""
+    after a row's length, hidden by the mask), bound as the runtime binds it: each present is its past's
+    buffer, so the new KV entries are written into ``cache`` at their positions."""
     import numpy as np
+    import onnxruntime as ort
 
     from runtime import bundle
+    from runtime.backends.kv_binding import KVBinding
+    from runtime.decode.batch import window_mask
 
     window, capacity = len(rows[0]), cache[0].shape[2]
-    mask = np.zeros((len(rows), 1, window, capacity + window), bool)
-    for b, length in enumerate(lengths):
-        mask[b, 0, :, :length] = True
-    mask[:, 0, :, capacity:] = np.tril(np.ones((window, window), bool))
-    positions = np.array([np.arange(length, length + window) for length in lengths])
-    feeds = {bundle.INPUT_IDS: np.array(rows), bundle.POSITION_IDS: positions, bundle.ATTENTION_MASK: mask,
-             **dict(zip(bundle.input_names(len(cache) // 2)[3:], cache))}
-    logits, *present = session.run(None, feeds)
-    for buffer, new in zip(cache, present):
-        for b, length in enumerate(lengths):
-            buffer[b, :, length:length + window] = new[b]
-    return logits
+    lengths = np.array(lengths, np.int64)
+    positions = lengths[:, None] + np.arange(window)[None]  # [n, W]
+    kv = KVBinding(session, ort)
+    binding = kv.bind_kv(list(zip(cache[0::2], cache[1::2])))
+    feeds = {bundle.INPUT_IDS: np.array(rows, np.int64), bundle.POSITION_IDS: positions,
+             bundle.ATTENTION_MASK: window_mask(lengths, capacity, window)}
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    vocab = session.get_outputs()[0].shape[2]
+    return kv.run((len(rows), window, vocab))
+
+
+def declare_old_kv_outputs(bundle: Path) -> None:
+    """Declare the step graph's presents as older exports did: [B, H, W, D], the window's new entries only."""
+    import onnx
+
+    model = onnx.load(str(bundle / "model.onnx"))
+    for value in model.graph.output:
+        if value.name.startswith("present."):
+            value.type.tensor_type.shape.dim[2].dim_param = "window"
+    onnx.save(model, str(bundle / "model.onnx"))

@@ -20,33 +20,36 @@ from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.step_module import StepKV, rotary_joint, step_attention
 from runtime import bundle
 
-B, H, HKV, W, P, D = 2, 6, 2, 3, 5, 8  # batch, query heads, KV heads, window, past, head dim
+B, H, HKV, W, P, S, D = 2, 6, 2, 3, 5, 12, 8  # batch, query heads, KV heads, window, committed, capacity, head dim
 
 
 def random_attention_inputs(dtype=torch.float32):
     torch.manual_seed(0)
     query = torch.randn(B, H, W, D, dtype=dtype)
     new_key, new_value = torch.randn(B, HKV, W, D, dtype=dtype), torch.randn(B, HKV, W, D, dtype=dtype)
-    past = [(torch.randn(B, HKV, P, D, dtype=dtype), torch.randn(B, HKV, P, D, dtype=dtype))]
-    mask = torch.rand(B, 1, W, P + W) < 0.6  # holes anywhere, as batching and verification make them
+    past = [(torch.randn(B, HKV, S, D, dtype=dtype), torch.randn(B, HKV, S, D, dtype=dtype))]  # stale after P
+    mask = torch.rand(B, 1, W, S) < 0.6  # holes anywhere, as batching and verification make them
     mask[0, 0, 1] = False  # one fully masked query row: must stay finite
-    mask[:, :, :, P:] |= torch.eye(W, dtype=torch.bool)  # every other query sees itself
-    bias = torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)  # [B, 1, W, P + W]
+    mask[:, :, :, P:P + W] |= torch.eye(W, dtype=torch.bool)  # every other query sees itself (at its position)
+    bias = torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)  # [B, 1, W, S]
     return query, new_key, new_value, past, bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_grouped_attention_equals_repeated_kv_attention(dtype):
+    """Grouped attention over the cache with the window written at its positions = transformers' eager attention
+    (KV heads repeated) over that cache; the present is the past with the new entries there, nothing else changed."""
     query, key, value, past, bias = random_attention_inputs(dtype)
     layer = types.SimpleNamespace(layer_idx=0, num_key_value_groups=H // HKV, training=False)
-    step_kv = StepKV(past=past, positions=torch.arange(P, P + W).expand(B, W))  # a past of the committed length
+    step_kv = StepKV(past=past, positions=torch.arange(P, P + W).expand(B, W))
     out, _ = step_attention(layer, query, key, value, bias, scaling=D**-0.5, step_kv=step_kv)
-    full_key = torch.cat([past[0][0], key], dim=2).float()  # [B, Hkv, P + W, D]
-    full_value = torch.cat([past[0][1], value], dim=2).float()
-    expected, _ = eager_attention_forward(layer, query.float(), full_key, full_value, bias.float(), scaling=D**-0.5)
+    full_key, full_value = past[0][0].clone(), past[0][1].clone()  # [B, Hkv, S, D]
+    full_key[:, :, P:P + W], full_value[:, :, P:P + W] = key, value
+    expected, _ = eager_attention_forward(layer, query.float(), full_key.float(), full_value.float(), bias.float(),
+                                          scaling=D**-0.5)
     assert out.shape == (B, W, H, D) and out.dtype == dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 5e-3, rtol=0)
-    assert step_kv.present[0][0] is key and step_kv.present[0][1] is value
+    assert torch.equal(step_kv.present[0][0], full_key) and torch.equal(step_kv.present[0][1], full_value)
 
 
 def test_step_attention_needs_the_step_kv():
@@ -67,9 +70,8 @@ def test_joint_rotary_equals_transformers_rotary():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
-    """No KV-head Expand (only position indices are expanded), each past value concatenated with the new ones once and
-    no past key (at_positions: scores against the past keys read in place);
-    one MatMul for Q/K/V and one for gate/up per layer; onnxruntime's optimizer turns every RMSNorm
+    """No KV-head Expand (only position indices are expanded), no past concatenated with anything (the window's
+    KV is scattered into the past, one ScatterElements per past input); one MatMul for Q/K/V and one for gate/up per layer; onnxruntime's optimizer turns every RMSNorm
     into one SimplifiedLayerNormalization."""
     path = tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE
     graph = onnx.load(str(path)).graph
@@ -83,8 +85,10 @@ def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
     # only position indices (int64) and the mask filler (a scalar constant) are expanded, never KV heads
     assert all(types.get(n.output[0]) == onnx.TensorProto.INT64 or n.input[0] in constants
                for n in graph.node if n.op_type == "Expand")
-    concatenated = [i for n in graph.node if n.op_type == "Concat" for i in n.input if i in past_inputs]
-    assert sorted(concatenated) == sorted(i for i in past_inputs if i.endswith(".value"))  # keys are read in place
+    past_readers = [(n.op_type, i) for n in graph.node for i in n.input if i in past_inputs and n.op_type != "Shape"]
+    assert sorted(past_readers) == sorted(("ScatterElements", i) for i in past_inputs)  # written in place, never copied
+    outputs = {o.name for o in graph.output}
+    assert {n.output[0] for n in graph.node if n.op_type == "ScatterElements"} == outputs - {bundle.LOGITS}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -136,10 +140,10 @@ def one_query_head_per_kv_head_bundle(tmp_path_factory) -> Path:
 def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle, one_query_head_per_kv_head_bundle,
                                                                     arch, level):
     """float32, batch 2 at different lengths: a token scored inside a 4-token window gets the logits of the
-    same token fed one step at a time, bit for bit (verify mode and lookup drafts rest on it); scores against
-    the past keys read in place and the new keys' scores laid out at their positions keep it, with or without
-    onnxruntime's graph optimizations (unfused, a one-column score MatMul took another kernel), and with one
-    query head per KV head (a one-row attention MatMul at W = 1 took another kernel)."""
+    same token fed one step at a time, bit for bit (verify mode and lookup drafts rest on it); the KV written
+    into the cache in place, bound as the runtime binds it, keeps it, with or without onnxruntime's graph
+    optimizations, and with one query head per KV head (a one-row attention MatMul at W = 1 took another
+    kernel)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     path = one_query_head_per_kv_head_bundle if arch == "llama-g1" else tiny_bundle(arch, 4)[1]

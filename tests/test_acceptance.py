@@ -59,40 +59,53 @@ def test_tau_above_one_is_allowed():
     assert DecodeParams(tau=1.5).tau == 1.5
 
 
-def test_window_mask_with_an_exact_past():
-    mask = window_mask(np.array([2]), 2, 3)
-    assert mask.shape == (1, 1, 3, 5) and mask.dtype == bool
-    expected = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=bool)
+def test_window_mask_sees_the_committed_keys_then_the_window_at_its_positions():
+    mask = window_mask(np.array([2, 0]), 6, 3)  # [n, 1, W, S]: row 0 holds 2 entries, row 1 none
+    assert mask.shape == (2, 1, 3, 6) and mask.dtype == bool
+    expected = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=bool)
     np.testing.assert_array_equal(mask[0, 0], expected)
-    assert window_mask(np.array([0]), 0, 2)[0, 0].tolist() == [[True, False], [True, True]]
+    assert window_mask(np.array([0]), 2, 2)[0, 0].tolist() == [[True, False], [True, True]]
+    np.testing.assert_array_equal(mask[1, 0], np.tril(np.ones((3, 6), bool)))
 
 
 def test_kv_cache_commits_only_real_positions():
+    """Presents in the cache's layout (entries at their positions) are copied from the slot's length on,
+    ``count`` of them."""
     cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=np.float32)
-    new = [(np.full((1, 1, 4, 2), 10.0 * layer + np.arange(4)[None, None, :, None]),
-            np.full((1, 1, 4, 2), -1.0)) for layer in range(2)]
-    cache.commit(new, [3])  # window of 4, only 3 real tokens
+    new = [(np.full((1, 1, 6, 2), 10.0 * layer + np.arange(6)[None, None, :, None]),
+            np.full((1, 1, 6, 2), -1.0)) for layer in range(2)]
+    cache.commit(new, [3])  # a window of 4 at positions 0..3, only 3 real tokens
     assert cache.lengths.tolist() == [3] and cache.capacity == 6
     np.testing.assert_array_equal(cache.past(1)[1][0][0, 0, :3, 0], [10, 11, 12])
     cache.commit(new, [2])
-    np.testing.assert_array_equal(cache.past(1)[0][0][0, 0, :, 0], [0, 1, 2, 0, 1, 0])
+    np.testing.assert_array_equal(cache.past(1)[0][0][0, 0, :, 0], [0, 1, 2, 3, 4, 0])
     with pytest.raises(ValueError, match="KV cache overflow"):
         cache.commit(new, [2])
     with pytest.raises(ValueError, match="KV cache overflow"):
         cache.reserve(7)
 
 
+def test_kv_cache_commit_of_its_own_buffers_only_counts():
+    """A step that wrote into the cache (presents = its views) is committed without a copy."""
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=16, dtype=np.float32, num_slots=2)
+    presents = cache.past(2)
+    presents[0][0][1, 0, :3] = 7.0  # as the step writes row 1's window
+    before = cache.keys[0].copy()
+    cache.commit(presents, [0, 3])
+    assert cache.lengths.tolist() == [0, 3] and np.array_equal(cache.keys[0], before)
+
+
 def test_kv_cache_rows_advance_independently_and_past_is_a_view():
     cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=3, max_len=1000, dtype=np.float32, num_slots=3)
     cache.reserve(40)
     assert cache.capacity == 64  # doubled from 16 until it fits
-    new = [(np.arange(2 * 2 * 4 * 3, dtype=np.float32).reshape(2, 2, 4, 3), np.ones((2, 2, 4, 3), np.float32))]
+    new = [(np.arange(2 * 2 * 6 * 3, dtype=np.float32).reshape(2, 2, 6, 3), np.ones((2, 2, 6, 3), np.float32))]
     cache.commit(new, [4, 1])
     cache.commit(new, [0, 2])
     assert cache.lengths.tolist() == [4, 3, 0]
     key = cache.past(2)[0][0]
     assert key.shape == (2, 2, 64, 3) and np.shares_memory(key, cache.keys[0])  # no copy of the past
-    np.testing.assert_array_equal(key[1, :, :3], new[0][0][1, :, [0, 0, 1]].transpose(1, 0, 2))
+    np.testing.assert_array_equal(key[1, :, :3], new[0][0][1, :, :3])  # positions 0, then 1..2
     cache.reserve(200)  # growing keeps the committed prefix
     assert cache.capacity == 256
     np.testing.assert_array_equal(cache.past(2)[0][0][1, :, :3], key[1, :, :3])
@@ -105,12 +118,13 @@ def test_kv_cache_rows_advance_independently_and_past_is_a_view():
 def test_kv_cache_commit_slot_appends_a_whole_prefill_chunk_to_one_slot():
     cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=64, dtype=np.float32, num_slots=3)
     cache.commit([(np.ones((2, 1, 4, 2), np.float32), np.ones((2, 1, 4, 2), np.float32))], [2, 1])
-    chunk = [(np.arange(5, dtype=np.float32).reshape(1, 1, 5, 1).repeat(2, -1), np.zeros((1, 1, 5, 2), np.float32))]
-    cache.commit_slot(1, chunk)
+    chunk = [(np.arange(8, dtype=np.float32).reshape(1, 1, 8, 1).repeat(2, -1), np.zeros((1, 1, 8, 2), np.float32))]
+    cache.commit_slot(1, chunk, 0, 5)  # positions 1..5 of the chunk's presents
     assert cache.lengths.tolist() == [2, 6, 0]  # only slot 1 moved
-    past = cache.past_of(1)  # the committed entries only (a prefill's past), C-contiguous as the graph takes them
-    assert past[0][0].shape == (1, 1, 6, 2) and past[0][0].flags.c_contiguous
-    np.testing.assert_array_equal(past[0][0][0, 0, :, 0], [1, 0, 1, 2, 3, 4])
+    past = cache.past_of(1)  # the slot's own buffers (a prefill's past, written in place), C-contiguous
+    assert past[0][0].shape == (1, 1, 16, 2) and past[0][0].flags.c_contiguous
+    assert np.shares_memory(past[0][0], cache.keys[0])
+    np.testing.assert_array_equal(past[0][0][0, 0, :6, 0], [1, 1, 2, 3, 4, 5])
     np.testing.assert_array_equal(cache.keys[0][0, 0, :2, 0], [1, 1])  # slot 0 untouched
     with pytest.raises(ValueError, match="KV cache overflow"):
-        cache.commit_slot(1, [(np.zeros((1, 1, 11, 2), np.float32),) * 2])
+        cache.commit_slot(1, [(np.zeros((1, 1, 20, 2), np.float32),) * 2], 0, 11)

@@ -4,6 +4,8 @@ the cache handed to the graph without a copy."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from support import real_prompts
@@ -293,26 +295,46 @@ def test_small_temperature_accepts_no_more_than_greedy_at_the_same_tau(tiny_bund
     assert [(r.token_ids, r.num_forwards) for r in top1] == [(r.token_ids, r.num_forwards) for r in greedy]
 
 
-def test_decode_steps_hand_the_past_to_the_graph_without_a_copy(tiny):
-    """Decode steps pass views of the cache; prefill forwards (logits=False) pass the committed entries only."""
+def test_steps_write_the_kv_into_the_cache_in_place(tiny):
+    """Every forward over committed KV is handed views of the cache itself (a later prefill chunk: the slot's;
+    decode: slots 0..n-1), whole capacity, mask over the cache's indices; a decode step's presents are those
+    views (the entries written in place, so its commit copies nothing); and decoding yields the ids of each
+    prompt run alone. (First prefill chunks, batched, write into a scratch past: their slots are not 0..n-1.)"""
     backend, config, prompts = tiny
     engine = Engine(backend, config, EngineConfig(max_batch_size=3))
-    shared, prefill_pasts = [], []
+    decode, prefill = [], []
 
-    class Spy:  # the real backend, recording whether each past array is a view of the cache
+    class Spy:  # the real backend, recording what each forward is handed and returns
         def step(self, ids, positions, mask, past, **kwargs):
-            if kwargs.get("logits", True):
-                shared.append(all(np.shares_memory(k, engine.cache.keys[i])
-                                  and np.shares_memory(v, engine.cache.values[i]) for i, (k, v) in enumerate(past)))
-            else:
-                prefill_pasts.append((past[0][0].shape[2], int(positions[0, 0]), mask.shape[-1] - ids.shape[1]))
-            return backend.step(ids, positions, mask, past, **kwargs)
+            views = all(k.base is engine.cache.keys[i] and v.base is engine.cache.values[i]
+                        and k.shape[2] == mask.shape[-1] == engine.cache.capacity for i, (k, v) in enumerate(past))
+            logits, presents = backend.step(ids, positions, mask, past, **kwargs)
+            in_place = all(pk is k and pv is v for (pk, pv), (k, v) in zip(presents, past))
+            (decode if kwargs.get("logits", True) else prefill).append((views, in_place, int(positions[0, 0])))
+            return logits, presents
 
     engine.backend = Spy()
-    engine.generate([(p * 3)[:400] for p in prompts[:3]], DecodeParams(max_new_tokens=8))  # over one 256-token chunk
-    assert shared and all(shared)
-    assert any(past > 0 for past, _, _ in prefill_pasts)  # a later chunk, over a committed prefix
-    assert all(past == start == keys for past, start, keys in prefill_pasts)  # P entries, P masked-in keys
+    got = engine.generate([(p * 3)[:400] for p in prompts[:3]], DecodeParams(max_new_tokens=8))  # > one 256 chunk
+    assert decode and all(views and in_place for views, in_place, _ in decode)
+    later_chunks = [views for views, _, start in prefill if start > 0]
+    assert later_chunks and all(later_chunks)
+    alone = [Engine(backend, config, EngineConfig(max_batch_size=1)).generate([(p * 3)[:400]], DecodeParams(max_new_tokens=8))[0]
+             for p in prompts[:3]]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+
+
+def test_engines_sharing_one_backend_step_from_several_threads(tiny):
+    """Each thread gets its own I/O binding of the shared session (the server's and Ray's engines share a
+    backend): four engines decoding at once give each prompt's ids alone."""
+    backend, config, prompts = tiny
+
+    def decode(prompt: list[int]) -> list[int]:
+        engine = Engine(backend, config, EngineConfig(max_batch_size=1))
+        return engine.generate([prompt], DecodeParams(max_new_tokens=24, tau=0.7))[0].token_ids
+
+    alone = [decode(p) for p in prompts[:4]]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(decode, prompts[:4])) == alone
 
 
 def test_request_errors_name_the_problem(tiny):
@@ -377,7 +399,7 @@ def test_shapes_fed_stay_inside_the_backends_optimization_profile(tiny, scheme):
     even when doubling would (here past the power of two 64), and the ids stay the unbounded run's."""
     backend, config, prompts = tiny
     profiled = ProfileBackend(backend, config, TrtBuildOptions(max_batch=2, max_context=100, opt_context=50))
-    assert profiled.max_past == 100 - config.window < 128
+    assert profiled.max_past == 100 < 128  # S, the capacity, holds the window too
     short = [p for p in prompts if len(p) < 40][:2]
     params = DecodeParams(tau=0.5, stop_ids=frozenset(),  # no end token: every row runs to the bound
                           max_new_tokens=profiled.max_past - config.window - max(map(len, short)))

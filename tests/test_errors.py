@@ -12,7 +12,7 @@ from mars_export.parity import ParityError
 from mars_export import cli as export_cli
 from runtime import generate
 
-from support import export, fix_window
+from support import declare_old_kv_outputs, export, fix_window
 
 
 @pytest.fixture
@@ -70,6 +70,7 @@ def test_verify_with_lookup_drafts_prints_the_greedy_ids(bundle, capsys):
     (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json not found"),
     (lambda b: (b / "mars_config.json").unlink(), "is not a MARS bundle"),
     (lambda b: (b / "mars_config.json").write_text("{not json"), "is not valid JSON"),
+    (declare_old_kv_outputs, "older step graph that outputs only the window's new KV entries"),
     (lambda b: (b / "mars_config.json").write_text(
         (b / "mars_config.json").read_text().replace('"format_version": 1', '"format_version": 99')),
      "format version 99 is not supported"),
@@ -179,3 +180,40 @@ def test_force_replaces_existing_bundle(tiny_bundle, tmp_path):
     export(str(ckpt), out, 4, 4, "--mask-token", "<mask>", "--force")
     assert not (out / "stale.txt").exists() and (out / "mars_config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+
+
+def test_step_inputs_that_do_not_fit_name_the_problem(bundle):
+    """The step writes each new KV entry at its position into the past it is handed: inputs that do not fit get
+    a ValueError naming the problem (no onnxruntime error, no mask silently broadcast, no write into a read-only
+    array), and a failed bind leaves the next valid step working."""
+    import numpy as np
+
+    from runtime.backends.onnx import OnnxBackend
+    from runtime.bundle import load_config
+    from runtime.decode.batch import scratch_past, window_mask
+
+    config = load_config(bundle)
+    backend = OnnxBackend(bundle, config)
+    ids, positions = np.array([[5, 6, 7, 8]]), np.arange(2, 6)[None]
+
+    def past(capacity: int = 8):
+        return scratch_past(config.num_layers, 1, config.num_kv_heads, capacity, config.head_dim, np.float32)
+
+    mask = window_mask(np.array([2]), 8, 4)
+    with pytest.raises(ValueError, match="positions 2..5 do not fit a past of 4 positions"):
+        backend.step(ids, positions, window_mask(np.array([2]), 4, 4), past(4))
+    with pytest.raises(ValueError, match=r"attention_mask \(1, 1, 4, 1\) for a past of 8 positions"):
+        backend.step(ids, positions, mask[..., :1], past())
+    with pytest.raises(ValueError, match="the past has 3 layers but the model has 2"):
+        backend.step(ids, positions, mask, past() + past()[:1])
+    read_only = past()
+    read_only[1][0].flags.writeable = False
+    with pytest.raises(ValueError, match="C-contiguous, writeable arrays"):
+        backend.step(ids, positions, mask, read_only)
+    kept = past()
+    expected, _ = backend.step(ids, positions, mask, kept)
+    broken = past()
+    broken[1] = (broken[1][0], broken[1][1].astype(np.complex64))  # onnxruntime refuses it halfway through binding
+    with pytest.raises(Exception):
+        backend.step(ids, positions, mask, broken)
+    assert np.array_equal(backend.step(ids, positions, mask, kept)[0], expected)  # bound again, whole

@@ -89,15 +89,15 @@ def test_rope_frequencies_stay_float32(fp16_bundle, arch):
 
 
 def test_fully_masked_row_stays_finite(fp16_bundle):
-    """A query row that may see nothing (e.g. padding) gives finite logits: the fill is finite in fp16."""
+    """A query row that may see nothing (e.g. padding) gives finite logits: the fill is finite."""
     _, bundle = fp16_bundle("qwen2")
     config = load_config(bundle)
     backend = OnnxBackend(bundle, config)
     past_len, window = 3, config.window
-    mask = np.ones((1, 1, window, past_len + window), dtype=bool)
+    mask = np.ones((1, 1, window, past_len + window), dtype=bool)  # [1, 1, W, S]
     mask[0, 0, 1] = False  # query 1 sees no key at all
-    empty = np.random.default_rng(0).standard_normal((1, config.num_kv_heads, past_len, config.head_dim))
-    past = [(empty.astype(np.float16), empty.astype(np.float16)) for _ in range(config.num_layers)]
+    cache = np.random.default_rng(0).standard_normal((1, config.num_kv_heads, past_len + window, config.head_dim))
+    past = [(cache.astype(np.float16), cache.astype(np.float16)) for _ in range(config.num_layers)]
     logits, presents = backend.step(np.array([[5, 6, 7, 8]]), np.arange(past_len, past_len + window)[None],
                                     mask, past)
     assert logits.dtype == np.float32 and np.isfinite(logits).all()

@@ -94,14 +94,14 @@ def test_a_tiled_graph_runs_a_one_token_window_as_one_token(fused, monkeypatch):
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, config.dtype)
     cache.reserve(7)
     cache.commit(run_batch(backend, cache, [prompts[1][:5]], config.pad_token_id)[1], [5])
-    fed, real = [], backend.fused.binding.bind_cpu_input
-    monkeypatch.setattr(backend.fused.binding, "bind_cpu_input",
+    fed, real = [], backend.fused.kv.binding.bind_cpu_input
+    monkeypatch.setattr(backend.fused.kv.binding, "bind_cpu_input",
                         lambda name, array: (fed.append((name, array.shape)), real(name, array))[1])
     logits, presents = run_batch(backend, cache, [prompts[1][5:6]], config.pad_token_id)
     assert backend.fused.is_tiled == (bundle.name != "fused-untiled")
     expected = [("input_ids", (1, 1 if backend.fused.is_tiled else 2)), ("attention_mask", (1, 7))]
     assert fed == expected + [("num_logits", ())] * backend.takes_num_logits  # the untiled bundle is older than it
-    assert logits.shape == (1, 1, config.vocab_size) and presents[0][0].shape[2] == 1
+    assert logits.shape == (1, 1, config.vocab_size) and np.shares_memory(presents[0][0], cache.keys[0])
 
 
 def greedy(backend, config, prompts, **params):

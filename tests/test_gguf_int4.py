@@ -44,13 +44,13 @@ def tiny_gguf(tmp_path_factory):
 
 
 def run_graph(path, ids: np.ndarray) -> np.ndarray:
-    """logits [1, W, V] of the step graph at ``path`` for ``ids`` [1, W] at an empty past."""
+    """logits [1, W, V] of the step graph at ``path`` for ``ids`` [1, W] at positions 0..W-1 of an empty cache."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     shapes = {i.name: i.shape for i in session.get_inputs()}
     feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None],
-             "attention_mask": np.tril(np.ones((ids.shape[1], ids.shape[1]), bool))[None, None]}
+             "attention_mask": np.tril(np.ones((ids.shape[1], ids.shape[1]), bool))[None, None]}  # [1, 1, W, S = W]
     for name in bundle.input_names(LAYERS)[3:]:
-        feeds[name] = np.zeros((1, shapes[name][1], 0, shapes[name][3]), np.float32)
+        feeds[name] = np.zeros((1, shapes[name][1], ids.shape[1], shapes[name][3]), np.float32)
     return session.run([bundle.LOGITS], feeds)[0]
 
 

@@ -12,7 +12,7 @@ from mars_export import onnx_export
 from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import LOGITS, NUM_LOGITS, load_config, step_feeds
-from runtime.decode.batch import window_mask
+from runtime.decode.batch import scratch_past, window_mask
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 
@@ -20,11 +20,16 @@ T = 6  # window of the forwards below
 
 
 def window_feeds(config, batch: int = 2) -> dict:
-    """Feeds of a T-token window over an empty past, ``batch`` rows of random ids."""
+    """Feeds of a T-token window at positions 0..T-1 into a zeroed cache of T positions, ``batch`` rows of random ids."""
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, T))  # [n, T]
-    empty = np.zeros((batch, config.num_kv_heads, 0, config.head_dim), config.dtype)  # [n, H, 0, D]
-    return step_feeds(ids, np.tile(np.arange(T), (batch, 1)), window_mask(np.zeros(batch, np.int64), 0, T),
-                      [(empty, empty)] * config.num_layers)
+    past = scratch_past(config.num_layers, batch, config.num_kv_heads, T, config.head_dim, config.dtype)  # [n, H, T, D]
+    return step_feeds(ids, np.tile(np.arange(T), (batch, 1)), window_mask(np.zeros(batch, np.int64), T, T), past)
+
+
+def step_args(feeds: dict, num_layers: int) -> list:
+    """``OnnxBackend.step``'s positional arguments from step-graph feeds."""
+    return [feeds["input_ids"], feeds["position_ids"], feeds["attention_mask"],
+            [(feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"]) for i in range(num_layers)]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -48,12 +53,10 @@ def test_a_prefill_step_skips_the_output_head_and_writes_the_same_kv(tiny_bundle
     config = load_config(bundle_dir)
     backend = OnnxBackend(bundle_dir, config)
     assert backend.takes_num_logits
-    feeds = window_feeds(config, batch=1)
-    args = [feeds["input_ids"], feeds["position_ids"], feeds["attention_mask"],
-            [(feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"]) for i in range(config.num_layers)]]
-    logits, kv = backend.step(*args)
-    none, kv_none = backend.step(*args, logits=False)
+    logits, kv = backend.step(*step_args(window_feeds(config, batch=1), config.num_layers))
+    none, kv_none = backend.step(*step_args(window_feeds(config, batch=1), config.num_layers), logits=False)
     assert logits.shape == (1, T, config.vocab_size) and none.shape == (1, 0, config.vocab_size)
+    assert np.any(kv[0][0])  # written
     assert all(np.array_equal(a, c) and np.array_equal(b, d) for (a, b), (c, d) in zip(kv, kv_none))
 
 
@@ -66,9 +69,7 @@ def test_bundles_exported_before_num_logits_still_prefill_and_decode_alike(tiny_
     config = load_config(old)
     backend = OnnxBackend(old, config)
     assert not backend.takes_num_logits
-    feeds = window_feeds(config, batch=1)
-    kv = [(feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"]) for i in range(config.num_layers)]
-    none, _ = backend.step(feeds["input_ids"], feeds["position_ids"], feeds["attention_mask"], kv, logits=False)
+    none, _ = backend.step(*step_args(window_feeds(config, batch=1), config.num_layers), logits=False)
     assert none.shape == (1, 0, config.vocab_size)
     prompt = list(range(3, 40))  # a prompt long enough for a prefill forward of several tokens
     params = DecodeParams(max_new_tokens=12, tau=0.7)

@@ -97,10 +97,10 @@ def test_scheduler_admits_fifo_into_the_lowest_free_slots():
 
 
 def test_window_mask_per_row_lengths():
-    mask = window_mask(np.array([2, 0]), capacity=4, window=2)  # [2, 1, 2, 6]
+    mask = window_mask(np.array([2, 0]), capacity=6, window=2)  # [2, 1, 2, 6]: the window at positions 2..3, 0..1
     assert mask.shape == (2, 1, 2, 6)
-    np.testing.assert_array_equal(mask[0, 0], [[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]])
-    np.testing.assert_array_equal(mask[1, 0], [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(mask[0, 0], [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(mask[1, 0], [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -14,8 +14,7 @@ rotary, SkipSimplifiedLayerNormalization, one packed QKV MatMul (:mod:`runtime.b
   fused backend, therefore copies nothing at commit: the entries already lie where they are
   committed; entries not committed (masks, rejected drafts, the pad below) lie beyond the
   committed length, hidden, and the next window writes over them. Host copies of the KV per
-  step: none (a plain :class:`~runtime.decode.kv_cache.KVCache` also works: its commit copies
-  each entry onto itself).
+  step: none (the step graph does the same, :mod:`runtime.backends.kv_binding`).
 - **No attention runs a single row.** On onnxruntime's CPU kernel a token gets the same bits for
   every cut of the tokens into windows of two or more, but other bits in a one-token window
   (``bench/builder_step.py``, identity rows; the kernel's one-row GEMV path). Bundles exported
@@ -32,7 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, NUM_LOGITS, BundleConfig, past_names, present_names
+from runtime.backends.kv_binding import KVBinding
+from runtime.bundle import ATTENTION_MASK, INPUT_IDS, NUM_LOGITS, BundleConfig
 from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
@@ -42,9 +42,9 @@ ONE_TOKEN_WINDOW_KEY, TILED = "mars_edge.one_token_window", "tiled"  # as mars_e
 class FusedStep:
     """The forward of a fused graph, its KV written into the past in place; the I/O binding kept between steps.
 
-    The past and present of every layer are bound once per set of buffers: while a step's past
-    holds the very arrays of the last step (a :class:`FusedKVCache` hands out its buffers
-    themselves), only ``input_ids``, ``attention_mask`` and ``logits`` are bound again. A graph
+    The past and present of every layer are bound once per set of buffers (:class:`KVBinding`):
+    while a step's past is the memory of the last step's, only ``input_ids``, ``attention_mask``
+    and ``logits`` are bound again. A graph
     marked ``tiled`` runs a one-token window as one token; others get a pad token after it.
 
     Args:
@@ -56,8 +56,7 @@ class FusedStep:
         self.session, self.ort, self.config = session, ort, config
         # fused graphs exported since 2026-12-02 take num_logits (required; mars_export.logits_rows)
         self.takes_num_logits = NUM_LOGITS in {i.name for i in session.get_inputs()}
-        self.binding = None
-        self.bound: list[np.ndarray] = []  # the arrays bound as past and present, layer by layer, key then value
+        self.kv = KVBinding(session, ort)
         self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED
 
     def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
@@ -75,7 +74,7 @@ class FusedStep:
 
         Returns:
             logits float32 [1, W, V] ([1, 0, V] when ``logits`` is False), and per layer (key, value)
-            [1, Hkv, W, D]: views of the written buffers at P .. P+W-1.
+            [1, Hkv, S, D]: the written buffers (``past`` itself, or the copies with room).
 
         Raises:
             ValueError: more than one row, positions that do not follow on from P, or P + max(W, 2)
@@ -97,30 +96,14 @@ class FusedStep:
             raise ValueError(f"positions up to {end - 1} exceed the model's context of {self.config.max_context}")
         if past[0][0].shape[2] < end:
             past = past_with_room(past, start, window)
-        self._bind_past(past)
-        self.binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
-        self.binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
+        binding = self.kv.bind_kv(past)
+        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
+        binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
         rows = ids.shape[1] if logits or not self.takes_num_logits else 0
         if self.takes_num_logits:
-            self.binding.bind_cpu_input(NUM_LOGITS, np.array(rows, np.int64))
-        out = np.empty((1, rows, self.config.vocab_size), np.float32)  # [1, W fed or 0, V]: the graph writes here
-        self.binding.bind_output(LOGITS, "cpu", 0, np.float32, out.shape, out.ctypes.data)
-        self.session.run_with_iobinding(self.binding)  # no get_outputs: it would wrap every present too
-        return out[:, :window if logits else 0], [(key[:, :, start:start + window], value[:, :, start:start + window])
-                                                  for key, value in past]
-
-    def _bind_past(self, past: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """A new binding with ``past`` as past and present, unless it holds these arrays already."""
-        buffers = [buffer for pair in past for buffer in pair]
-        if len(buffers) == len(self.bound) and all(a is b for a, b in zip(buffers, self.bound)):
-            return
-        self.binding = self.session.io_binding()
-        for layer, pair in enumerate(past):
-            for name_in, name_out, buffer in zip(past_names(layer), present_names(layer), pair):
-                value = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
-                self.binding.bind_ortvalue_input(name_in, value)
-                self.binding.bind_ortvalue_output(name_out, value)
-        self.bound = buffers  # held, so no other array can take their memory while bound
+            binding.bind_cpu_input(NUM_LOGITS, np.array(rows, np.int64))
+        out = self.kv.run((1, rows, self.config.vocab_size))  # [1, W fed or 0, V]
+        return out[:, :window if logits else 0], past
 
 
 def written_positions(window: int) -> int:
@@ -143,13 +126,11 @@ def past_with_room(past: list[tuple[np.ndarray, np.ndarray]], start: int,
 
 
 class FusedKVCache(KVCache):
-    """The engine's KV cache for a fused backend: one slot, whose entries the graph writes in place.
+    """The engine's KV cache for a fused backend: one slot, room for what a fused step writes.
 
-    Same buffers, lengths and growth rule as :class:`~runtime.decode.kv_cache.KVCache`;
-    :meth:`commit` and :meth:`commit_slot` only count where the step wrote the entries into
-    these buffers (they already lie where they are committed), and :meth:`reserve` leaves one
-    position more for the second attention row (tiled graph) or the pad (older graphs) of a one-token
-    window (:data:`MIN_WINDOW`), so the step always can.
+    Same buffers, lengths, growth rule and in-place commit as :class:`~runtime.decode.kv_cache.KVCache`;
+    :meth:`reserve` leaves one position more for the second attention row (tiled graph) or the pad
+    (older graphs) of a one-token window (:data:`MIN_WINDOW`), so the step always can write in place.
 
     Args:
         num_layers, num_kv_heads, head_dim, max_len, dtype: as ``KVCache``.
@@ -165,21 +146,6 @@ class FusedKVCache(KVCache):
                              "set the batch size to 1 or export with --graph step")
         super().__init__(num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
 
-    def past(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The buffers themselves ``([1, H, S, D], [1, H, S, D])`` per layer (the same arrays until they grow,
-        so :class:`FusedStep` keeps its binding)."""
-        return list(zip(self.keys, self.values))
-
-    def past_of(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """As :meth:`past` (one slot)."""
-        return self.past(1)
-
     def reserve(self, needed: int) -> None:
         """As ``KVCache.reserve``, with room for a one-token window's second row when the context allows it."""
         super().reserve(needed if needed > self.max_len else min(needed + MIN_WINDOW - 1, self.max_len))
-
-    def _write(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:
-        """Nothing to copy when ``presents`` are views of these buffers (:class:`FusedStep` wrote the entries
-        at the slot's length); other new KV is copied as ``KVCache`` does."""
-        if presents[0][0].base is not self.keys[0]:
-            super()._write(slot, presents, row, count)

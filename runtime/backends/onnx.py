@@ -1,7 +1,8 @@
 """Run the bundle's step graph on onnxruntime (CPU by default; CUDA/TensorRT providers if present).
 
-The backend owns the session and nothing else: it takes explicit inputs and past KV and
-returns logits and the new KV; caching and acceptance live elsewhere.
+The backend owns the session and nothing else: it takes explicit inputs and the past KV, writes
+the window's KV into that past in place (:mod:`runtime.backends.kv_binding`) and returns the
+logits; caching and acceptance live elsewhere.
 
 onnxruntime comes from one of two packages (:mod:`runtime.backends.providers`); importing
 this module without either raises :class:`~runtime.backends.providers.OnnxRuntimeMissing`,
@@ -17,6 +18,7 @@ import numpy as np
 
 from runtime import bundle
 from runtime.backends.fused import FusedKVCache, FusedStep
+from runtime.backends.kv_binding import KVBinding
 from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
 from runtime.decode.kv_cache import KVCache
@@ -68,6 +70,8 @@ class OnnxBackend:
             i.name for i in self.session.get_overridable_initializers()}
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
+        self.kv = KVBinding(self.session, ort)
+        self.vocab_size = config.vocab_size
 
     def make_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype,
                    num_slots: int = 1) -> KVCache:
@@ -79,32 +83,48 @@ class OnnxBackend:
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]],
              logits: bool = True) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        """Run one forward over a window.
+        """Run one forward over a window, its KV written into ``past`` in place.
 
         Args:
             input_ids: int64 [n, W]; W is the bundle's window, or any length >= 1 when
                 ``is_window_dynamic`` (prefill).
-            position_ids: int64 [n, W].
-            attention_mask: bool [n, 1, W, P + W].
-            past: per layer (key, value), each [n, H, P, D] in the bundle dtype.
+            position_ids: int64 [n, W], each below S: new entry j of row b is written at index
+                ``position_ids[b, j]`` of ``past``.
+            attention_mask: bool [n, 1, W, S] over the past's indices.
+            past: per layer (key, value), each a C-contiguous [n, H, S, D] in the bundle dtype: the KV cache.
             logits: False when no logits are read (prefill): a graph with the ``num_logits``
                 input (``takes_num_logits``) then skips the output head.
 
         Returns:
-            logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False), and per layer the new
-            (key, value) [n, H, W, D].
+            logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False), and the presents: per layer
+            (key, value) [n, H, S, D], ``past`` itself with the new entries written (a forward that skips the
+            output head returns new arrays instead and leaves ``past`` as it was).
+
+        Raises:
+            ValueError: inputs whose shapes disagree, a position outside the past (no room for the window),
+                or, where the step writes into it, a past that is not C-contiguous and writeable
+                (:func:`runtime.bundle.check_step_inputs`, :class:`~runtime.backends.kv_binding.KVBinding`).
 
         A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
-        past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1),
-        writes the new KV into ``past`` in place and returns views of it.
+        past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
         if self.fused:
             return self.fused(input_ids, position_ids, past, logits)
-        feeds = bundle.step_feeds(input_ids, position_ids, attention_mask, past)
+        bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
         if not logits and self.takes_num_logits:
-            feeds[bundle.NUM_LOGITS] = np.array(0, np.int64)
-        rows, *kv = self.session.run(None, feeds)
-        return (rows if logits else rows[:, :0]), list(zip(kv[0::2], kv[1::2]))
+            # onnxruntime's I/O binding cannot bind num_logits (an input with a default), so a forward that skips the
+            # output head (prefill) runs unbound: its presents are new arrays, which the cache's commit copies from.
+            feeds = {**bundle.step_feeds(input_ids, position_ids, attention_mask, past), bundle.NUM_LOGITS: np.array(0, np.int64)}
+            rows, *kv = self.session.run(None, feeds)
+            return rows, list(zip(kv[0::2], kv[1::2]))
+        binding = self.kv.bind_kv(past)
+        feeds = {bundle.INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),  # held until the run
+                 bundle.POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
+                 bundle.ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_)}
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        out = self.kv.run((input_ids.shape[0], input_ids.shape[1], self.vocab_size))  # [n, W, V]
+        return (out if logits else out[:, :0]), past
 
 
 def require_provider(provider: str) -> str:
@@ -175,6 +195,7 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
         raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
                           f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "
                           "re-export the bundle")
+    bundle.check_kv_in_place(session.get_inputs()[3].shape, session.get_outputs()[1].shape, path)
     window = session.get_inputs()[0].shape[1]
     if not isinstance(window, str) and window != config.window:
         raise BundleError(f"{path} has a window of {window} tokens but {bundle.CONFIG_FILE} says {config.window}; "

@@ -3,10 +3,11 @@
 Dimension letters: n rows, W window, S cache capacity, V vocabulary, T prefill chunk.
 
 Row i of a step is cache slot i. It feeds W token ids at positions ``lengths[i] ..
-lengths[i] + W - 1``; its queries see the ``lengths[i]`` committed keys of its slot and,
-causally, the W new keys. An idle row (a free slot inside the batch) feeds padding at
-positions 0..W-1 and sees only its own window, so its softmax stays finite; its outputs
-are ignored and nothing of it is committed.
+lengths[i] + W - 1``, where the step writes their KV into the slot (in place); its queries
+see the ``lengths[i]`` committed keys of its slot and, causally, the W new keys. An idle row
+(a free slot inside the batch, or a row that sits the forward out) feeds padding the same
+way, after its committed entries, which it never overwrites; its outputs are ignored and
+nothing of it is committed.
 
 A prefill forward (graphs with a dynamic window axis) runs one slot alone over T prompt
 tokens instead of W, with the same mask rule, or the first chunks of several slots with
@@ -21,12 +22,11 @@ from runtime.decode.kv_cache import KVCache
 
 
 def window_mask(lengths: np.ndarray, capacity: int, window: int) -> np.ndarray:
-    """bool [n, 1, W, S + W]: row i, query q sees cached keys < lengths[i] and new keys 0..q."""
-    keys = np.arange(capacity + window)  # [S + W]
-    queries = np.arange(window)          # [W]
-    cached = keys[None, None, :] < lengths[:, None, None]                                       # [n, 1, S + W]
-    new = (keys[None, :] >= capacity) & (keys[None, :] - capacity <= queries[:, None])          # [W, S + W]
-    return (cached | new[None])[:, None]                                                        # [n, 1, W, S + W]
+    """bool [n, 1, W, S]: row i, query q sees cache indices <= lengths[i] + q (its committed keys, then
+    its window's keys 0..q at their positions)."""
+    keys = np.arange(capacity)  # [S]
+    last = lengths[:, None] + np.arange(window)[None]  # [n, W]: the last index query q may see
+    return (keys[None, None, :] <= last[:, :, None])[:, None]  # [n, 1, W, S]
 
 
 def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int):
@@ -34,15 +34,16 @@ def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int
 
     Args:
         backend: object with ``step(input_ids, position_ids, attention_mask, past)``.
-        cache: the slot cache; its capacity must hold every row's length + W.
+        cache: the slot cache; its capacity must hold every row's length + W, idle rows' too.
         rows: for each slot, W token ids, or None for an idle row.
         pad_id: id fed in idle rows.
 
     Returns:
-        logits float32 [n, W, V], and per layer the new (key, value) [n, H, W, D].
+        logits float32 [n, W, V], and per layer the presents (key, value) [n, H, S, D] (the step's new
+        entries at their positions; the cache's own buffers where the backend writes in place).
     """
     window = next(len(r) for r in rows if r is not None)
-    lengths = np.array([cache.lengths[i] if r is not None else 0 for i, r in enumerate(rows)], np.int64)  # [n]
+    lengths = cache.lengths[:len(rows)]  # [n]
     ids = np.array([r if r is not None else [pad_id] * window for r in rows], np.int64)  # [n, W]
     positions = lengths[:, None] + np.arange(window, dtype=np.int64)[None]              # [n, W]
     mask = window_mask(lengths, cache.capacity, window)
@@ -63,23 +64,23 @@ def run_prefill(backend, cache: KVCache, slot: int, chunk: list[int]):
         chunk: T >= 1 prompt token ids.
 
     Returns:
-        per layer the new (key, value) [1, H, T, D]; the logits are not needed.
+        per layer the presents (key, value) [1, H, S, D]; the logits are not needed.
     """
     lengths = cache.lengths[slot:slot + 1]  # [1]
     ids = np.array([chunk], np.int64)  # [1, T]
     positions = lengths[:, None] + np.arange(len(chunk), dtype=np.int64)[None]  # [1, T]
-    past = cache.past_of(slot)  # [1, H, P', D]: the committed P entries (KVCache), or the buffers with room
-    mask = window_mask(lengths, past[0][0].shape[2], len(chunk))  # [1, 1, T, P' + T]
-    _, presents = backend.step(ids, positions, mask, past, logits=False)
+    mask = window_mask(lengths, cache.capacity, len(chunk))  # [1, 1, T, S]
+    _, presents = backend.step(ids, positions, mask, cache.past_of(slot), logits=False)
     return presents
 
 
 def run_first_chunks(backend, cache: KVCache, chunks: list[list[int]], pad_id: int):
     """One forward of the first prompt chunks of n slots with nothing cached yet (batched prefill).
 
-    Row i feeds ``chunks[i]`` (T_i >= 1 ids) then ``pad_id`` up to T = max T_i, at positions 0..T-1 over an
-    empty past; each query sees its row's earlier tokens only (causal), so a row's first T_i entries are
-    those of its chunk fed alone and the pads after them are not committed.
+    Row i feeds ``chunks[i]`` (T_i >= 1 ids) then ``pad_id`` up to T = max T_i, at positions 0..T-1 into a
+    zeroed scratch past of T positions (the slots are not rows 0..n-1 of the cache); each query sees its
+    row's earlier tokens only (causal), so a row's first T_i entries are those of its chunk fed alone and
+    the pads after them are not committed.
 
     Args:
         backend: as :func:`run_prefill`.
@@ -88,13 +89,20 @@ def run_first_chunks(backend, cache: KVCache, chunks: list[list[int]], pad_id: i
         pad_id: id fed after a shorter chunk.
 
     Returns:
-        per layer the new (key, value) [n, H, T, D]; the logits are not needed.
+        per layer the presents (key, value) [n, H, T, D], row i's entries at 0..T-1; the logits are not needed.
     """
     window = max(len(chunk) for chunk in chunks)
     ids = np.array([chunk + [pad_id] * (window - len(chunk)) for chunk in chunks], np.int64)  # [n, T]
     positions = np.tile(np.arange(window, dtype=np.int64), (len(chunks), 1))  # [n, T]
-    mask = window_mask(np.zeros(len(chunks), np.int64), 0, window)  # [n, 1, T, T]
-    _, num_kv_heads, _, head_dim = cache.keys[0].shape
-    empty = np.zeros((len(chunks), num_kv_heads, 0, head_dim), cache.keys[0].dtype)  # [n, H, 0, D]
-    _, presents = backend.step(ids, positions, mask, [(empty, empty)] * len(cache.keys), logits=False)
+    mask = window_mask(np.zeros(len(chunks), np.int64), window, window)  # [n, 1, T, T]
+    scratch = scratch_past(len(cache.keys), len(chunks), cache.num_kv_heads, window, cache.head_dim, cache.dtype)
+    _, presents = backend.step(ids, positions, mask, scratch, logits=False)
     return presents
+
+
+def scratch_past(num_layers: int, num_rows: int, num_kv_heads: int, length: int, head_dim: int,
+                 dtype) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Zeroed KV ``([n, H, T, D], [n, H, T, D])`` per layer, T = ``length``: a past for a step's entries to be
+    written into when no cache slot holds them (zeros: masked keys must hold finite numbers, as 0 * NaN is NaN)."""
+    shape = (num_rows, num_kv_heads, length, head_dim)
+    return [(np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(num_layers)]

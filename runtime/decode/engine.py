@@ -273,7 +273,7 @@ class Engine:
         """
         chunk = seq.prefill_chunk(self.prefill_chunk)
         self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
-        self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk))
+        self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk), 0, len(chunk))
         self._count_prefilled(seq, len(chunk))
 
     def _prefill_first_chunks(self, group: list[Sequence]) -> None:
@@ -298,7 +298,8 @@ class Engine:
         rows: list[list[int] | None] = [None] * plan.num_rows
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
-        self.cache.reserve(max(int(self.cache.lengths[s.slot]) + plan.width for s in plan.rows))
+        # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
+        self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
         logits, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)  # [n, w, V]
         logits[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
         self.num_steps += 1

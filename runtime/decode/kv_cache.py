@@ -4,16 +4,23 @@ Dimension letters: L layers, N slots (batch rows), H KV heads, S capacity (posit
 slot), D head dim, W window, n rows in one step (the slots 0..n-1).
 
 Layout: per layer one key and one value buffer ``[N, H, S, D]``; slot ``i`` is batch row
-``i`` of every step, and ``lengths[i]`` is how many of its positions hold committed KV.
-The step graph reads ``buffer[:n]`` directly: a slice on the leading axis is a contiguous
-view, so the past is handed to the backend without a copy, and the attention mask hides
-positions ``>= lengths[i]`` of each row (stale KV of earlier requests included).
+``i`` of every step, position p of a slot lies at index p, and ``lengths[i]`` is how many
+of its positions hold committed KV. The step reads ``buffer[:n]`` directly (a slice on the
+leading axis is a contiguous view) and writes each row's window entries into it at their
+positions (:mod:`runtime.backends.kv_binding`); the attention mask hides positions
+``>= lengths[i]`` of each row (stale KV of earlier requests and uncommitted entries included).
+
+Presents, what a backend's step returns per layer, have the cache's layout ``[n, H, S', D]``:
+row i's new entries at their positions. When they are this cache's own buffers (the
+onnxruntime backends) the entries already lie where they are committed and a commit only
+counts them; other presents (TensorRT outputs, a batched prefill's scratch past) are copied.
 
 Memory traffic of the cache manager per step:
-  - :meth:`past`: none (views). :meth:`past_of` (prefill): a copy of the slot's committed entries.
-  - :meth:`commit`: writes ``2 * L * H * D * count_i`` elements for each row ``i`` (only
-    positions whose input was a real token; KV of mask and padding positions is dropped);
-    :meth:`commit_slot` writes ``2 * L * H * D * T`` for a T-token prefill chunk.
+  - :meth:`past`, :meth:`past_of`: none (views).
+  - :meth:`commit`: nothing for in-place presents; else writes ``2 * L * H * D * count_i``
+    elements for each row ``i`` (only positions whose input was a real token; KV of mask and
+    padding positions stays beyond the length, hidden); :meth:`commit_slot` likewise for a
+    T-token prefill chunk.
   - :meth:`reserve`: the capacity S doubles (or halves) only when the longest row needs it,
     copying the committed prefix once; over a generation of C positions this totals less
     than ``2 * C`` positions per row, i.e. O(1) per generated token.
@@ -77,18 +84,12 @@ class KVCache:
         return [(k[:num_rows], v[:num_rows]) for k, v in zip(self.keys, self.values)]
 
     def past_of(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Slot ``slot``'s committed entries ``([1, H, P, D], [1, H, P, D])`` per layer, P = its length (prefill).
-
-        C-contiguous (a copy of the P positions where H > 1), so that a prefill forward of T tokens
-        attends over P + T keys rather than the capacity S + T (its KV comes out bit-identical either
-        way, the mask hiding the rest).
-        """
-        length = int(self.lengths[slot])
-        return [(np.ascontiguousarray(k[slot:slot + 1, :, :length]), np.ascontiguousarray(v[slot:slot + 1, :, :length]))
-                for k, v in zip(self.keys, self.values)]
+        """Views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` alone (prefill; no copy)."""
+        return [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(self.keys, self.values)]
 
     def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], counts) -> None:
-        """Append, for each row i, the first ``counts[i]`` of its new KV ``[n, H, W, D]`` to slot i.
+        """Commit, for each row i, the ``counts[i]`` new entries of presents ``[n, H, S', D]`` at positions
+        ``lengths[i] ..`` to slot i.
 
         Raises:
             ValueError: a slot would overflow the current capacity (call :meth:`reserve` first).
@@ -97,31 +98,36 @@ class KVCache:
         ends = self.lengths[:len(counts)] + counts
         if (ends > self.capacity).any():
             raise ValueError(f"KV cache overflow: {int(ends.max())} positions > capacity {self.capacity}")
-        for row in np.flatnonzero(counts):
-            self._write(row, presents, row, int(counts[row]))
+        if not self._is_written(presents):
+            for row in np.flatnonzero(counts):
+                self._write(row, presents, row, int(counts[row]))
         self.lengths[:len(counts)] = ends
 
-    def commit_slot(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int = 0,
-                    count: int | None = None) -> None:
-        """Append the first ``count`` (None: all T) entries of row ``row`` of the new KV ``[n, H, T, D]`` to slot
-        ``slot`` (prefill).
+    def commit_slot(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:
+        """Commit the ``count`` entries of row ``row`` of presents ``[n, H, S', D]`` at positions ``lengths[slot] ..``
+        to slot ``slot`` (prefill).
 
         Raises:
             ValueError: the slot would overflow the current capacity (call :meth:`reserve` first).
         """
-        count = presents[0][0].shape[2] if count is None else count
         end = int(self.lengths[slot]) + count
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
-        self._write(slot, presents, row, count)
+        if not self._is_written(presents):
+            self._write(slot, presents, row, count)
         self.lengths[slot] = end
 
+    def _is_written(self, presents) -> bool:
+        """``presents`` are views of these buffers: the step wrote the entries where they are committed."""
+        first = presents[0][0]
+        return isinstance(first, np.ndarray) and np.may_share_memory(first, self.keys[0])
+
     def _write(self, slot: int, presents: list[tuple[np.ndarray, np.ndarray]], row: int, count: int) -> None:
-        """Copy the first ``count`` new entries of ``presents`` row ``row`` after slot ``slot``'s length."""
+        """Copy entries ``lengths[slot] .. + count`` of ``presents`` row ``row`` into slot ``slot``."""
         start = int(self.lengths[slot])
         for (k_new, v_new), k, v in zip(presents, self.keys, self.values):
-            k[slot, :, start:start + count] = k_new[row, :, :count]
-            v[slot, :, start:start + count] = v_new[row, :, :count]
+            k[slot, :, start:start + count] = k_new[row, :, start:start + count]
+            v[slot, :, start:start + count] = v_new[row, :, start:start + count]
 
     def free(self, slot: int) -> None:
         """Forget slot ``slot``'s KV (its buffers are reused as they are; the mask hides them)."""

@@ -1,0 +1,81 @@
+"""An onnxruntime I/O binding whose KV inputs and outputs are the same buffers: the KV cache written in place.
+
+Both graphs a bundle may hold (:mod:`runtime.bundle`) output each layer's KV with its inputs'
+shapes: the step graph scatters the window's entries into the past, the fused graph's
+GroupQueryAttention writes them after the committed ones. Bound to the past's own buffer, each
+present is that buffer, so a step writes W entries per layer into the cache and copies nothing
+(onnxruntime's CPU scatter skips its copy when its output is its input).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from runtime.bundle import LOGITS, past_names, present_names
+
+
+class KVBinding:
+    """The I/O binding of one session, its past inputs and present outputs bound to the same arrays.
+
+    The KV is bound again only when the arrays change (another address or shape: the cache grew,
+    or another batch); a step then binds its window inputs and outputs only. Each thread gets its
+    own binding (a binding is state; the session runs bindings of several threads at once, as
+    engines sharing one backend do).
+
+    Args:
+        session: an onnxruntime InferenceSession (CPU) with ``past_key_values.{i}.*`` inputs and
+            ``present.{i}.*`` outputs of equal shapes; ort: the onnxruntime module.
+    """
+
+    def __init__(self, session, ort):
+        self.session, self.ort = session, ort
+        self._local = threading.local()
+
+    @property
+    def binding(self):
+        """This thread's I/O binding."""
+        if not hasattr(self._local, "binding"):
+            self._local.binding = self.session.io_binding()
+            self._local.bound = []  # the arrays bound as past and present, layer by layer, key then value
+        return self._local.binding
+
+    def bind_kv(self, past: list[tuple[np.ndarray, np.ndarray]]):
+        """Bind ``past`` (per layer (key, value), C-contiguous, writeable) as both past and present; returns the
+        binding.
+
+        Raises:
+            ValueError: an array is not C-contiguous (onnxruntime would bind a copy, and the step would
+                write its entries there instead of into the cache) or not writeable.
+        """
+        buffers = [buffer for pair in past for buffer in pair]
+        if not all(buffer.flags.c_contiguous and buffer.flags.writeable for buffer in buffers):
+            raise ValueError("the KV cache handed to the step must be C-contiguous, writeable arrays (the step writes "
+                             "into them in place); slice whole slots (leading axis) or copy with np.array")
+        binding, bound = self.binding, self._local.bound
+        if len(buffers) == len(bound) and all(_same_memory(a, b) for a, b in zip(buffers, bound)):
+            return binding
+        self._local.bound = []  # until every layer is bound: a failure below must not leave a half binding "current"
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        for layer, pair in enumerate(past):
+            for name_in, name_out, buffer in zip(past_names(layer), present_names(layer), pair):
+                value = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
+                binding.bind_ortvalue_input(name_in, value)
+                binding.bind_ortvalue_output(name_out, value)
+        self._local.bound = buffers  # held, so no other array can take their memory while bound
+        return binding
+
+    def run(self, logits_shape: tuple[int, int, int]) -> np.ndarray:
+        """Run the session over the bound inputs; returns the logits float32 ``logits_shape``, written in place."""
+        out = np.empty(logits_shape, np.float32)
+        binding = self.binding
+        binding.bind_output(LOGITS, "cpu", 0, np.float32, out.shape, out.ctypes.data)
+        self.session.run_with_iobinding(binding)  # no get_outputs: it would wrap every present too
+        return out
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` and ``b`` are the same memory: address, shape and dtype."""
+    return a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.dtype == b.dtype

@@ -28,7 +28,7 @@ from runtime.bundle import load_config
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
-from support import RUNTIME_PYTHON, export, fix_window, real_prompts
+from support import RUNTIME_PYTHON, declare_old_kv_outputs, export, fix_window, real_prompts
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "c"
 TINY_CASES = [("llama", 4), ("qwen2", 8), ("qwen3", 4)]
@@ -124,7 +124,7 @@ def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
 @pytest.mark.usefixtures("shared_data")
 def test_prompt_at_the_context_bound_matches_python(mars_c, tiny_bundle):
     """prompt + max_new_tokens + W = the model's max context, the largest run either accepts:
-    the C program (its past P + W stays within the context) and the Python runtime (its cache
+    the C program (its cache, S >= P + W, stays within the context) and the Python runtime (its cache
     capacity capped at the context, not doubled past it) give the same ids; one more is refused."""
     _, bundle = tiny_bundle("llama", 4)
     config = load_config(bundle)
@@ -266,6 +266,7 @@ BAD_BUNDLES = {
                                                  "--graph step"),
     "no model": (lambda bundle: (bundle / "model.onnx").unlink(), "not found; re-export"),
     "truncated model": (_truncate_model, "rotobuf"),
+    "old KV outputs": (declare_old_kv_outputs, "older step graph that outputs only the window's new KV entries"),
 }
 
 

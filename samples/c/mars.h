@@ -64,9 +64,12 @@ void load_config(MarsConfig *cfg, const char *bundle_dir);
 
 /* ---- the KV cache: per layer a contiguous [1, H, S, D] block --------------------
  * As runtime/decode/kv_cache.py: position p of head h at index p of row h, the first P
- * committed; a decode step reads the whole [1, H, S, D] (its mask hides positions >= P)
- * and commits the KV of its real tokens at P.. (DESIGN.md §3), a copy of only those
- * entries. S doubles (from 16, up to the capacity) when a step needs more room. */
+ * committed. A step is fed the whole [1, H, S, D] as its past and has it as its present
+ * (the same buffer): the graph writes the KV of its w tokens at P .. P+w-1 in place and
+ * its mask hides indices beyond each query's own. Committing the KV of the real tokens
+ * (DESIGN.md §3) then only advances P; the entries of fill tokens stay beyond P, hidden,
+ * until a later step overwrites them. S doubles (from 16, up to the capacity) when a step
+ * needs more room (P + w). */
 typedef struct {
     void **keys;                 /* [L] buffers of H * capacity * D elements, the first H * S * D as [1, H, S, D] */
     void **values;               /* [L] same as keys */
@@ -76,7 +79,7 @@ typedef struct {
     size_t elem_size;            /* bytes per element: 4 or 2 */
     ONNXTensorElementDataType type; /* FLOAT or FLOAT16, as the config's kv_type */
     int length;                  /* P, committed positions */
-    int size;                    /* S, positions per head in the layout the graph reads */
+    int size;                    /* S, positions per head in the layout the graph reads and writes */
     int capacity;                /* the most positions S may grow to */
 } KVCache;
 
@@ -90,7 +93,7 @@ typedef struct {
     OrtMemoryInfo *cpu;          /* where all our tensors live */
     const char **input_names;    /* [3 + 2L + 1] graph order: input_ids, position_ids, attention_mask, past k/v;
                                     then num_logits, fed to prefill forwards of graphs that take it */
-    const char **output_names;   /* [1 + 2L]: logits, present k/v */
+    const char **output_names;   /* [1 + 2L]: logits, present k/v (bound to the past k/v's buffers) */
     int num_layers;              /* L */
     int window;                  /* W */
     int vocab_size;              /* V */
@@ -98,25 +101,27 @@ typedef struct {
     int takes_num_logits;        /* 1: num_logits can be fed (exports since 2026-12-02): prefill skips the head */
     int64_t *input_ids;          /* [1, w] int64, w <= W the step's window */
     int64_t *position_ids;       /* [1, w] int64 */
-    uint8_t *attention_mask;     /* [1, 1, W, S + W] bool (1 byte), S up to the cache's capacity */
+    uint8_t *attention_mask;     /* [1, 1, w, S] bool (1 byte), S up to the cache's capacity */
     float *logits;               /* [1, w, V] float32, output */
-    void **presents;             /* [2L] buffers, each [1, H, w, D] of the KV dtype: k0, v0, k1, v1, ... */
-    OrtValue **inputs;           /* [3 + 2L] made per run over the buffers above, the mask and the cache */
-    OrtValue **outputs;          /* [1 + 2L] made per run over logits and presents (ORT writes into our buffers) */
+    OrtValue **inputs;           /* [3 + 2L + 1] made per run over the buffers above and the cache (+ num_logits) */
+    OrtValue **outputs;          /* [1 + 2L] per run: logits, then the past k/v values of inputs[3 ..] themselves,
+                                    so ORT writes the logits and the presents into our buffers, the cache in place */
 } StepGraph;
 
 void step_graph_init(StepGraph *graph, const MarsConfig *cfg, const char *bundle_dir, int num_threads,
                      int max_cache);
 void step_graph_free(StepGraph *graph);
 /* Feed tokens[0..num_tokens-1] (1..w real tokens) padded with fill_id to w at positions
- * P..P+w-1 over the cache's [1, H, S, D] under a causal mask; commit the KV of the
- * num_tokens real tokens. The window w is 1..W on graphs with is_window_dynamic, else W.
- * Afterwards graph->logits holds the [w, V] logits of this window. */
+ * P..P+w-1 over the cache's [1, H, S, D], S >= P + w, under a causal mask; the graph writes
+ * their KV into the cache at P..P+w-1, and the num_tokens real tokens are committed (P
+ * advances, nothing is copied). The window w is 1..W on graphs with is_window_dynamic, else
+ * W. Afterwards graph->logits holds the [w, V] logits of this window. */
 void run_window(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens, int width, int64_t fill_id);
 /* Feed tokens[0..num_tokens-1] (T >= 1 prompt tokens, graphs with is_window_dynamic only) in one
- * forward at positions P..P+T-1 over a copy of the P committed entries (P + T keys, as the
- * Python runtime's prefill) under a causal mask and commit their KV; no logits are read
- * (num_logits = 0 where the graph takes it: the output head is skipped). */
+ * forward at positions P..P+T-1 over the cache's [1, H, S, D], S >= P + T (as the Python
+ * runtime's prefill), under a causal mask; the graph writes their KV into the cache in place
+ * and all T are committed; no logits are read (num_logits = 0 where the graph takes it: the
+ * output head is skipped). */
 void run_prefill(StepGraph *graph, KVCache *cache, const int64_t *tokens, int num_tokens);
 
 #endif

@@ -1,16 +1,21 @@
-/* The step graph on ONNX Runtime, and the KV cache it reads and grows.
+/* The step graph on ONNX Runtime, and the KV cache it reads and writes in place.
  *
  * Step graph I/O (runtime/bundle.py; DESIGN.md §5), batch 1:
  *   inputs   input_ids                 int64   [1, W]
- *            position_ids              int64   [1, W]
- *            attention_mask            bool    [1, 1, W, S + W]  (keys: S past, the first P cached; W new)
- *            past_key_values.{i}.key   kv      [1, H, S, D]      (kv = float32 or float16)
- *            past_key_values.{i}.value kv      [1, H, S, D]
+ *            position_ids              int64   [1, W]            each < S: where the entry's KV is written
+ *            attention_mask            bool    [1, 1, W, S]      over the cache's indices: query q sees k <= P + q
+ *                                                                (the P committed keys, then the window's 0..q)
+ *            past_key_values.{i}.key   kv      [1, H, S, D]      the KV cache, position p at index p
+ *            past_key_values.{i}.value kv      [1, H, S, D]      (kv = float32 or float16)
  *            num_logits                int64   []                optional (an initializer with a default)
  *   outputs  logits                    float32 [1, W, V]
- *            present.{i}.key / .value  kv      [1, H, W, D]      ONLY the W new entries
- * Graphs whose window axis is symbolic also take T prompt tokens in place of W (prefill), and
- * those with num_logits skip the output head when it is 0 (logits [1, 0, V]).
+ *            present.{i}.key / .value  kv      [1, H, S, D]      the past with entry j written at position_ids[j]
+ * Each present is bound to its past's own buffer (one OrtValue over the cache, passed to Run as
+ * both the input and the pre-allocated output; ORT writes an output into a pre-allocated value),
+ * so the graph writes the window's W entries into the cache in place and a commit copies nothing:
+ * it only advances P. Older step graphs, whose presents hold only the W new entries ([1, H, W, D]),
+ * are refused (re-export). Graphs whose window axis is symbolic also take T prompt tokens in place
+ * of W (prefill), and those with num_logits skip the output head when it is 0 (logits [1, 0, V]).
  * Float16 KV is moved as opaque 2-byte elements: this program never does arithmetic on it.
  */
 #include <stdio.h>
@@ -35,7 +40,9 @@ void kv_cache_init(KVCache *cache, const MarsConfig *cfg, int capacity) {
     cache->size = capacity < MIN_CACHE_SIZE ? capacity : MIN_CACHE_SIZE;
     cache->keys = MALLOC((size_t)cfg->num_layers * sizeof(void *));
     cache->values = MALLOC((size_t)cfg->num_layers * sizeof(void *));
-    for (int i = 0; i < cfg->num_layers; i++) {  /* zeroed: a step reads the masked positions too (weight 0 x finite = 0) */
+    /* zeroed: a step reads the masked positions too (weight 0 x finite = 0, 0 x NaN = NaN); later they hold
+     * finite KV only (committed entries, a window's uncommitted ones, what a relayout left behind) */
+    for (int i = 0; i < cfg->num_layers; i++) {
         cache->keys[i] = memset(MALLOC(num_bytes), 0, num_bytes);
         cache->values[i] = memset(MALLOC(num_bytes), 0, num_bytes);
     }
@@ -60,7 +67,8 @@ static void relayout(char *block, int H, int P, int old, int new, size_t row_byt
 }
 
 /* Makes S at least `needed`: doubles it until it fits, capped at the capacity (O(P) per doubling,
- * so O(1) per generated position overall). */
+ * so O(1) per generated position overall). A step reserves P + w first: the graph writes its w
+ * entries at indices P .. P+w-1 of the [1, H, S, D] it is fed, which must exist. */
 static void kv_cache_reserve(KVCache *cache, int needed) {
     CHECK(require(needed <= cache->capacity, "KV cache overflow: %d positions > capacity %d", needed,
                   cache->capacity));
@@ -73,19 +81,6 @@ static void kv_cache_reserve(KVCache *cache, int needed) {
         relayout(cache->values[i], cache->num_kv_heads, cache->length, cache->size, size, row_bytes);
     }
     cache->size = size;
-}
-
-/* Commits the KV of the first n (real-token) positions of presents [2L] x [1, H, W, D] at P.. of every head. */
-static void kv_cache_commit(KVCache *cache, void *const *presents, int W, int n) {
-    kv_cache_reserve(cache, cache->length + n);
-    size_t row_bytes = (size_t)cache->head_dim * cache->elem_size;
-    for (int i = 0; i < 2 * cache->num_layers; i++) {
-        char *block = i % 2 ? cache->values[i / 2] : cache->keys[i / 2];
-        for (int h = 0; h < cache->num_kv_heads; h++)
-            memcpy(block + ((size_t)h * (size_t)cache->size + (size_t)cache->length) * row_bytes,
-                   (const char *)presents[i] + (size_t)h * (size_t)W * row_bytes, (size_t)n * row_bytes);
-    }
-    cache->length += n;
 }
 
 /* ---- session and I/O checks ---------------------------------------------------- */
@@ -130,6 +125,26 @@ static ONNXTensorElementDataType io_type(const StepGraph *g, int is_output, size
     memcpy(dims, all, 4 * sizeof(int64_t));
     g_ort->ReleaseTypeInfo(type_info);
     return type;
+}
+
+/* Axis `axis` (< 4) of input `index` (or output if is_output), written into `name` as onnxruntime declares it:
+ * its size, or its symbol ("?" when it has none). */
+static void io_axis(const StepGraph *g, int is_output, size_t index, size_t axis, char name[64]) {
+    OrtTypeInfo *type_info;
+    const OrtTensorTypeAndShapeInfo *tensor_info;
+    size_t rank;
+    int64_t dims[4];
+    const char *symbols[4] = {NULL};
+    io_type(g, is_output, index, dims, &rank);
+    CHECK(require(rank == 4 && axis < 4, "step graph %s %zu has rank %zu, expected 4", is_output ? "output" : "input",
+                  index, rank));
+    CHECK(is_output ? g_ort->SessionGetOutputTypeInfo(g->session, index, &type_info)
+                    : g_ort->SessionGetInputTypeInfo(g->session, index, &type_info));
+    CHECK(g_ort->CastTypeInfoToTensorInfo(type_info, &tensor_info));
+    CHECK(g_ort->GetSymbolicDimensions(tensor_info, symbols, 4));
+    if (dims[axis] >= 0) snprintf(name, 64, "%lld", (long long)dims[axis]);
+    else snprintf(name, 64, "%s", symbols[axis] != NULL && symbols[axis][0] ? symbols[axis] : "?");  /* a copy: type_info owns it */
+    g_ort->ReleaseTypeInfo(type_info);
 }
 
 /* Whether the graph has an initializer named `wanted` that a run may feed (an input with a default). */
@@ -185,6 +200,19 @@ static void check_io(StepGraph *g, const MarsConfig *cfg, const char *path) {
     CHECK(require((dims[1] <= 0 || dims[1] == cfg->num_kv_heads) && (dims[3] <= 0 || dims[3] == cfg->head_dim),
                   "%s: past KV shape [.., %lld, .., %lld] does not match num_kv_heads %d, head_dim %d", path,
                   (long long)dims[1], (long long)dims[3], cfg->num_kv_heads, cfg->head_dim));
+    /* The presents must be the pasts written in place ([1, H, S, D], the past's own S axis): older step graphs
+     * output only the W new entries ([1, H, W, D]), which this program no longer copies into its cache. */
+    type = io_type(g, 1, 1, dims, &rank);
+    CHECK(require(type == cfg->kv_type && rank == 4, "%s: present.0.key has element type %d (rank %zu), but its past "
+                  "needs %d (it is written into the past's buffer); re-export the bundle", path, (int)type, rank,
+                  (int)cfg->kv_type));
+    char past_axis[64], present_axis[64];
+    io_axis(g, 0, 3, 2, past_axis);
+    io_axis(g, 1, 1, 2, present_axis);
+    CHECK(require(strcmp(past_axis, present_axis) == 0,
+                  "%s is an older step graph that outputs only the window's new KV entries (present.0.key's axis 2 "
+                  "is '%s', past_key_values.0.key's '%s'; this program has the graph write them into its KV cache in "
+                  "place); re-export the bundle with mars-export", path, present_axis, past_axis));
     type = io_type(g, 1, 0, dims, &rank);
     CHECK(require(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && rank == 3 && (dims[2] <= 0 || dims[2] == cfg->vocab_size),
                   "%s: logits must be float32 [batch, %d, %d] (window, vocab_size), got type %d, rank %zu, vocab %lld; "
@@ -220,24 +248,19 @@ void step_graph_init(StepGraph *g, const MarsConfig *cfg, const char *bundle_dir
     CHECK(g_ort->CreateCpuMemoryInfo(OrtArenaAllocator, OrtMemTypeDefault, &g->cpu));
 
     int W = cfg->window, L = cfg->num_layers;
-    size_t present_bytes = (size_t)cfg->num_kv_heads * (size_t)W * (size_t)cfg->head_dim * (size_t)cfg->kv_elem_size;
     g->input_ids = MALLOC((size_t)W * sizeof(int64_t));
     g->position_ids = MALLOC((size_t)W * sizeof(int64_t));
-    g->attention_mask = MALLOC((size_t)W * (size_t)(max_cache + W));
+    g->attention_mask = MALLOC((size_t)W * (size_t)max_cache);  /* S <= the cache's capacity, max_cache */
     g->logits = MALLOC((size_t)W * (size_t)cfg->vocab_size * sizeof(float));
-    g->presents = MALLOC((size_t)(2 * L) * sizeof(void *));
     g->outputs = MALLOC((size_t)(1 + 2 * L) * sizeof(OrtValue *));
-    g->inputs = MALLOC((size_t)(3 + 2 * L) * sizeof(OrtValue *));
-    for (int k = 0; k < 2 * L; k++) g->presents[k] = MALLOC(present_bytes);
+    g->inputs = MALLOC((size_t)(4 + 2 * L) * sizeof(OrtValue *));
 }
 
 void step_graph_free(StepGraph *g) {
-    for (int k = 0; k < 2 * g->num_layers; k++) free(g->presents[k]);
     for (int k = 3; k < 3 + 2 * g->num_layers; k++) free((char *)g->input_names[k]);
     for (int k = 1; k < 1 + 2 * g->num_layers; k++) free((char *)g->output_names[k]);
     free(g->inputs);
     free(g->outputs);
-    free(g->presents);
     free(g->input_names);
     free(g->output_names);
     free(g->input_ids);
@@ -251,96 +274,65 @@ void step_graph_free(StepGraph *g) {
 
 /* ---- one forward ----------------------------------------------------------------- */
 
-/* inputs[2 ..]: the attention mask [1, 1, T, S + T] (query i sees the P cached keys among the S
- * past positions and new keys 0..i), written into `mask` (T * (S + T) bytes), and per layer the
- * past [1, H, S, D] in keys[i], values[i]. */
-static void make_mask_and_past(StepGraph *g, const KVCache *cache, int S, void **keys, void **values,
-                               OrtValue **inputs, uint8_t *mask, int T) {
-    int P = cache->length, H = cache->num_kv_heads;
-    for (int i = 0; i < T; i++)
-        for (int k = 0; k < S + T; k++) mask[(size_t)i * (size_t)(S + T) + (size_t)k] = k < P || (k >= S && k - S <= i);
-    size_t past_bytes = (size_t)H * (size_t)S * (size_t)cache->head_dim * cache->elem_size;
-    int64_t mask_shape[4] = {1, 1, T, S + T}, past_shape[4] = {1, H, S, cache->head_dim};
-    inputs[2] = make_tensor(g, mask, (size_t)T * (size_t)(S + T), mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
-    for (int i = 0; i < g->num_layers; i++) {
-        inputs[3 + 2 * i] = make_tensor(g, keys[i], past_bytes, past_shape, 4, cache->type);
-        inputs[4 + 2 * i] = make_tensor(g, values[i], past_bytes, past_shape, 4, cache->type);
+/* One forward of the T ids in `ids` at positions P .. P+T-1 (written into `positions`) over the cache,
+ * which must hold S >= P + T positions (kv_cache_reserve): the mask [1, 1, T, S] over the cache's
+ * indices, query i seeing k <= P + i (the P committed keys, then the window's keys 0 .. i at their
+ * positions), is written into `mask` (T * S bytes); each layer's key and value block [1, H, S, D] is
+ * wrapped in one OrtValue, fed as past_key_values.{i}.* and passed to Run as the pre-allocated
+ * present.{i}.*, so ORT writes the present into the cache itself: the graph puts the T new entries at
+ * indices P .. P+T-1 in place and nothing is copied. `logits` is the pre-allocated logits output
+ * [1, T, V], or NULL: ORT allocates them and they are dropped unread. `num_logits`, if not NULL, is fed
+ * as the num_logits input. Commits nothing: the caller advances P over the real tokens. */
+static void forward(StepGraph *g, KVCache *cache, int64_t *ids, int64_t *positions, int T, uint8_t *mask,
+                    float *logits, int64_t *num_logits) {
+    int P = cache->length, S = cache->size, L = g->num_layers, H = cache->num_kv_heads;
+    CHECK(require(P + T <= S, "forward: %d cached + %d new positions exceed the KV cache layout of %d (reserve first)", P, T, S));
+    for (int i = 0; i < T; i++) {
+        positions[i] = P + i;  /* [1, T]: entry i goes to index P + i, where it is committed */
+        for (int k = 0; k < S; k++) mask[(size_t)i * (size_t)S + (size_t)k] = k <= P + i;
     }
+    int64_t ids_shape[2] = {1, T}, mask_shape[4] = {1, 1, T, S}, kv_shape[4] = {1, H, S, cache->head_dim};
+    int64_t logits_shape[3] = {1, T, g->vocab_size};
+    size_t kv_bytes = (size_t)H * (size_t)S * (size_t)cache->head_dim * cache->elem_size;
+    OrtValue **inputs = g->inputs, **outputs = g->outputs;  /* over this program's buffers: ORT writes into them */
+    inputs[0] = make_tensor(g, ids, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    inputs[1] = make_tensor(g, positions, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    inputs[2] = make_tensor(g, mask, (size_t)T * (size_t)S, mask_shape, 4, ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL);
+    for (int k = 0; k < 2 * L; k++) {  /* k0, v0, k1, v1, ...: the same value in and out */
+        inputs[3 + k] = make_tensor(g, k % 2 ? cache->values[k / 2] : cache->keys[k / 2], kv_bytes, kv_shape, 4, cache->type);
+        outputs[1 + k] = inputs[3 + k];
+    }
+    size_t num_inputs = (size_t)(3 + 2 * L);
+    if (num_logits != NULL)
+        inputs[num_inputs++] = make_tensor(g, num_logits, sizeof *num_logits, NULL, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
+    outputs[0] = logits == NULL ? NULL : make_tensor(g, logits, (size_t)T * (size_t)g->vocab_size * sizeof(float),
+                                                     logits_shape, 3, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, num_inputs,
+                     g->output_names, (size_t)(1 + 2 * L), outputs));
+    for (size_t k = 0; k < num_inputs; k++) g_ort->ReleaseValue(inputs[k]);  /* the presents among them */
+    g_ort->ReleaseValue(outputs[0]);
 }
 
 void run_window(StepGraph *g, KVCache *cache, const int64_t *tokens, int num_tokens, int width, int64_t fill_id) {
-    int P = cache->length, L = g->num_layers, H = cache->num_kv_heads, D = cache->head_dim;
     CHECK(require(width >= 1 && width <= g->window && (width == g->window || g->is_window_dynamic) &&
                   num_tokens >= 1 && num_tokens <= width, "run_window: %d tokens in a window of %d (graph window %d, %s)",
                   num_tokens, width, g->window, g->is_window_dynamic ? "dynamic" : "fixed"));
-    kv_cache_reserve(cache, P + width);  /* the graph also writes the new entries at their positions P.. of the past */
-    for (int i = 0; i < width; i++) {
-        g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, w] */
-        g->position_ids[i] = P + i;                              /* [1, w] */
-    }
-    int64_t ids_shape[2] = {1, width}, logits_shape[3] = {1, width, g->vocab_size}, present_shape[4] = {1, H, width, D};
-    size_t present_bytes = (size_t)H * (size_t)width * (size_t)D * cache->elem_size;
-    OrtValue **inputs = g->inputs, **outputs = g->outputs;  /* over this program's buffers: ORT writes into them */
-    inputs[0] = make_tensor(g, g->input_ids, (size_t)width * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    inputs[1] = make_tensor(g, g->position_ids, (size_t)width * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    make_mask_and_past(g, cache, cache->size, cache->keys, cache->values, inputs, g->attention_mask, width);
-    outputs[0] = make_tensor(g, g->logits, (size_t)width * (size_t)g->vocab_size * sizeof(float), logits_shape, 3,
-                             ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-    for (int k = 0; k < 2 * L; k++) outputs[1 + k] = make_tensor(g, g->presents[k], present_bytes, present_shape, 4, cache->type);
-    CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, (size_t)(3 + 2 * L),
-                     g->output_names, (size_t)(1 + 2 * L), outputs));
-    for (int k = 0; k < 3 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
-    for (int k = 0; k < 1 + 2 * L; k++) g_ort->ReleaseValue(outputs[k]);
-    kv_cache_commit(cache, g->presents, width, num_tokens);
-}
-
-/* The P committed entries of every layer, copied into new [1, H, P, D] blocks: [2L] keys then values. */
-static void **committed_copy(const KVCache *cache) {
-    int L = cache->num_layers, H = cache->num_kv_heads, P = cache->length;
-    size_t row_bytes = (size_t)cache->head_dim * cache->elem_size;
-    void **blocks = MALLOC((size_t)(2 * L) * sizeof(void *));
-    for (int i = 0; i < 2 * L; i++) {
-        const char *src = i < L ? cache->keys[i] : cache->values[i - L];
-        blocks[i] = MALLOC((size_t)H * (size_t)P * row_bytes);
-        for (int h = 0; h < H; h++)
-            memcpy((char *)blocks[i] + (size_t)h * (size_t)P * row_bytes, src + (size_t)h * (size_t)cache->size * row_bytes,
-                   (size_t)P * row_bytes);
-    }
-    return blocks;
+    kv_cache_reserve(cache, cache->length + width);  /* the graph writes the window's entries at P .. P+w-1 */
+    for (int i = 0; i < width; i++) g->input_ids[i] = i < num_tokens ? tokens[i] : fill_id;  /* [1, w] */
+    forward(g, cache, g->input_ids, g->position_ids, width, g->attention_mask, g->logits, NULL);
+    cache->length += num_tokens;  /* commit: the real tokens' KV is already at P ..; the fill's stays beyond, hidden */
 }
 
 void run_prefill(StepGraph *g, KVCache *cache, const int64_t *tokens, int T) {
-    int P = cache->length, L = g->num_layers;
     CHECK(require(g->is_window_dynamic && T >= 1, "run_prefill: %d tokens through a graph whose window is %s", T,
                   g->is_window_dynamic ? "dynamic" : "fixed (prefill W tokens at a time with run_window)"));
-    int64_t *ids = MALLOC((size_t)T * sizeof(int64_t)), *positions = MALLOC((size_t)T * sizeof(int64_t));
-    uint8_t *mask = MALLOC((size_t)T * (size_t)(P + T));
-    for (int i = 0; i < T; i++) {
-        ids[i] = tokens[i];   /* [1, T] */
-        positions[i] = P + i; /* [1, T] */
-    }
-    int64_t ids_shape[2] = {1, T}, no_logits = 0;
-    OrtValue **inputs = MALLOC((size_t)(4 + 2 * L) * sizeof(OrtValue *));
-    inputs[0] = make_tensor(g, ids, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    inputs[1] = make_tensor(g, positions, (size_t)T * sizeof(int64_t), ids_shape, 2, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    void **past = committed_copy(cache);  /* [2L]: P + T keys per query, not S + T */
-    make_mask_and_past(g, cache, P, past, past + L, inputs, mask, T);
-    inputs[3 + 2 * L] = make_tensor(g, &no_logits, sizeof no_logits, NULL, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64);
-    size_t num_inputs = (size_t)(3 + 2 * L + g->takes_num_logits);
-    OrtValue **outputs = MALLOC((size_t)(1 + 2 * L) * sizeof(OrtValue *));  /* ORT allocates: [1, T or 0, V], [1, H, T, D] */
-    memset(outputs, 0, (size_t)(1 + 2 * L) * sizeof(OrtValue *));
-    CHECK(g_ort->Run(g->session, NULL, g->input_names, (const OrtValue *const *)inputs, num_inputs,
-                     g->output_names, (size_t)(1 + 2 * L), outputs));
-    void **presents = MALLOC((size_t)(2 * L) * sizeof(void *));
-    for (int k = 0; k < 2 * L; k++) CHECK(g_ort->GetTensorMutableData(outputs[1 + k], &presents[k]));
-    kv_cache_commit(cache, presents, T, T);
-    for (int k = 0; k < 4 + 2 * L; k++) g_ort->ReleaseValue(inputs[k]);
-    for (int k = 0; k < 1 + 2 * L; k++) g_ort->ReleaseValue(outputs[k]);
-    for (int k = 0; k < 2 * L; k++) free(past[k]);
-    free(past);
-    free(presents);
-    free(outputs);
-    free(inputs);
+    kv_cache_reserve(cache, cache->length + T);  /* the graph writes the T entries at P .. P+T-1 */
+    int64_t *ids = MALLOC((size_t)T * sizeof(int64_t)), *positions = MALLOC((size_t)T * sizeof(int64_t)), no_logits = 0;
+    uint8_t *mask = MALLOC((size_t)T * (size_t)cache->size);
+    memcpy(ids, tokens, (size_t)T * sizeof(int64_t));  /* [1, T] */
+    /* logits allocated by ORT: [1, 0, V] where num_logits = 0 skips the output head, else [1, T, V], unread */
+    forward(g, cache, ids, positions, T, mask, NULL, g->takes_num_logits ? &no_logits : NULL);
+    cache->length += T;
     free(mask);
     free(positions);
     free(ids);

@@ -1,20 +1,30 @@
 """Memory a model needs on an edge device: weights + KV cache, against Jetson Orin budgets.
 
 ``python -m runtime.memory PATH [PATH ...] [options]`` where PATH is a bundle directory
-(weights = the size of its ONNX file(s) and, if built, ``engine.plan``) or a Hugging Face
-``config.json`` (or a directory holding one; weights = parameter count × bytes per
-parameter, no weights file needed).
+(weights = the size of its ONNX file(s) and, if built, ``engine.plan``), the bundle's
+``engine.plan`` (sized for TensorRT, as ``--trt``) or a Hugging Face ``config.json`` (or a
+directory holding one; weights = parameter count × bytes per parameter, no weights file needed).
 
 Dimension letters: L layers, H KV heads, D head dim, d hidden size, I MLP width,
 V vocabulary, C context (tokens), n batch rows (the glossary in :mod:`runtime`).
 
-    KV bytes = 2 (key and value) · L · H · D · C · n · bytes per element
+    KV bytes = copies · 2 (key and value) · L · H · D · C · n · bytes per element
+
+copies = 1 on onnxruntime: the step graph (and the fused graph) writes the step's entries into
+the KV cache in place, its present outputs are the cache's own buffers. copies = 2 on TensorRT
+(``--trt``, or an ``engine.plan`` PATH): the engine's present outputs, per layer the past with the
+new entries written ``[n, H, S, D]``, are device buffers of their own (TensorRT is not asked to
+write into its input), a second copy of the cache's rows in device memory (:mod:`runtime.backends.trt`).
 
 What is NOT counted: activations and the logits buffer (n · W · V · 4 bytes per decode
 step; bundles exported before 2026-12-02, without ``num_logits``, also prefill_chunk · V · 4
 per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
-runtime's workspace, the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so
-measure what your image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
+runtime's workspace, TensorRT's device copy of a host-array past (the parity check only), on
+onnxruntime the presents of a prefill forward that skips the output head (new arrays as large as
+the slot's cache, for that forward: ``runtime.backends.onnx``) and a cache the backend's I/O
+binding still holds after its engine let it go (until a step binds another), the CUDA context,
+the OS. Jetson memory is shared by CPU and GPU, so measure what your
+image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ class ModelMemory:
         max_context: the model's context limit (tokens).
         note: how ``weights_bytes`` was obtained.
         max_batch: the most sequences the bundle runs at once (1 for a fused bundle), or None.
+        kv_copies: copies of the KV cache the backend holds: 1 (onnxruntime, written in place) or 2
+            (TensorRT: the cache and the engine's present outputs, as large as the cache's rows).
     """
 
     name: str
@@ -59,11 +71,12 @@ class ModelMemory:
     max_context: int
     note: str
     max_batch: int | None = None
+    kv_copies: int = 1
 
     def kv_bytes(self, context: int, batch: int) -> int:
-        """KV cache bytes for ``batch`` sequences of ``context`` tokens."""
-        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
-                              self.kv_bytes_per_element)
+        """KV bytes for ``batch`` sequences of ``context`` tokens, all ``kv_copies`` copies."""
+        return self.kv_copies * kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
+                                               self.kv_bytes_per_element)
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: int, batch: int,
@@ -106,8 +119,9 @@ def count_parameters(config: dict) -> int:
     return vocab * d + layers * (attention + mlp + norms) + d + head
 
 
-def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str) -> ModelMemory:
-    """Sizing of a Hugging Face ``config.json`` with weights in ``weights_dtype``."""
+def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = False) -> ModelMemory:
+    """Sizing of a Hugging Face ``config.json`` with weights in ``weights_dtype`` (on TensorRT when ``trt``:
+    the KV held twice)."""
     raw = _read_json(path)
     num_params = count_parameters(raw)
     heads = raw["num_attention_heads"]
@@ -116,13 +130,22 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str) -> ModelMemory
         num_params=num_params, num_layers=raw["num_hidden_layers"],
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, kv_bytes_per_element=KV_BYTES[kv_dtype],
-        max_context=raw.get("max_position_embeddings", 0), note=f"parameters × {weights_dtype}")
+        max_context=raw.get("max_position_embeddings", 0),
+        note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""), kv_copies=2 if trt else 1)
 
 
-def from_bundle(bundle_dir: Path, kv_dtype: str | None) -> ModelMemory:
-    """Sizing of an exported bundle: its weights are the bytes of its ONNX file(s)."""
+def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False) -> ModelMemory:
+    """Sizing of an exported bundle: its weights are the bytes of its ONNX file(s); on onnxruntime, or on
+    TensorRT when ``trt`` (the KV held twice).
+
+    Raises:
+        ValueError: ``trt`` for a fused bundle (TensorRT builds only the step graph).
+    """
     from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
+    if trt and config.graph != "step":
+        raise ValueError(f"{bundle_dir} holds a {config.graph} graph, which runs on onnxruntime only (TensorRT builds "
+                         "the step graph); size it without --trt")
     files = [bundle_dir / config.onnx_file, bundle_dir / external_data_file(config.onnx_file)]
     weights = sum(f.stat().st_size for f in files if f.is_file())
     note = f"{config.onnx_file} on disk ({config.dtype})"
@@ -132,11 +155,13 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None) -> ModelMemory:
     if config.engine_file and (bundle_dir / config.engine_file).is_file():
         note += f"; {config.engine_file} {(bundle_dir / config.engine_file).stat().st_size / GIB:.3f} GiB " \
                 "(the TensorRT backend loads this instead)"
+    if trt:
+        note += "; sized for TensorRT"
     return ModelMemory(
         name=f"bundle {bundle_dir} ({config.source_model})", weights_bytes=weights, num_params=None,
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         kv_bytes_per_element=KV_BYTES[kv_dtype or config.dtype], max_context=config.max_context, note=note,
-        max_batch=1 if is_fused else None)
+        max_batch=1 if is_fused else None, kv_copies=2 if trt else 1)
 
 
 def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
@@ -152,8 +177,10 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
         sizes = " | ".join(f"{k} {model.num_params * b / GIB:.2f}" for k, b in BYTES_PER_PARAM.items())
         lines.append(f"parameters {model.num_params:,}; weights GiB: {sizes}")
     lines.append(f"weights {model.weights_bytes / GIB:.3f} GiB ({model.note})")
+    copies = (f" x {model.kv_copies} copies (TensorRT: the cache and the engine's present outputs)"
+              if model.kv_copies > 1 else "")
     lines.append(f"KV cache {per_token:,} bytes per token = 2 x {model.num_layers} layers x {model.num_kv_heads} "
-                 f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B; max context "
+                 f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B{copies}; max context "
                  f"{model.max_context}")
     lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
                  + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))
@@ -172,19 +199,22 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
     return "\n".join(lines)
 
 
-def load(path: Path, weights_dtype: str, kv_dtype: str | None) -> ModelMemory:
-    """A bundle directory, a ``config.json``, or a directory holding one.
+def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False) -> ModelMemory:
+    """A bundle directory, a bundle's ``.plan`` engine (TensorRT), a ``config.json``, or a directory holding one;
+    sized for TensorRT when ``trt`` or a ``.plan``, else for onnxruntime.
 
     Raises:
         ValueError: the path is none of these, or its config cannot be sized.
     """
     from runtime.bundle import CONFIG_FILE
+    if path.suffix == ".plan" and (path.parent / CONFIG_FILE).is_file():
+        return from_bundle(path.parent, kv_dtype, trt=True)
     if path.is_dir() and (path / CONFIG_FILE).is_file():
-        return from_bundle(path, kv_dtype)
+        return from_bundle(path, kv_dtype, trt)
     config = path / "config.json" if path.is_dir() else path
     if not config.is_file():
         raise ValueError(f"{path} is neither a MARS bundle nor a Hugging Face config.json")
-    return from_hf_config(config, weights_dtype, kv_dtype or "fp16")
+    return from_hf_config(config, weights_dtype, kv_dtype or "fp16", trt)
 
 
 def _read_json(path: Path) -> dict:
@@ -204,6 +234,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="batch sizes (default 1 4 8)")
     p.add_argument("--context", type=int, nargs="+", default=[512, 2048, 8192, 32768],
                    help="context lengths in tokens (default 512 2048 8192 32768; capped at the model's)")
+    p.add_argument("--trt", action="store_true",
+                   help="size for the TensorRT backend: the KV cache twice (the cache and the engine's present "
+                        "outputs); default onnxruntime, which writes into the cache in place (an engine.plan PATH "
+                        "is always sized for TensorRT)")
     p.add_argument("--reserve-gib", type=float, default=0.0,
                    help="memory kept for OS, CUDA context and activations, subtracted from each budget")
     return p.parse_args(argv)
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if min(args.batch) < 1 or min(args.context) < 1 or args.reserve_gib < 0:
             raise ValueError("--batch and --context must be >= 1 and --reserve-gib >= 0")
-        models = [load(Path(p), args.weights_dtype, args.kv_dtype) for p in args.paths]
+        models = [load(Path(p), args.weights_dtype, args.kv_dtype, args.trt) for p in args.paths]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

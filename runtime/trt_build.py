@@ -5,11 +5,13 @@ will run it (an engine is tied to its GPU and TensorRT version, so a Jetson buil
 own) and records it in ``mars_config.json``. ``--print-trtexec`` prints the equivalent
 ``trtexec`` line instead and needs no TensorRT.
 
-Dimension letters (runtime/__init__.py): n batch rows, W window (fixed), P past length, H KV heads, D head dim.
-One optimization profile covers B in 1..max_batch and P in 0..max_context - W (P = 0 is
-the first step of a one-token prompt). Its min, opt and max shapes each keep the
-dimensions the graph ties together equal: B in every input, and the attention mask's
-last axis = P + W where P is the KV inputs' third axis.
+Dimension letters (runtime/__init__.py): n batch rows, W window (fixed), S past length (the KV
+cache capacity: position p at index p, the step's W entries written at their positions), H KV
+heads, D head dim. One optimization profile covers B in 1..max_batch and S in W..max_context
+(S = W: the first step, positions 0..W-1; a slot never holds more than max_context
+positions). Its min, opt and max shapes each keep the dimensions the graph ties together
+equal: B in every input, and the attention mask's last axis = S, the KV inputs' third axis.
+The present outputs have the past inputs' shapes (TensorRT infers them; outputs get no profile).
 
 Networks are strongly typed (TensorRT 11 allows nothing else; TensorRT 10 gets the flag):
 the engine computes in the precision the ONNX graph states, so an fp16 engine comes from
@@ -37,8 +39,8 @@ class TrtBuildOptions:
 
     Attributes:
         max_batch / opt_batch: largest batch, and the batch TensorRT tunes for.
-        max_context / opt_context: largest P + W, and the P + W tuned for; None =
-            min(model context, 4096) and min(max_context, 1024).
+        max_context / opt_context: largest past S (KV cache capacity, the positions a slot may
+            hold), and the S tuned for; None = min(model context, 4096) and min(max_context, 1024).
         workspace_mib: builder workspace limit in MiB; None = TensorRT's default (all
             device memory), which a Jetson sharing RAM with the OS may want to lower.
     """
@@ -73,31 +75,32 @@ def profile_shapes(config: BundleConfig, options: TrtBuildOptions) -> dict[str, 
         raise ValueError(f"need window ({window}) < opt context ({opt_context}) <= max context ({max_context}) "
                          f"<= the model's context ({config.max_context})")
     batches = (1, options.opt_batch, options.max_batch)
-    pasts = (0, opt_context - window, max_context - window)
+    pasts = (window, opt_context, max_context)  # S: the smallest holds one window at positions 0..W-1
     heads, dim = config.num_kv_heads, config.head_dim
     shapes = {
         bundle.INPUT_IDS: tuple((b, window) for b in batches),  # [n, W]
         bundle.POSITION_IDS: tuple((b, window) for b in batches),  # [n, W]
-        bundle.ATTENTION_MASK: tuple((b, 1, window, p + window) for b, p in zip(batches, pasts)),  # [n, 1, W, P + W]
+        bundle.ATTENTION_MASK: tuple((b, 1, window, s) for b, s in zip(batches, pasts)),  # [n, 1, W, S]
     }
     for layer in range(config.num_layers):
         for name in bundle.past_names(layer):
-            shapes[name] = tuple((b, heads, p, dim) for b, p in zip(batches, pasts))  # [n, H, P, D]
+            shapes[name] = tuple((b, heads, s, dim) for b, s in zip(batches, pasts))  # [n, H, S, D]
     return shapes
 
 
 def profile_limits(profile_shape) -> tuple[int, int]:
-    """The largest batch and past length P an optimization profile accepts.
+    """The largest batch and past length S (KV cache capacity) an optimization profile accepts.
 
     Args:
         profile_shape: input name -> its (min, opt, max) shapes, e.g.
             ``lambda name: engine.get_tensor_profile_shape(name, 0)`` or ``profile_shapes(...).__getitem__``.
 
     Returns:
-        (max batch B, max past P): the largest dimensions 0 and 2 of the first layer's past
-        key ``[n, H, P, D]``; the engine must never feed more (:class:`runtime.decode.engine.Engine`).
+        (max batch B, max past S): the largest dimensions 0 and 2 of the first layer's past
+        key ``[n, H, S, D]``; the engine must never feed more (:class:`runtime.decode.engine.Engine`),
+        so a slot holds at most S positions.
     """
-    largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [n, H, P, D]
+    largest = tuple(profile_shape(bundle.past_names(0)[0])[2])  # [n, H, S, D]
     return int(largest[0]), int(largest[2])
 
 
@@ -173,8 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("bundle", help="bundle directory written by mars-export")
     p.add_argument("--max-batch", type=int, default=8, help="largest batch (default 8)")
     p.add_argument("--opt-batch", type=int, default=1, help="batch to tune for (default 1)")
-    p.add_argument("--max-context", type=int, default=None, help="largest past + window (default min(context, 4096))")
-    p.add_argument("--opt-context", type=int, default=None, help="past + window to tune for (default 1024)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="largest KV cache capacity, the positions a slot may hold (default min(context, 4096))")
+    p.add_argument("--opt-context", type=int, default=None, help="KV cache capacity to tune for (default 1024)")
     p.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit in MiB")
     p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec line and exit")
     return p.parse_args(argv)

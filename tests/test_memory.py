@@ -105,3 +105,31 @@ def test_cli_on_bundle_and_configs(tiny_bundle, capsys):
 def test_cli_rejects_other_paths(tmp_path, capsys):
     assert memory.main([str(tmp_path)]) == 2
     assert "is neither a MARS bundle nor a Hugging Face config.json" in capsys.readouterr().err
+
+
+def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
+    """onnxruntime writes the step's entries into the cache in place (one copy); TensorRT's present outputs,
+    [n, H, S, D] per layer beside the cache (runtime.backends.trt), are a second copy: --trt or an engine.plan."""
+    _, bundle = tiny_bundle("llama", 4)  # 2 layers, 2 KV heads, 16 dims, fp32
+    on_ort, on_trt = memory.load(bundle, "fp16", None), memory.load(bundle, "fp16", None, trt=True)
+    assert (on_ort.kv_copies, on_trt.kv_copies) == (1, 2)
+    assert on_trt.kv_bytes(100, 3) == 2 * on_ort.kv_bytes(100, 3) == 2 * memory.kv_cache_bytes(2, 2, 16, 100, 3, 4)
+    assert memory.load(bundle / "engine.plan", "fp16", None).kv_copies == 2  # the engine's path: TensorRT
+    config = CONFIGS / "qwen2.5-7b-instruct" / "config.json"
+    assert memory.from_hf_config(config, "fp16", "fp16", trt=True).kv_bytes(1, 1) == 2 * 57_344
+    assert memory.main([str(bundle), str(config), "--trt", "--batch", "1", "8", "--context", "4096"]) == 0
+    out = capsys.readouterr().out
+    per_token = 2 * 2 * 2 * 2 * 16 * 4  # two copies of 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 B
+    assert f"KV cache {per_token:,} bytes per token = 2 x 2 layers x 2 KV heads x 16 dims x 4 B x 2 copies " \
+           "(TensorRT: the cache and the engine's present outputs)" in out
+    assert "KV cache 114,688 bytes per token" in out and "sized for TensorRT" in out
+    assert "Orin NX 16GB   B=1: 16990  B=8: 2123" in out  # half the onnxruntime limits (32768 capped, 4247)
+    model = memory.ModelMemory("m", memory.GIB, None, 1, 1, 1024 * 1024 // 4, 2, 100_000, "hand-made", kv_copies=2)
+    assert "Orin Nano 8GB  B=1: 3584  B=2: 1792" in memory.report(model, [1, 2], [1024], 0.0)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    raw = json.loads((bundle / "mars_config.json").read_text())
+    (fused / "mars_config.json").write_text(json.dumps({**raw, "graph": "fused"}))
+    assert memory.load(fused, "fp16", None).kv_copies == 1
+    with pytest.raises(ValueError, match="runs on onnxruntime only"):
+        memory.load(fused, "fp16", None, trt=True)

@@ -41,12 +41,12 @@ def test_profile_keeps_tied_dimensions_equal(tiny_bundle):
     config = load_config(bundle)
     shapes = profile_shapes(config, TrtBuildOptions(max_batch=6, opt_batch=2, max_context=256, opt_context=64))
     assert set(shapes) == set(bundle_io.input_names(config.num_layers))
-    for which, (batch, past) in enumerate([(1, 0), (2, 60), (6, 252)]):  # min, opt, max
+    for which, (batch, past) in enumerate([(1, 4), (2, 64), (6, 256)]):  # min (S = W), opt, max
         assert shapes["input_ids"][which] == shapes["position_ids"][which] == (batch, 4)
-        assert shapes["attention_mask"][which] == (batch, 1, 4, past + 4)  # last axis = P + W
+        assert shapes["attention_mask"][which] == (batch, 1, 4, past)  # last axis = S, the KV inputs' third
         for name in bundle_io.input_names(config.num_layers)[3:]:
             assert shapes[name][which] == (batch, config.num_kv_heads, past, config.head_dim)
-    assert trt_build.profile_limits(shapes.__getitem__) == (6, 252)  # largest batch and past the engine may feed
+    assert trt_build.profile_limits(shapes.__getitem__) == (6, 256)  # largest batch and past (capacity) it may feed
 
 
 @pytest.mark.parametrize("options, message", [
@@ -70,11 +70,11 @@ def test_trtexec_line(tiny_bundle, capsys):
     config = load_config(bundle)
     line = trtexec_command(config, TrtBuildOptions(max_batch=8, max_context=512, opt_context=128, workspace_mib=1024))
     assert line.startswith("trtexec --onnx=model.onnx --saveEngine=engine.plan --stronglyTyped --noTF32")  # fp32
-    assert "--minShapes=input_ids:1x4,position_ids:1x4,attention_mask:1x1x4x4,past_key_values.0.key:1x2x0x16," in line
-    assert "--optShapes=input_ids:1x4,position_ids:1x4,attention_mask:1x1x4x128,past_key_values.0.key:1x2x124x16," \
+    assert "--minShapes=input_ids:1x4,position_ids:1x4,attention_mask:1x1x4x4,past_key_values.0.key:1x2x4x16," in line
+    assert "--optShapes=input_ids:1x4,position_ids:1x4,attention_mask:1x1x4x128,past_key_values.0.key:1x2x128x16," \
         in line
     assert "--maxShapes=input_ids:8x4,position_ids:8x4,attention_mask:8x1x4x512," in line
-    assert "past_key_values.1.value:8x2x508x16" in line and line.endswith("--memPoolSize=workspace:1024")
+    assert "past_key_values.1.value:8x2x512x16" in line and line.endswith("--memPoolSize=workspace:1024")
     assert trt_build.main([str(bundle), "--print-trtexec", "--max-context", "512"]) == 0  # no TensorRT needed
     assert "--maxShapes=input_ids:8x4" in capsys.readouterr().out
 
@@ -110,30 +110,37 @@ def test_backend_without_engine_is_refused(tiny_bundle):
 
 
 def compare_with_onnxruntime(bundle, tolerance: float) -> None:
-    """Build a tiny engine (batch 1..2, past 0..60), step it with changing batch and past, and
-    compare logits and KV with onnxruntime (host past: the parity path)."""
+    """Build a tiny engine (batch 1..2, past = cache capacity 4..64), step it with changing batch, capacity
+    and row lengths, and compare logits and presents with onnxruntime (host past: the parity path)."""
     from runtime.backends.onnx import OnnxBackend
     from runtime.backends.trt import TrtBackend
+    from runtime.decode.batch import window_mask
     assert trt_build.main([str(bundle), "--max-batch", "2", "--max-context", "64", "--opt-context", "32"]) == 0
     config = load_config(bundle)
     assert json.loads((bundle / "mars_config.json").read_text())["engine_file"] == "engine.plan"
     trt, onnx = TrtBackend(bundle, config), OnnxBackend(bundle, config)
-    assert (trt.max_batch, trt.max_past) == (2, 60)  # read from the engine's optimization profile
+    assert (trt.max_batch, trt.max_past) == (2, 64)  # read from the engine's optimization profile
     rng = np.random.default_rng(0)
-    for batch, past_len in [(1, 0), (2, 0), (2, 37), (1, 60), (2, 5)]:  # buffers grow, then are reused
-        ids = rng.integers(0, config.vocab_size, (batch, 4))  # [B, W]
-        positions = np.tile(np.arange(past_len, past_len + 4), (batch, 1))  # [B, W]
-        keys, queries = np.arange(past_len + 4), past_len + np.arange(4)
-        mask = np.broadcast_to(keys[None, :] <= queries[:, None], (batch, 1, 4, past_len + 4)).copy()
-        past = [tuple(rng.standard_normal((batch, config.num_kv_heads, past_len, config.head_dim)).astype(np.float32)
+    # (row lengths, capacity S): buffers grow, then are reused; S = W and S = the profile's largest included
+    for lengths, capacity in [([0], 4), ([0, 0], 16), ([37, 10], 48), ([60], 64), ([5, 0], 16)]:
+        batch, lengths = len(lengths), np.array(lengths, np.int64)
+        ids = rng.integers(0, config.vocab_size, (batch, 4))  # [n, W]
+        positions = lengths[:, None] + np.arange(4)[None]  # [n, W]
+        mask = window_mask(lengths, capacity, 4)  # [n, 1, W, S]
+        past = [tuple(rng.standard_normal((batch, config.num_kv_heads, capacity, config.head_dim)).astype(np.float32)
                       for _ in range(2)) for _ in range(config.num_layers)]
-        want_logits, want_kv = onnx.step(ids, positions, mask, past)
+        kept = [(k.copy(), v.copy()) for k, v in past]
+        want_logits, want_kv = onnx.step(ids, positions, mask, [(k.copy(), v.copy()) for k, v in past])  # in place
         got_logits, got_kv = trt.step(ids, positions, mask, past)
         assert got_logits.shape == want_logits.shape and got_logits.dtype == np.float32
         assert np.abs(got_logits - want_logits).max() <= tolerance * np.abs(want_logits).max()
-        for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
-            assert gk.shape == wk.shape == (batch, config.num_kv_heads, 4, config.head_dim)
+        for (gk, gv), (wk, wv), (k, v), (pk, pv) in zip(got_kv, want_kv, past, kept):
+            assert gk.shape == wk.shape == (batch, config.num_kv_heads, capacity, config.head_dim)
             assert np.allclose(gk, wk, atol=tolerance) and np.allclose(gv, wv, atol=tolerance)
+            assert np.array_equal(k, pk) and np.array_equal(v, pv)  # the past is read, never written
+            for b, length in enumerate(lengths):  # the presents are the past outside the row's window
+                outside = np.r_[0:length, length + 4:capacity]
+                assert np.array_equal(gk[b, :, outside], pk[b, :, outside])
     trt.close()
 
 
@@ -174,7 +181,8 @@ def test_window_comes_from_the_profile_not_the_dynamic_shape(engine_bundle, stan
     config = load_config(engine_bundle)
     backend = TrtBackend(engine_bundle, config)
     assert tuple(backend.engine.get_tensor_shape("input_ids")) == (-1, -1)  # [B, W], both dynamic
-    assert tuple(backend.context.get_tensor_shape("logits"))[:2] == (-1, -1)  # [B, W, V]: unknown before inputs
+    fresh = backend.engine.create_execution_context()  # the backend's own has had its inputs set (the KV check)
+    assert tuple(fresh.get_tensor_shape("logits"))[:2] == (-1, -1)  # [B, W, V]: unknown before inputs
     with pytest.raises(BundleError, match="takes windows of 4..4 tokens but mars_config.json says 8"):
         TrtBackend(engine_bundle, replace(config, window=8, block_size=4))
 
@@ -193,7 +201,7 @@ def test_engine_dtypes_and_kv_dtype_are_checked(engine_bundle, standin):
     backend = TrtBackend(engine_bundle, config)
     assert backend.kv_dtype == np.float32
     ids = np.zeros((1, 4), np.int64)  # [B, W]
-    past = [(np.zeros((1, config.num_kv_heads, 0, config.head_dim), np.float16),) * 2] * config.num_layers
+    past = [(np.zeros((1, config.num_kv_heads, 4, config.head_dim), np.float16),) * 2] * config.num_layers
     with pytest.raises(ValueError, match="past_key_values.0.key is float16 but the engine takes float32"):
         backend.step(ids, ids, np.ones((1, 1, 4, 4), bool), past)
     with pytest.raises(ValueError, match="KV dtype float16 differs from the engine's float32"):
@@ -209,15 +217,15 @@ def test_profile_bounds_are_enforced(engine_bundle, standin):
     config = load_config(engine_bundle)
     backend = TrtBackend(engine_bundle, config)
     ids = np.zeros((3, 4), np.int64)  # [B, W]: batch 3 > 2
-    past = [(np.zeros((3, config.num_kv_heads, 0, config.head_dim), np.float32),) * 2] * config.num_layers
+    past = [(np.zeros((3, config.num_kv_heads, 4, config.head_dim), np.float32),) * 2] * config.num_layers
     with pytest.raises(ValueError, match=r"input input_ids of shape \(3, 4\) is outside the engine's optimization"):
         backend.step(ids, ids, np.ones((3, 1, 4, 4), bool), past)
     with pytest.raises(ValueError, match="max_batch_size 3 exceeds the backend's largest batch 2"):
         Engine(backend, config, EngineConfig(max_batch_size=3))
-    with pytest.raises(ValueError, match=r"max_seq_len 100 exceeds the 60 positions a slot can hold \(the backend's "
+    with pytest.raises(ValueError, match=r"max_seq_len 100 exceeds the 64 positions a slot can hold \(the backend's "
                                          "largest past"):
         Engine(backend, config, EngineConfig(max_batch_size=2, max_seq_len=100))
-    assert Engine(backend, config, EngineConfig(max_batch_size=2)).cache.max_len == 60
+    assert Engine(backend, config, EngineConfig(max_batch_size=2)).cache.max_len == 64
 
 
 def test_refused_address_and_close(engine_bundle, standin):
@@ -228,7 +236,7 @@ def test_refused_address_and_close(engine_bundle, standin):
     backend = TrtBackend(engine_bundle, config)
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 60, np.float32)
     ids = np.zeros((1, 4), np.int64)  # [B, W]
-    backend.step(ids, ids, np.ones((1, 1, 4, cache.capacity + 4), bool), cache.past(1))
+    backend.step(ids, np.arange(4)[None], np.ones((1, 1, 4, cache.capacity), bool), cache.past(1))
     assert set(standin.cuda.MEMORY.blocks) > allocated
     stream = backend.stream
     cache.close()
@@ -236,9 +244,9 @@ def test_refused_address_and_close(engine_bundle, standin):
     assert set(standin.cuda.MEMORY.blocks) == allocated and standin.cuda.STREAMS[int(stream)].is_destroyed
     backend = TrtBackend(engine_bundle, config)
     backend.context.set_tensor_address = lambda name, ptr: False  # as TensorRT answers a name it does not know
-    empty = [(np.zeros((1, config.num_kv_heads, 0, config.head_dim), np.float32),) * 2] * config.num_layers
+    past = [(np.zeros((1, config.num_kv_heads, 4, config.head_dim), np.float32),) * 2] * config.num_layers
     with pytest.raises(RuntimeError, match="TensorRT refused the address of input_ids"):
-        backend.step(ids, ids, np.ones((1, 1, 4, 4), bool), empty)
+        backend.step(ids, np.arange(4)[None], np.ones((1, 1, 4, 4), bool), past)
 
 
 @pytest.mark.parametrize("scheme", ["continuous", "block"])
@@ -271,19 +279,23 @@ def test_engine_on_the_device_cache_equals_onnxruntime(tiny_bundle, engine_bundl
 
 def test_step_traffic_matches_the_bytes_moved(engine_bundle, standin):
     """step_traffic, computed from the code paths, equals what the stand-in counted each way:
-    host past (whole past in, every present out) and device cache (window inputs in, logits out)."""
+    host past (whole past in, every present [n, H, S, D] out) and device cache (window inputs in,
+    logits out; the commit copies the W entries of each row at its positions, device-side)."""
     from runtime.backends.trt import TrtBackend, step_traffic
+    from runtime.decode.batch import window_mask
     config = load_config(engine_bundle)
     backend = TrtBackend(engine_bundle, config)
-    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 60, np.float32, num_slots=2)
-    cache.reserve(40)  # capacity S = 64 -> capped at 60
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, np.float32, num_slots=2)
+    cache.reserve(40)  # capacity S = 64
+    cache.lengths[:] = [3, 9]  # committed entries (zeros: the cache is zero-filled)
     ids = np.zeros((2, 4), np.int64)  # [n, W]
-    mask = np.ones((2, 1, 4, cache.capacity + 4), bool)  # [n, 1, W, S + W]
+    positions = cache.lengths[:, None] + np.arange(4)[None]  # [n, W]
+    mask = window_mask(cache.lengths, cache.capacity, 4)  # [n, 1, W, S]
     host_past = [(np.zeros((2, config.num_kv_heads, cache.capacity, config.head_dim), np.float32),) * 2
                  ] * config.num_layers
     for past, is_device in [(host_past, False), (cache.past(2), True)]:
         standin.cuda.STATS.clear()
-        _, presents = backend.step(ids, ids, mask, past)
+        _, presents = backend.step(ids, positions, mask, past)
         want = step_traffic(config, 2, cache.capacity, is_device)
         assert standin.cuda.STATS["h2d"] == want["host_to_device"] and standin.cuda.STATS["d2h"] == want["device_to_host"]
         assert standin.cuda.STATS["d2d"] == 0  # the step itself copies nothing device-side
@@ -291,10 +303,67 @@ def test_step_traffic_matches_the_bytes_moved(engine_bundle, standin):
     cache.commit(presents, [4, 4])  # every new entry of both rows: the bound step_traffic gives
     backend.cuda.synchronize(backend.stream)  # the commit is queued on the stream, like the forward
     assert standin.cuda.STATS["d2d"] == want["device_to_device"]
-    key = standin.cuda.read_device(cache.keys[0].ptr, cache.keys[0].shape, np.float32)  # [N, H, S, D]
-    new = standin.cuda.read_device(presents[0][0].ptr, presents[0][0].shape, np.float32)  # [n, H, W, D]
-    np.testing.assert_array_equal(key[:, :, :4], new)
-    assert not np.isnan(key).any()  # zero-filled: masked positions hold finite numbers
+    assert list(cache.lengths) == [7, 13]
+    for buffer, present in [(cache.keys[0], presents[0][0]), (cache.values[-1], presents[-1][1])]:
+        kv = standin.cuda.read_device(buffer.ptr, buffer.shape, np.float32)  # [N, H, S, D]
+        new = standin.cuda.read_device(present.ptr, present.shape, np.float32)  # [n, H, S, D]
+        assert new.shape == kv.shape  # the presents have the past's shape
+        for row, length in enumerate([3, 9]):
+            np.testing.assert_array_equal(kv[row, :, length:length + 4], new[row, :, length:length + 4])
+            assert np.abs(kv[row, :, length:length + 4]).max() > 0  # the window's entries, at their positions
+            assert not kv[row, :, :length].any() and not kv[row, :, length + 4:].any()  # nothing else written
+        assert not np.isnan(kv).any()  # zero-filled: masked positions hold finite numbers
+
+
+def test_presents_have_buffers_of_their_own(engine_bundle, standin):
+    """TensorRT does not promise that an output may alias an input: no present is bound at an address
+    inside a past (or any input), and a step leaves the device cache as it was until the commit."""
+    from runtime.backends.trt import TrtBackend
+    from runtime.decode.batch import window_mask
+    config = load_config(engine_bundle)
+    backend = TrtBackend(engine_bundle, config)
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 64, np.float32, num_slots=2)
+    lengths = np.array([0, 2], np.int64)
+    backend.cuda.synchronize(backend.stream)  # the cache's zero fill is queued on the stream
+    before = [standin.cuda.read_device(b.ptr, b.shape, np.float32).copy() for b in cache.keys + cache.values]
+    positions = lengths[:, None] + np.arange(4)[None]  # [n, W]
+    mask = window_mask(lengths, cache.capacity, 4)  # [n, 1, W, S]
+    backend.step(np.ones((2, 4), np.int64), positions, mask, cache.past(2))
+    backend.cuda.synchronize(backend.stream)
+    after = [standin.cuda.read_device(b.ptr, b.shape, np.float32) for b in cache.keys + cache.values]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    context, engine = backend.context, backend.engine
+    spans = {}
+    for name in bundle_io.input_names(config.num_layers) + bundle_io.output_names(config.num_layers):
+        shape, item = context.get_tensor_shape(name), np.dtype(standin.nptype(engine.get_tensor_dtype(name))).itemsize
+        spans[name] = (context.addresses[name], context.addresses[name] + int(np.prod(shape)) * item)
+    for out in bundle_io.output_names(config.num_layers):
+        for name in bundle_io.input_names(config.num_layers):
+            (a, b), (c, d) = spans[out], spans[name]
+            assert b <= c or d <= a, f"{out} overlaps {name}"
+
+
+def test_engine_of_an_older_step_graph_is_refused(tiny_bundle, tmp_path, standin):
+    """An engine whose presents hold only the W new entries ([n, H, W, D], graphs before 2026-12-02) is refused
+    at load: its dynamic axes read -1, so the check compares the shapes TensorRT infers over the profile's."""
+    import onnx
+
+    from runtime.bundle import BundleError
+    from runtime.backends.trt import TrtBackend
+    _, original = tiny_bundle("qwen2", 4)
+    bundle = shutil.copytree(original, tmp_path / "bundle")
+    model = onnx.load(str(bundle / "model.onnx"))
+    for value in model.graph.output[1:]:  # present.{i}.*: declare the old shape [batch, H, window, D]
+        value.type.tensor_type.shape.dim[2].dim_param = "window"
+    onnx.save(model, str(bundle / "model.onnx"))
+    assert trt_build.main([str(bundle), "--max-batch", "2", "--max-context", "64", "--opt-context", "32"]) == 0
+    config = load_config(bundle)
+    backend_engine = standin.Runtime(None).deserialize_cuda_engine((bundle / "engine.plan").read_bytes())
+    assert backend_engine.get_tensor_shape("present.0.key")[2] == backend_engine.get_tensor_shape(
+        "past_key_values.0.key")[2] == -1  # nothing to compare on the engine itself
+    with pytest.raises(BundleError, match="older step graph that outputs only the window's new KV entries.*rebuild "
+                                          "the engine"):
+        TrtBackend(bundle, config)
 
 
 def test_server_takes_its_limits_from_the_engine(engine_bundle, standin, capsys):
@@ -303,9 +372,9 @@ def test_server_takes_its_limits_from_the_engine(engine_bundle, standin, capsys)
     from runtime import serve
     app = serve.build_app(serve.parse_args([str(engine_bundle / "engine.plan"), "--threads", "1"]))
     engine = app.state.ctx.engine_thread.engine
-    assert engine.engine_config.max_batch_size == 2 and engine.cache.max_len == 60
+    assert engine.engine_config.max_batch_size == 2 and engine.cache.max_len == 64
     for option, value, message in [("--max-batch-size", "8", "max_batch_size 8 exceeds the backend's largest batch 2"),
-                                   ("--max-seq-len", "512", "max_seq_len 512 exceeds the 60 positions")]:
+                                   ("--max-seq-len", "512", "max_seq_len 512 exceeds the 64 positions")]:
         assert serve.main([str(engine_bundle / "engine.plan"), option, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]

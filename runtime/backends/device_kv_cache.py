@@ -10,9 +10,12 @@ its tensor addresses):
   - :meth:`past` hands the backend :class:`~runtime.backends.cuda_runtime.DeviceTensor` views of
     slots 0..n-1 (the first n * H * S * D elements: a leading-axis slice is contiguous),
     which it binds as the graph's past inputs without a copy;
-  - :meth:`commit` takes the backend's present outputs as device tensors ``[n, H, W, D]``
-    and copies, for each row, its first ``count`` new entries after its length: one
-    device-to-device 2-D copy (H rows of ``count * D`` elements) per row and tensor;
+  - :meth:`commit` takes the backend's present outputs as device tensors ``[n, H, S', D]``
+    (the past with each row's new entries written at their positions, in buffers of their
+    own: :mod:`runtime.backends.trt` does not alias them to the cache) and copies, for each
+    row, its ``count`` entries at positions ``length .. length + count - 1`` into the slot:
+    one device-to-device 2-D copy (H rows of ``count * D`` elements) per row and tensor,
+    none where a present is the cache's own memory (a backend that writes in place);
   - :meth:`reserve` reallocates (zero-filled: masked keys must hold finite numbers, as
     0 * NaN is NaN) and copies the committed prefix device-to-device.
 Host<->device traffic of the cache: none.
@@ -73,16 +76,20 @@ class DeviceKVCache(KVCache):
         return DeviceTensor(buffer.ptr + offset, (count, heads, capacity, dim), self.dtype)
 
     def _write(self, slot: int, presents: list[tuple[DeviceTensor, DeviceTensor]], row: int, count: int) -> None:
-        """Device-side copy of the first ``count`` new entries of ``presents`` row ``row`` after slot ``slot``'s length."""
+        """Device-side copy of entries ``lengths[slot] .. + count`` of ``presents`` row ``row`` (``[n, H, S', D]``,
+        position p at index p) into slot ``slot`` at the same positions, unless that row is the slot's own memory."""
         start, item = int(self.lengths[slot]), self.dtype.itemsize
         for pair, key, value in zip(presents, self.keys, self.values):
             for new, buffer in zip(pair, (key, value)):
                 assert isinstance(new, DeviceTensor) and np.dtype(new.dtype) == self.dtype, "presents must be on the device"
-                _, heads, window, dim = new.shape  # [n, H, W, D]
+                _, heads, positions, dim = new.shape  # [n, H, S', D]
+                assert start + count <= positions, f"entries up to {start + count} past the presents' {positions}"
                 capacity = buffer.shape[2]
-                src = new.ptr + row * heads * window * dim * item
+                src = new.ptr + ((row * heads) * positions + start) * dim * item
                 dst = buffer.ptr + ((slot * heads) * capacity + start) * dim * item
-                self.cuda.copy_rows(dst, capacity * dim * item, src, window * dim * item, count * dim * item, heads,
+                if src == dst and positions == capacity:
+                    continue  # the step wrote them here (presents bound to the cache itself)
+                self.cuda.copy_rows(dst, capacity * dim * item, src, positions * dim * item, count * dim * item, heads,
                                     self.stream)
 
     def _allocate(self, capacity: int) -> None:

@@ -1,24 +1,33 @@
 """Run a bundle's ``engine.plan`` with TensorRT's Python API and cuda-python (no torch).
 
 Same contract as :class:`runtime.backends.onnx.OnnxBackend`: :meth:`TrtBackend.step` takes
-the window inputs and the past KV and returns float32 logits and the W new KV entries per
-layer, so the same decoder, acceptance loop and cache manager drive either backend.
+the window inputs and the past KV (the cache, position p at index p) and returns float32
+logits and the presents, per layer the past with each row's new entries written at their
+positions, so the same decoder, acceptance loop and cache manager drive either backend.
 
-Dimension letters (runtime/__init__.py): n batch rows, W window, P past length (the cache
-capacity S when the whole buffer is fed), H KV heads, D head dim, V vocab, L layers.
+Dimension letters (runtime/__init__.py): n batch rows, W window, S past length (the KV cache
+capacity: the whole buffer is fed), H KV heads, D head dim, V vocab, L layers.
+
+Unlike onnxruntime (:mod:`runtime.backends.kv_binding`), the presents are NOT bound to the
+past's own memory: TensorRT does not promise that an output may share its address with an
+input (the engine may read the past after writing part of the present), so each present
+output has a device buffer of its own ``[n, H, S, D]``: a second copy of the cache's rows
+in device memory (:mod:`runtime.memory` sizes it), and the accepted entries are copied into
+the cache at commit.
 
 Where the KV cache lives (DESIGN.md §4):
   - device-resident (:meth:`TrtBackend.make_cache`, what :class:`runtime.decode.engine.Engine`
     uses): the past is bound straight from the cache's device buffers and the present
-    outputs stay on the device, where the cache commits the accepted entries itself. Per
-    step the host sends ids, positions and the attention mask and receives the logits,
-    through pinned staging buffers;
+    outputs stay on the device, where the cache commits the accepted entries itself (a
+    device-to-device copy of at most W entries per row). Per step the host sends ids,
+    positions and the attention mask and receives the logits, through pinned staging buffers;
   - host arrays (the parity check, any caller with numpy past): the past is copied to the
-    device and the present copied back, as with onnxruntime.
+    device and the presents (whole ``[n, H, S, D]``) copied back.
 :func:`step_traffic` counts the bytes each way per step, from these code paths.
 
-Device buffers are kept per tensor and grown (doubling) when a step needs more; empty
-tensors (P = 0) still get a non-null buffer, which TensorRT requires.
+Device buffers are kept per tensor and grown when a step needs more (doubling; the present
+outputs exactly to the largest step's size, so they never hold more than one more copy of
+the cache's rows); an empty tensor would still get a non-null buffer, which TensorRT requires.
 
 Importing this module needs neither TensorRT nor a GPU; constructing a backend does, and
 says how to get them when they are missing.
@@ -62,19 +71,19 @@ def step_traffic(config: BundleConfig, num_rows: int, past_len: int, is_device_c
 
     Returns:
         ``host_to_device`` (window inputs, plus the whole past on the host path),
-        ``device_to_host`` (logits, plus every present on the host path) and
+        ``device_to_host`` (logits, plus every present, the whole ``[n, H, S, D]``, on the host path) and
         ``device_to_device`` (the device path's cache commit, at most W entries per row;
         the host path's commit is a host copy). Bytes.
     """
     n, w, kv_item = num_rows, config.window, np.dtype(config.dtype).itemsize
-    window_inputs = n * w * 8 * 2 + n * w * (past_len + w)  # int64 ids and positions, bool mask [n, 1, W, P + W]
+    window_inputs = n * w * 8 * 2 + n * w * past_len  # int64 ids and positions, bool mask [n, 1, W, S]
     logits = n * w * config.vocab_size * 4  # float32 [n, W, V]
     per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_item  # key + value, all layers
     if is_device_cache:
         return {"host_to_device": window_inputs, "device_to_host": logits,
                 "device_to_device": n * w * per_position}
     return {"host_to_device": window_inputs + n * past_len * per_position,
-            "device_to_host": logits + n * w * per_position, "device_to_device": 0}
+            "device_to_host": logits + n * past_len * per_position, "device_to_device": 0}
 
 
 class TrtBackend:
@@ -114,6 +123,7 @@ class TrtBackend:
         self.num_layers = config.num_layers
         self.dtypes = expected_dtypes(config)
         _check_io(self.engine, config, path, trt)
+        _check_kv_in_place(self.engine, self.context, config.num_layers, path)
         self.kv_dtype = np.dtype(config.dtype)
         self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
         # The engine feeds no larger batch nor past (KV cache capacity) than the profile accepts.
@@ -139,25 +149,31 @@ class TrtBackend:
         """Run one forward over a window.
 
         Args:
-            input_ids, position_ids: int64 [n, W]; attention_mask: bool [n, 1, W, P + W].
-            past: per layer (key, value) [n, H, P, D] in the engine's KV dtype: numpy
-                arrays, or :class:`~runtime.backends.cuda_runtime.DeviceTensor` views of a
-                :meth:`make_cache` cache.
+            input_ids: int64 [n, W]; position_ids: int64 [n, W], each below S (new entry j of
+                row b goes to index ``position_ids[b, j]`` of the presents).
+            attention_mask: bool [n, 1, W, S] over the past's indices.
+            past: per layer (key, value) [n, H, S, D] in the engine's KV dtype, the KV cache
+                (read only: the step never writes into it): numpy arrays, or
+                :class:`~runtime.backends.cuda_runtime.DeviceTensor` views of a :meth:`make_cache` cache.
 
         Returns:
-            logits float32 [n, W, V] (host), and per layer the new (key, value) [n, H, W, D]:
-            numpy arrays for a numpy past; for a device past, device views of this backend's
-            output buffers, valid until the next step.
+            logits float32 [n, W, V] (host), and the presents: per layer (key, value) [n, H, S, D],
+            the past with each row's new entries at their positions, in buffers other than the
+            past's: numpy arrays for a numpy past; for a device past, device views of this
+            backend's output buffers, valid until the next step.
 
         Raises:
-            ValueError: a shape outside the engine's optimization profile, or a dtype other
-                than the engine's (nothing is converted silently).
+            ValueError: inputs whose shapes disagree or a position outside the past
+                (:func:`runtime.bundle.check_step_inputs`), a shape outside the engine's optimization
+                profile, or a dtype other than the engine's (nothing is converted silently).
             RuntimeError: TensorRT refused an address or the forward.
         """
+        bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
         is_device = isinstance(past[0][0], DeviceTensor)
         feeds = bundle.step_feeds(input_ids, position_ids, attention_mask, past)
         sources = [self._bind_input(name, array) for name, array in feeds.items()]  # alive until synchronized
-        outputs = {name: self._bind_output(name) for name in bundle.output_names(self.num_layers)}
+        outputs = {name: self._bind_output(name, exact=name != bundle.LOGITS)
+                   for name in bundle.output_names(self.num_layers)}
         if not self.context.execute_async_v3(int(self.stream)):
             raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
         logits = self._pinned(bundle.LOGITS, outputs[bundle.LOGITS].shape, np.float32)  # [n, W, V]
@@ -192,14 +208,15 @@ class TrtBackend:
         self._set_address(name, ptr)
         return source
 
-    def _bind_output(self, name: str) -> DeviceTensor:
-        """The device buffer of output ``name``, sized from the shape TensorRT infers once all inputs are set."""
+    def _bind_output(self, name: str, exact: bool = False) -> DeviceTensor:
+        """The device buffer of output ``name``, sized from the shape TensorRT infers once all inputs are set
+        (grown to exactly that size when ``exact``: the presents, each as large as the past)."""
         shape = tuple(self.context.get_tensor_shape(name))
         if min(shape, default=0) < 0:
             raise RuntimeError(f"TensorRT left output {name} with unknown dimensions {shape} after every input shape "
                                "was set; the engine does not match this runtime's step graph, rebuild it")
         dtype = self.dtypes[name]
-        out = DeviceTensor(self._buffer(name, int(np.prod(shape)) * dtype.itemsize), shape, dtype)
+        out = DeviceTensor(self._buffer(name, int(np.prod(shape)) * dtype.itemsize, exact), shape, dtype)
         self._set_address(name, out.ptr)
         return out
 
@@ -226,11 +243,12 @@ class TrtBackend:
         self.cuda.to_host(host, out.ptr, self.stream)
         return host
 
-    def _buffer(self, name: str, nbytes: int) -> int:
-        """Device pointer of ``name``'s buffer, grown (doubling) to hold ``nbytes``."""
+    def _buffer(self, name: str, nbytes: int, exact: bool = False) -> int:
+        """Device pointer of ``name``'s buffer, grown to hold ``nbytes``: doubling, or to exactly ``nbytes``
+        when ``exact`` (large buffers, whose growth follows the cache's own doubling)."""
         buffer = self.buffers.get(name)
         if buffer is None or nbytes > buffer.shape[0]:
-            capacity = max(nbytes, 2 * buffer.shape[0] if buffer else 0, 1)
+            capacity = max(nbytes, 1) if exact else max(nbytes, 2 * buffer.shape[0] if buffer else 0, 1)
             if buffer is not None:
                 self.cuda.synchronize(self.stream)
                 self.cuda.free(buffer.ptr)
@@ -276,3 +294,27 @@ def _check_io(engine, config: BundleConfig, path: Path, trt) -> None:
     if not smallest[1] == largest[1] == config.window:
         raise BundleError(f"{path} takes windows of {smallest[1]}..{largest[1]} tokens but {bundle.CONFIG_FILE} says "
                           f"{config.window}; rebuild the engine")
+
+
+def _check_kv_in_place(engine, context, num_layers: int, path: Path) -> None:
+    """Refuse an engine built from an older step graph, whose presents hold only the W new entries.
+
+    The engine reports the KV axes as -1 (dynamic), so the check sets every input to the
+    profile's smallest, then largest shapes and compares the present's position axis, as
+    TensorRT infers it, with the past's (:func:`runtime.bundle.check_kv_in_place`). An older
+    profile's smallest past is 0 positions, its present's W >= 1, so such an engine never passes.
+    The next step sets every input shape again.
+    """
+    past, present = bundle.past_names(0)[0], bundle.present_names(0)[0]
+    for which in (0, 2):  # the profile's min and max shapes
+        for name in bundle.input_names(num_layers):
+            shape = tuple(engine.get_tensor_profile_shape(name, 0)[which])
+            if not context.set_input_shape(name, shape):
+                raise BundleError(f"{path}: TensorRT refuses its own profile shape {shape} for {name}; "
+                                  "rebuild the engine")
+        try:
+            bundle.check_kv_in_place(tuple(context.get_tensor_shape(past)), tuple(context.get_tensor_shape(present)),
+                                     path)
+        except BundleError as e:
+            raise BundleError(f"{e}, then rebuild the engine (python -m runtime.trt_build, or mars-export --trt)"
+                              ) from None

@@ -5,7 +5,7 @@
 #   bash samples/jetson/build_engine.sh BUNDLE [MAX_BATCH] [MAX_CONTEXT] [WORKSPACE_MIB]
 #
 # Uses TensorRT's Python API (python -m runtime.trt_build); with USE_TRTEXEC=1 it runs the
-# equivalent trtexec line instead (same profile: batch 1..MAX_BATCH, past 0..MAX_CONTEXT-W).
+# equivalent trtexec line instead (same profile: batch 1..MAX_BATCH, past = KV cache capacity W..MAX_CONTEXT).
 set -euo pipefail
 bundle=${1:?usage: build_engine.sh BUNDLE [MAX_BATCH] [MAX_CONTEXT] [WORKSPACE_MIB]}
 max_batch=${2:-4}

@@ -27,13 +27,15 @@ MatMulNBits by the same quantizer, scheme and ``accuracy_level`` as ``mars-expor
 from an int8 bundle's in the graph only.
 
 Every graph gets the same W token ids at positions P .. P+W-1 over the same random past,
-causal inside the window:
+causal inside the window; both kinds of graph write the W new entries into their KV cache in
+place, past and present bound to one buffer per layer and name (I/O binding):
 
-- a bundle: the step as our engine runs it (``bench/scaling.py``'s ``decode_inputs``: per
-  layer (key, value) [1, H, P, D] fed as arrays, present = the W new entries);
-- the builder graph: as ONNX Runtime GenAI runs it on CPU, past and present bound to one
-  buffer [1, H, S, D] per layer and name (I/O binding; GroupQueryAttention writes the W new
-  entries in place), attention_mask int64 [1, P + W] of ones.
+- a bundle: the step as our engine runs it (``bench/scaling.py``'s ``decode_inputs`` and
+  ``bench/profile_step.py``'s ``step_call``: a cache [1, H, P + W, D] per layer and name, mask
+  bool [1, 1, W, P + W] over its indices; our attention reads all of its positions);
+- the builder graph: as ONNX Runtime GenAI runs it on CPU, a buffer [1, H, S, D] per layer and
+  name holding the same P past entries (GroupQueryAttention reads only the first P + W),
+  attention_mask int64 [1, P + W] of ones.
 
 Timing is interleaved (``--rounds`` rounds of ``--steps`` steps of every graph in turn;
 median of the round means; wall time and this process's CPU time), ratios are to the
@@ -63,6 +65,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +73,7 @@ import onnx
 import onnxruntime as ort
 
 from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
-from profile_step import interleaved_times, load_bundles, make_session  # bench/ is on the path as a script
+from profile_step import interleaved_times, load_bundles, make_session, step_call  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
 from runtime.decode.batch import run_batch, run_prefill
@@ -80,15 +83,16 @@ BUILDER_FILE = "model.onnx"
 
 
 def builder_call(session: ort.InferenceSession, ids: np.ndarray, past: list[tuple[np.ndarray, np.ndarray]],
-                 max_context: int):
+                 past_len: int, max_context: int):
     """A no-argument function running one builder-graph step; returns its logits float32 [1, W, V].
 
     Args:
-        ids: int64 [1, W]; past: per layer (key, value) [1, H, P, D] float32, copied into
-            the first P positions of buffers [1, H, S, D] that are bound as both past and
-            present (GroupQueryAttention then writes the W new entries at P .. P+W-1 of them).
+        ids: int64 [1, W]; past: per layer (key, value) [1, H, >= P, D] float32 (a bundle's cache), whose
+            first P = ``past_len`` positions are copied into the first P positions of buffers [1, H, S, D]
+            that are bound as both past and present (GroupQueryAttention then writes the W new entries at
+            P .. P+W-1 of them).
     """
-    window, past_len = ids.shape[1], past[0][0].shape[2]
+    window = ids.shape[1]
     binding = session.io_binding()
     binding.bind_cpu_input("input_ids", ids)
     binding.bind_cpu_input("attention_mask", np.ones((1, past_len + window), np.int64))
@@ -96,7 +100,7 @@ def builder_call(session: ort.InferenceSession, ids: np.ndarray, past: list[tupl
     for layer, pair in enumerate(past):
         for kind, array in zip(("key", "value"), pair):
             buffer = np.zeros((1, array.shape[1], max_context, array.shape[3]), np.float32)  # [1, H, S, D]
-            buffer[:, :, :past_len] = array
+            buffer[:, :, :past_len] = array[:, :, :past_len]
             value = ort.OrtValue.ortvalue_from_numpy(buffer)
             binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
             binding.bind_ortvalue_output(f"present.{layer}.{kind}", value)
@@ -155,11 +159,13 @@ def run(args, workdir: Path) -> dict:
     builders = {name: make_session(path, args.threads)
                 for name, path in builder_graphs(args.builder, args.quantize, workdir).items()}
     rng, rows = np.random.default_rng(0), []
+    step_config = replace(config, graph="step")  # inputs with a cache of P + W positions (fused bundles copy it)
     for past_len, window in itertools.product(args.pasts, args.windows):
-        ids, positions, mask, past = decode_inputs(config, window, 1, past_len, rng)
-        feeds = bundle.step_feeds(ids, positions, mask, past)
-        calls = {name: (lambda s=session: s.run(None, feeds)[0]) for name, session in ours.items()}
-        calls |= {name: builder_call(session, ids, past, args.max_context) for name, session in builders.items()}
+        inputs = decode_inputs(step_config, window, 1, past_len, rng)
+        ids, _, _, past = inputs
+        calls = {name: step_call(session, loaded[name][0], inputs) for name, session in ours.items()}
+        calls |= {name: builder_call(session, ids, past, past_len, args.max_context)
+                  for name, session in builders.items()}
         reference = next(iter(calls.values()))()  # also every graph's warm-up
         checks = {name: agreement(call(), reference) for name, call in calls.items()}
         times = interleaved_times(calls, args.steps, args.rounds, with_argmax=False)
@@ -198,7 +204,7 @@ def bundle_logits(path: Path, config: bundle.BundleConfig, threads: int, ids: np
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, len(ids) + 1, config.dtype)
     cache.reserve(len(ids))
     prompt = len(ids) - sum(chunks)
-    cache.commit_slot(0, run_prefill(backend, cache, 0, [int(t) for t in ids[:prompt]]))
+    cache.commit_slot(0, run_prefill(backend, cache, 0, [int(t) for t in ids[:prompt]]), 0, prompt)
     logits, start = [], prompt
     for width in chunks:
         out, presents = run_batch(backend, cache, [[int(t) for t in ids[start:start + width]]], config.pad_token_id)

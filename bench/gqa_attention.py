@@ -11,17 +11,19 @@ is worth building (GitHub issue 11, items 1-2) depends on what its attention cos
 ours; the projections and the MLP are the same MatMuls in both, so they are left out. Both
 get the same inputs and their outputs are compared (max |difference| per row).
 
-Both graphs take the projections' outputs q [1, W, H·D], k, v [1, W, Hkv·D], apply RoPE
-and attend over the P cached positions and the W new ones, returning [1, W, H·D] and the
-new KV:
+Both graphs take the projections' outputs q [1, W, H·D], k, v [1, W, Hkv·D], apply RoPE,
+write the W new entries at positions P .. P+W-1 of a KV cache whose first P positions hold
+the past, and attend over the P cached positions and the W new ones, returning [1, W, H·D]
+and the cache; each runs as a runtime runs it, past and present bound to one buffer per name
+with I/O binding (the W new entries are written in place, nothing else copied):
 
 - ours: :func:`mars_export.step_module.step_attention` with :func:`rotary_joint`, exported
-  by torch as the step graph is (past [1, Hkv, P, D] read in place, present = the W new
-  entries; the runtime writes them into its cache, a copy of W·Hkv·D values per layer);
+  by torch as the step graph is (cache [1, Hkv, S, D] with S = P + W here, the entries written
+  by a ScatterElements at ``positions``, mask bool [1, 1, W, S] over the cache's indices; the
+  scores and p·v run over all S positions, so in the runtime, whose cache capacity S is up to
+  about twice the length, ours costs more than here);
 - GQA: one ``com.microsoft::GroupQueryAttention`` node with ``do_rotary`` (cos/sin caches
-  of ``--max-context`` positions), past and present bound to one buffer
-  [1, Hkv, max context, D] with I/O binding, as a runtime would run it (it writes the
-  W new entries in place).
+  of ``--max-context`` positions), cache [1, Hkv, max context, D] (it reads the first P + W).
 
 Timing is interleaved (``profile_step.interleaved_times``: rounds of ``--repeats`` calls each,
 median of the round means; wall time and this process's CPU time, the steadier figure on a busy
@@ -33,7 +35,8 @@ and verify mode exactly AR, only if a token scored inside a window gets the bits
 the window is cut differently (DESIGN.md §3). Both graphs feed the same N new tokens after the
 largest ``--pasts`` in windows of c tokens (c per ``--chunks``; the last window takes the rest),
 each window attending over the KV the earlier ones wrote, and every position's output is
-compared bit for bit with that of one window of all N. On onnxruntime 1.32 (CPU),
+compared bit for bit with that of one window of all N (ours over one cache of P + N positions,
+GQA over its buffer of ``--max-context``, as a runtime's fixed cache). On onnxruntime 1.32 (CPU),
 GroupQueryAttention is bit-identical for every cut into windows of >= 2 tokens and differs
 (~1e-7) only where a window holds a single token; ours is bit-identical at every cut.
 
@@ -57,6 +60,7 @@ from onnx import TensorProto, helper
 
 from mars_export.step_module import StepKV, rotary_joint, step_attention
 from profile_step import interleaved_times  # bench/ is on the path when this file runs as a script
+from runtime.decode.batch import window_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 ROPE_THETA = 100000.0  # SmolLM2's; the value does not change the cost
@@ -70,32 +74,35 @@ class OursAttention(torch.nn.Module):
         self.shape = heads, kv_heads, head_dim
         self.layer_idx = 0
 
-    def forward(self, q, k, v, cos, sin, mask, past_key, past_value):
+    def forward(self, q, k, v, cos, sin, mask, positions, past_key, past_value):
+        """q [1, W, H·D], k, v [1, W, Hkv·D], cos, sin [1, W, D], mask bool [1, 1, W, S], positions int64 [1, W]
+        (< S), past_key, past_value [1, Hkv, S, D] -> (out [1, W, H·D], the cache's key and value [1, Hkv, S, D]
+        with the W new entries at ``positions``)."""
         heads, kv_heads, head_dim = self.shape
         window = q.shape[1]
         q = q.view(1, window, heads, head_dim).transpose(1, 2)  # [1, H, W, D]
         k = k.view(1, window, kv_heads, head_dim).transpose(1, 2)  # [1, Hkv, W, D]
         v = v.view(1, window, kv_heads, head_dim).transpose(1, 2)
         q, k = rotary_joint(q, k, cos, sin)
-        bias = torch.where(mask, torch.zeros(()), torch.finfo(torch.float32).min)  # [1, 1, W, P + W]
-        past = past_key.shape[2]  # the past here is exactly the committed length: position P + j is index P + j
-        step_kv = StepKV(past=[(past_key, past_value)], positions=torch.arange(past, past + window)[None])
+        bias = torch.where(mask, torch.zeros(()), torch.finfo(torch.float32).min)  # [1, 1, W, S]
+        step_kv = StepKV(past=[(past_key, past_value)], positions=positions)
         out, _ = step_attention(self, q, k, v, bias, head_dim**-0.5, step_kv=step_kv)  # [1, W, H, D]
-        return out.reshape(1, window, heads * head_dim), k, v
+        (present_key, present_value), = step_kv.present  # [1, Hkv, S, D]
+        return out.reshape(1, window, heads * head_dim), present_key, present_value
 
 
 def export_ours(path: Path, heads: int, kv_heads: int, head_dim: int) -> None:
-    """``OursAttention`` to ONNX with dynamic W and P (the exporter's own log goes nowhere)."""
+    """``OursAttention`` to ONNX with dynamic W and S (the exporter's own log goes nowhere)."""
     from torch.export import Dim
 
-    window, past = Dim("window", min=1, max=4096), Dim("past", min=0, max=8192)
-    w, p = 2, 5
+    window, capacity = Dim("window", min=1, max=4096), Dim("capacity", min=1, max=8192)
+    w, s = 2, 7
     example = (torch.randn(1, w, heads * head_dim), torch.randn(1, w, kv_heads * head_dim),
                torch.randn(1, w, kv_heads * head_dim), torch.randn(1, w, head_dim), torch.randn(1, w, head_dim),
-               torch.ones(1, 1, w, p + w, dtype=torch.bool), torch.randn(1, kv_heads, p, head_dim),
-               torch.randn(1, kv_heads, p, head_dim))
-    shapes = ({1: window}, {1: window}, {1: window}, {1: window}, {1: window}, {2: window, 3: Dim.AUTO},
-              {2: past}, {2: past})
+               torch.ones(1, 1, w, s, dtype=torch.bool), torch.arange(s - w, s)[None],
+               torch.randn(1, kv_heads, s, head_dim), torch.randn(1, kv_heads, s, head_dim))
+    shapes = ({1: window}, {1: window}, {1: window}, {1: window}, {1: window}, {2: window, 3: capacity},
+              {1: window}, {2: capacity}, {2: capacity})
     stdout, sys.stdout = sys.stdout, io.StringIO()
     try:
         program = torch.onnx.export(OursAttention(heads, kv_heads, head_dim).eval(), example, dynamo=True,
@@ -139,51 +146,79 @@ def make_inputs(heads, kv_heads, head_dim, past: int, window: int, rng) -> dict:
             "past_value": rng.standard_normal((1, kv_heads, past, head_dim), np.float32)}
 
 
-def ours_call(session, head_dim: int, inputs: dict):
-    """A no-argument function running one call of our attention graph; returns its outputs."""
+def kv_buffers(inputs: dict, length: int) -> list[np.ndarray]:
+    """Zeroed key and value caches [1, Hkv, ``length``, D] holding ``inputs``' past at their first P positions."""
+    _, kv_heads, past, head_dim = inputs["past_key"].shape
+    buffers = []
+    for name in ("past_key", "past_value"):
+        buffer = np.zeros((1, kv_heads, length, head_dim), np.float32)  # [1, Hkv, length, D]
+        buffer[:, :, :past] = inputs[name]
+        buffers.append(buffer)
+    return buffers
+
+
+def ours_call(session, inputs: dict):
+    """A no-argument function running one call of our attention graph over a cache of P + W positions, bound as
+    past and present (each call writes the same W entries); returns [out]."""
     past, window = inputs["past_key"].shape[2], inputs["q"].shape[1]
-    inv_freq = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    angles = np.arange(past, past + window, dtype=np.float32)[:, None] * inv_freq  # [W, D / 2]
-    angles = np.concatenate([angles, angles], -1)[None]  # [1, W, D]
-    mask = np.ones((1, 1, window, past + window), bool)  # [1, 1, W, P + W]
-    mask[..., past:] = np.tril(np.ones((window, window), bool))
-    values = [inputs["q"], inputs["k"], inputs["v"], np.cos(angles), np.sin(angles), mask, inputs["past_key"],
-              inputs["past_value"]]
-    feeds = dict(zip([i.name for i in session.get_inputs()], values))  # in forward's argument order
-    return lambda: session.run(None, feeds)
+    return bound_call(session, bind_ours(session, kv_buffers(inputs, past + window), inputs, past))
 
 
 def gqa_call(session, max_context: int, inputs: dict):
     """A no-argument function running one GQA call, past and present bound to the same buffers; returns [out]."""
-    binding, _ = bind_gqa(session, max_context, inputs)
+    past = inputs["past_key"].shape[2]
+    return bound_call(session, bind_gqa(session, kv_buffers(inputs, max_context), inputs, past))
 
+
+def bound_call(session, binding):
+    """A no-argument function running ``binding``; returns [its first output], copied out."""
     def call():
         session.run_with_iobinding(binding)
         return [binding.get_outputs()[0].numpy()]
     return call
 
 
-def bind_gqa(session, max_context: int, inputs: dict):
-    """The I/O binding of one GQA call, and the key and value buffers [1, Hkv, max context, D] it
-    reads the past from and writes the W new entries into (at P .. P+W-1)."""
-    (_, kv_heads, past, head_dim), window = inputs["past_key"].shape, inputs["q"].shape[1]
+def bind_ours(session, buffers: list[np.ndarray], window: dict, start: int):
+    """The I/O binding of one call of our attention graph: ``window``'s q, k, v [1, W, ...] at positions
+    ``start`` .. ``start``+W-1 over the cache ``buffers`` (key, value) [1, Hkv, S, D], which it reads the past from
+    (positions < ``start``, mask [1, 1, W, S]) and writes the W new entries into, bound as past and present."""
+    width, head_dim = window["q"].shape[1], buffers[0].shape[3]
+    inv_freq = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    positions = np.arange(start, start + width, dtype=np.int64)[None]  # [1, W]
+    angles = positions[0, :, None].astype(np.float32) * inv_freq  # [W, D / 2]
+    angles = np.concatenate([angles, angles], -1)[None]  # [1, W, D]
+    mask = window_mask(np.array([start]), buffers[0].shape[2], width)  # [1, 1, W, S]
+    values = [window["q"], window["k"], window["v"], np.cos(angles), np.sin(angles), mask, positions]
+    names = [i.name for i in session.get_inputs()]  # in forward's argument order
     binding = session.io_binding()
-    buffers = []
-    for name in ("past_key", "past_value"):
-        buffer = np.zeros((1, kv_heads, max_context, head_dim), np.float32)  # [1, Hkv, max context, D]
-        buffer[:, :, :past] = inputs[name]
-        buffers.append(buffer)
+    for name, value in zip(names, values):
+        binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    out, present_key, present_value = (o.name for o in session.get_outputs())
+    binding.bind_output(out)  # first: get_outputs() lists outputs in binding order
+    for name_in, name_out, buffer in zip(names[len(values):], (present_key, present_value), buffers):
+        value = ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's memory, not a copy
+        binding.bind_ortvalue_input(name_in, value)
+        binding.bind_ortvalue_output(name_out, value)
+    return binding
+
+
+def bind_gqa(session, buffers: list[np.ndarray], window: dict, start: int):
+    """The I/O binding of one GQA call: ``window``'s q, k, v [1, W, ...] after ``start`` cached positions, over the
+    cache ``buffers`` (key, value) [1, Hkv, max context, D], which it reads the past from and writes the W new
+    entries into (at ``start`` .. ``start``+W-1), bound as past and present."""
+    width = window["q"].shape[1]
+    binding = session.io_binding()
     cache = [ort.OrtValue.ortvalue_from_numpy(buffer) for buffer in buffers]  # the buffers' memory, not copies
     for name in ("q", "k", "v"):
-        binding.bind_cpu_input(name, inputs[name])
-    binding.bind_cpu_input("seqlens_k", np.array([past + window - 1], np.int32))
-    binding.bind_cpu_input("total_sequence_length", np.array(past + window, np.int32))
+        binding.bind_cpu_input(name, window[name])
+    binding.bind_cpu_input("seqlens_k", np.array([start + width - 1], np.int32))
+    binding.bind_cpu_input("total_sequence_length", np.array(start + width, np.int32))
     binding.bind_ortvalue_input("past_key", cache[0])
     binding.bind_ortvalue_input("past_value", cache[1])
     binding.bind_output("out")  # first: get_outputs() lists outputs in binding order
     binding.bind_ortvalue_output("present_key", cache[0])
     binding.bind_ortvalue_output("present_value", cache[1])
-    return binding, buffers
+    return binding
 
 
 def run(args) -> dict:
@@ -199,7 +234,7 @@ def run(args) -> dict:
     dims = (args.heads, args.kv_heads, args.head_dim)
     for past, window in itertools.product(args.pasts, args.windows):
         inputs = make_inputs(*dims, past, window, rng)
-        calls = {"ours": ours_call(ours, args.head_dim, inputs), "gqa": gqa_call(gqa, args.max_context, inputs)}
+        calls = {"ours": ours_call(ours, inputs), "gqa": gqa_call(gqa, args.max_context, inputs)}
         max_diff = float(np.abs(calls["ours"]()[0] - calls["gqa"]()[0]).max())
         times = interleaved_times(calls, args.repeats, args.rounds, with_argmax=False)
         ms = {f"{name}_{clock}": t[kind] for name, t in times.items()
@@ -218,44 +253,36 @@ def run(args) -> dict:
             "rows": rows, "identity": identity}
 
 
-def chunked(call_window, inputs: dict, chunk: int) -> np.ndarray:
-    """Outputs [N, H·D] of N new tokens fed in windows of ``chunk`` (the last one the rest) by
-    ``call_window(window_inputs) -> (out [1, w, H·D], key [1, Hkv, w, D], value)``, each window over
-    the past and the keys and values the windows before it returned."""
+def chunked(session, bind, length: int, inputs: dict, chunk: int) -> np.ndarray:
+    """Outputs [N, H·D] of N new tokens fed in windows of ``chunk`` (the last one the rest), each a call of
+    ``session`` bound by ``bind(session, buffers, window, start)`` (:func:`bind_ours`, :func:`bind_gqa`) over one
+    KV cache of ``length`` positions holding the past: each window reads the entries the windows before it wrote."""
     num_tokens, outs = inputs["q"].shape[1], []
-    past_key, past_value = inputs["past_key"], inputs["past_value"]
+    buffers, past = kv_buffers(inputs, length), inputs["past_key"].shape[2]
     for start in range(0, num_tokens, chunk):
         window = {name: np.ascontiguousarray(inputs[name][:, start:start + chunk]) for name in ("q", "k", "v")}
-        out, key, value = call_window({**window, "past_key": past_key, "past_value": past_value})
-        past_key, past_value = np.concatenate([past_key, key], 2), np.concatenate([past_value, value], 2)
-        outs.append(out[0])
+        binding = bind(session, buffers, window, past + start)
+        session.run_with_iobinding(binding)
+        outs.append(binding.get_outputs()[0].numpy()[0])
     return np.concatenate(outs)
 
 
 def identity_rows(ours, gqa, args, rng) -> list[dict]:
     """Per graph and ``--chunks`` size: how many of ``--identity-tokens`` positions get the bits of one window."""
     inputs = make_inputs(args.heads, args.kv_heads, args.head_dim, max(args.pasts), args.identity_tokens, rng)
-    graphs = {"ours": lambda window: ours_call(ours, args.head_dim, window)(),
-              "gqa": lambda window: gqa_window(gqa, args.max_context, window)}
+    graphs = {"ours": (ours, bind_ours, max(args.pasts) + args.identity_tokens),
+              "gqa": (gqa, bind_gqa, args.max_context)}
     rows = []
-    for graph, call_window in graphs.items():
-        whole = chunked(call_window, inputs, args.identity_tokens)
+    for graph, (session, bind, length) in graphs.items():
+        whole = chunked(session, bind, length, inputs, args.identity_tokens)
         for chunk in args.chunks:
-            out = chunked(call_window, inputs, chunk)
+            out = chunked(session, bind, length, inputs, chunk)
             same = [bool(np.array_equal(out[i], whole[i])) for i in range(args.identity_tokens)]
             rows.append({"graph": graph, "chunk": chunk, "num_tokens": args.identity_tokens,
                          "identical_positions": sum(same), "max_abs_diff": float(np.abs(out - whole).max())})
             print(f"identity {graph}: windows of {chunk}: {sum(same)}/{len(same)} positions bit-identical to one "
                   f"window of {args.identity_tokens} (max |diff| {rows[-1]['max_abs_diff']:.1e})", flush=True)
     return rows
-
-
-def gqa_window(session, max_context: int, window: dict):
-    """One GQA call over ``window``'s past; (out [1, w, H·D], the w new keys and values [1, Hkv, w, D])."""
-    past, width = window["past_key"].shape[2], window["q"].shape[1]
-    binding, buffers = bind_gqa(session, max_context, window)
-    session.run_with_iobinding(binding)
-    return binding.get_outputs()[0].numpy(), *(buffer[:, :, past:past + width] for buffer in buffers)
 
 
 def main() -> None:

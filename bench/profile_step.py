@@ -9,11 +9,15 @@ H KV heads, D head dim, V vocabulary. The bundles must be exports of one model (
 shapes and dtype): they are fed the same inputs.
 
 For every (B, P, W) the step is the engine's, with the inputs of ``bench/scaling.py``
-(``decode_inputs``): B rows of W tokens at positions P .. P+W-1 against a random past
-(per layer (key, value) [B, H, P, D] in the bundle dtype), all P past keys visible plus
-causal within the window. A fused bundle (``mars-export --graph fused``, batch 1) runs as its
-backend runs it (:class:`runtime.backends.fused.FusedStep`: the same past with room for the
-window, two positions for a one-token window; written in place; I/O binding).
+(``decode_inputs``): B rows of W tokens at positions P .. P+W-1 into a KV cache of S = P + W
+positions (per layer (key, value) [B, H, S, D] in the bundle dtype, random), all P past keys
+visible plus causal within the window (mask [B, 1, W, S]), run as
+:class:`runtime.backends.onnx.OnnxBackend` runs it: the cache bound once as both past and
+present (:class:`runtime.backends.kv_binding.KVBinding`), the step writing its W entries into it
+in place (every timed step rewrites the same entries), its other inputs bound per step. A fused
+bundle (``mars-export --graph fused``, batch 1) runs as its backend runs it
+(:class:`runtime.backends.fused.FusedStep`: the same past copied once into buffers with room for
+the window, two positions for a one-token window; written in place; I/O binding).
 
 1. Timing, interleaved: ``--rounds`` rounds, each timing ``--steps`` steps of every
    bundle in turn (after two untimed steps: a session's first steps after another's run
@@ -48,6 +52,7 @@ import onnxruntime as ort
 
 from runtime import bundle
 from runtime.backends.fused import FusedStep, past_with_room
+from runtime.backends.kv_binding import KVBinding
 from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
@@ -71,15 +76,31 @@ def mean_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
 
 
 def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple):
-    """A no-argument function running one step of ``session`` over ``inputs`` (``decode_inputs``' ids, positions,
-    mask, past [B, H, P, D]); returns its logits float32 [B, W, V]. A fused bundle gets the past copied once into
-    buffers with room for what the step writes (past_with_room: [1, H, P + max(W, 2), D]), as its engine cache has."""
+    """A no-argument function running one step of ``session`` over ``inputs`` (``decode_inputs``' ids, positions
+    P .. P+W-1, mask [B, 1, W, S], the KV cache [B, H, S, D]); returns its logits float32 [B, W, V].
+
+    A step graph runs as ``OnnxBackend.step`` runs it: the cache bound as past and present once
+    (:class:`KVBinding`; each step checks that it is still the bound memory), ids, positions and mask bound
+    every step, the logits written into a new array; the step writes its W entries into ``inputs``' cache, the
+    same entries at every call. A fused bundle gets the past's first P positions copied once into buffers with
+    room for what the step writes (past_with_room: [1, H, P + max(W, 2), D]), as its engine cache has."""
     ids, positions, mask, past = inputs
     if config.graph == "fused":
-        step, buffers = FusedStep(session, ort, config), past_with_room(past, past[0][0].shape[2], ids.shape[1])
+        start = int(positions[0, 0])
+        step, buffers = FusedStep(session, ort, config), past_with_room(past, start, ids.shape[1])
         return lambda: step(ids, positions, buffers)[0]
-    feeds = bundle.step_feeds(ids, positions, mask, past)
-    return lambda: session.run(None, feeds)[0]
+    kv = KVBinding(session, ort)
+    feeds = {bundle.INPUT_IDS: np.ascontiguousarray(ids, np.int64),
+             bundle.POSITION_IDS: np.ascontiguousarray(positions, np.int64),
+             bundle.ATTENTION_MASK: np.ascontiguousarray(mask, np.bool_)}
+    logits_shape = (ids.shape[0], ids.shape[1], config.vocab_size)  # [B, W, V]
+
+    def call() -> np.ndarray:
+        binding = kv.bind_kv(past)  # bound at the first call, then only checked, as in OnnxBackend.step
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        return kv.run(logits_shape)
+    return call
 
 
 def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int,
@@ -157,7 +178,7 @@ def run(args) -> dict:
     fused = [name for name, (c, _) in loaded.items() if c.graph == "fused"]
     if fused and max(args.batches) > 1:
         raise bundle.BundleError(f"{fused[0]} is a fused bundle: it runs batch 1; pass --batches 1")
-    step_config = replace(next(iter(loaded.values()))[0], graph="step")  # inputs with a past of exactly P
+    step_config = replace(next(iter(loaded.values()))[0], graph="step")  # inputs with a cache of P + W positions
     sessions = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
     rows = []
     for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):

@@ -183,15 +183,20 @@ def _interleaved_step_ms(backends: dict, config: BundleConfig, past_len: int, wi
     """Median ms of one batch-1 ``window``-token step with ``past_len`` cached positions, graphs run round-robin
     in a new random order each round.
 
+    Every graph's step runs through its backend (``OnnxBackend.step``) on one KV cache [1, H, S, D] per layer and
+    name, S = P + W, bound as past and present: each step writes its W entries at P .. P+W-1 in place (the same
+    entries at every step, before its attention reads them).
+
     clock: ``"wall"`` (perf_counter) or ``"cpu"`` (process CPU time, all threads summed)."""
     now = time.process_time if clock == "cpu" else time.perf_counter
     rng = np.random.default_rng(0)
-    past = [(rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32),  # [1, H, P, D]
-             rng.standard_normal((1, config.num_kv_heads, past_len, config.head_dim), dtype=np.float32))
+    capacity = past_len + window  # S
+    shape = (1, config.num_kv_heads, capacity, config.head_dim)  # [1, H, S, D]
+    past = [(rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
             for _ in range(config.num_layers)]
     ids = rng.integers(0, config.vocab_size, (1, window))  # [1, W]
     positions = np.arange(past_len, past_len + window)[None]  # [1, W]
-    mask = window_mask(np.array([past_len]), past_len, window)  # [1, 1, W, P + W]
+    mask = window_mask(np.array([past_len]), capacity, window)  # [1, 1, W, S]
     times = {name: [] for name in backends}
     order = list(backends)
     for i in range(repeats + 3):

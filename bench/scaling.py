@@ -10,21 +10,26 @@ tokens, L layers, H KV heads, D head dim, V vocabulary. Times in ms or s as name
 decimal GB (1e9) and bandwidth in GB/s.
 
 1. Decode step: for every (W, B, P) one forward of W tokens (``--window``, one or more; default 1,
-   the engine's AR step, on dynamic-window graphs, else the bundle's W) against a random past (per layer
-   (key, value) [B, H, P, D], distinct arrays, bundle dtype) with the runtime's mask (all P
-   past keys plus causal within the window); ``--warmup`` runs, then timed runs until
-   ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. Points whose KV exceeds
-   ``--max-kv-gib`` are skipped and listed. Batch 1 is also run at 1 thread.
+   the engine's AR step, on dynamic-window graphs, else the bundle's W) at positions P .. P+W-1 into
+   a KV cache of S = P + W positions (per layer (key, value) [B, H, S, D], distinct arrays, bundle
+   dtype, random; a fused bundle's S = P + max(W, 2)) with the runtime's mask [B, 1, W, S] (the P
+   past keys plus causal within the window), run as the runtime runs it (``OnnxBackend.step``: the
+   cache bound as past and present, the step writing its W entries into it in place; every run
+   rewrites the same entries). The engine's cache is usually longer (its capacity doubles as a
+   sequence grows: S from P + W up to about 2(P + W)) and the step graph attends over all S
+   positions, so this is a step's least time at that P. ``--warmup`` runs, then timed runs until
+   ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. Points whose past KV (P
+   positions) exceeds ``--max-kv-gib`` are skipped and listed. Batch 1 is also run at 1 thread.
 2. Bandwidth: the least a step must move = weights read whole (all initializers except those
    only gathered, e.g. an untied token-embedding table) + past KV read (B·2·L·H·P·D·itemsize)
    + new KV written (B·2·L·H·W·D·itemsize); logits (B·W·V·4) are not counted. Divided by the
    median step time and compared with a STREAM-like test at the same thread count (reference:
    the better of copy and triad; numpy's triad is two passes per cache-sized chunk).
-3. Prefill: prompt tokens/s, empty past; one forward of T tokens if the graph's window axis is
-   dynamic, else W-token forwards through the runtime's slot cache. Graphs with the ``num_logits``
-   input are timed with the output head skipped (as the engine prefills) and on every row, and
-   (step graphs) ``--prefill-batch`` prompts in one forward [n, T] (batched prefill), the calls
-   taking turns.
+3. Prefill: prompt tokens/s, nothing cached; one forward of T tokens into a zeroed cache of T
+   positions (made once per T) if the graph's window axis is dynamic, else W-token forwards
+   through the runtime's slot cache. Graphs with the ``num_logits`` input are timed with the
+   output head skipped (as the engine prefills) and on every row, and (step graphs)
+   ``--prefill-batch`` prompts in one forward [n, T] (batched prefill), the calls taking turns.
 
 Writes {name}.json (machine, bundle config, STREAM, weights, rows), {name}.csv (all rows,
 column ``kind`` = decode | prefill) and {name}.png to --out, and prints Markdown tables.
@@ -53,7 +58,7 @@ from results_files import write_results  # bench/ is on the path when this file 
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
-from runtime.decode.batch import run_batch, run_first_chunks, window_mask
+from runtime.decode.batch import run_batch, run_first_chunks, scratch_past, window_mask
 from runtime.decode.kv_cache import KVCache
 
 GB = 1e9
@@ -163,15 +168,17 @@ def kv_bytes(config: bundle.BundleConfig, batch: int, positions: int) -> int:
 
 
 def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: int, rng: np.random.Generator) -> tuple:
-    """(ids int64 [B, W], positions int64 [B, W], mask bool [B, 1, W, P + W], per layer (key, value)
-    [B, H, P, D] random in the bundle dtype, 2·L distinct arrays as in a real cache). A fused bundle's
-    past has room for what the step writes (written_positions: [1, H, P + max(W, 2), D]), as its engine cache has
-    (the graph writes the new entries into it; runtime.backends.fused)."""
-    room = written_positions(window) if config.graph == "fused" else 0
-    shape = (batch, config.num_kv_heads, past + room, config.head_dim)
+    """(ids int64 [B, W], positions int64 [B, W] = P .. P+W-1, mask bool [B, 1, W, S], per layer (key, value)
+    [B, H, S, D]: the KV cache, S = P + W, random in the bundle dtype (the first P positions the past, the
+    rest written by the step), 2·L distinct C-contiguous arrays as in a real cache). The step writes its W
+    entries into the cache in place (runtime.backends.kv_binding), so it can be run again on the same inputs:
+    it rewrites the same entries. A fused bundle's cache has room for what its step writes (written_positions:
+    S = P + max(W, 2)), as its engine cache has (runtime.backends.fused)."""
+    room = written_positions(window) if config.graph == "fused" else window
+    shape = (batch, config.num_kv_heads, past + room, config.head_dim)                       # [B, H, S, D]
     ids = rng.integers(0, config.vocab_size, (batch, window), dtype=np.int64)                # [B, W]
     positions = np.broadcast_to(past + np.arange(window, dtype=np.int64), (batch, window)).copy()  # [B, W]
-    mask = window_mask(np.full(batch, past, np.int64), past, window)                         # [B, 1, W, P + W]
+    mask = window_mask(np.full(batch, past, np.int64), past + room, window)                  # [B, 1, W, S]
     kv = [tuple(rng.standard_normal(shape, np.float32).astype(config.dtype, copy=False) for _ in range(2))
           for _ in range(config.num_layers)]
     return ids, positions, mask, kv
@@ -219,13 +226,21 @@ def add_bandwidth(row: dict, config, weights: dict, stream: dict) -> None:
 
 # ---------------------------------------------------------------- prefill
 
-def prefill_single(backend, config, ids: np.ndarray, logits: bool = False) -> None:
-    """All T ids [T] in one forward: W = T, mask [1, 1, T, T], past [1, H, 0, D]; the output head skipped, as
-    the engine prefills, or run on every row (``logits``, as graphs without ``num_logits`` do)."""
+def prefill_past(config, num_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A zeroed KV cache ``([1, H, S, D], [1, H, S, D])`` per layer for one prompt of T = ``num_tokens``: S = T
+    (a fused bundle's: max(T, 2), what its step writes; runtime.backends.fused)."""
+    length = written_positions(num_tokens) if config.graph == "fused" else num_tokens
+    return scratch_past(config.num_layers, 1, config.num_kv_heads, length, config.head_dim, config.dtype)
+
+
+def prefill_single(backend, config, ids: np.ndarray, past: list, logits: bool = False) -> None:
+    """All T ids [T] in one forward at positions 0..T-1 into ``past`` (:func:`prefill_past`, [1, H, S, D], S >= T,
+    nothing cached: its entries 0..T-1 are written; run again, the same entries are rewritten), mask
+    [1, 1, T, S]; the output head skipped, as the engine prefills, or run on every row (``logits``, as graphs
+    without ``num_logits`` do)."""
     num_tokens = len(ids)
-    empty = np.zeros((1, config.num_kv_heads, 0, config.head_dim), config.dtype)  # [1, H, 0, D]
-    backend.step(ids[None], np.arange(num_tokens, dtype=np.int64)[None], window_mask(np.array([0]), 0, num_tokens),
-                 [(empty, empty)] * config.num_layers, logits=logits)
+    mask = window_mask(np.array([0]), past[0][0].shape[2], num_tokens)  # [1, 1, T, S]
+    backend.step(ids[None], np.arange(num_tokens, dtype=np.int64)[None], mask, past, logits=logits)
 
 
 def prefill_chunked(backend, config, ids: np.ndarray) -> None:
@@ -262,12 +277,13 @@ def prefill_variants(backend, path: str, prompts_per_forward: int) -> list[tuple
     return variants
 
 
-def prefill_call(backend, config, ids: np.ndarray, path: str, logits: bool, prompts: int):
-    """The call that prefills ``prompts`` prompts ``ids`` [T] as one :func:`prefill_variants` entry says."""
+def prefill_call(backend, config, ids: np.ndarray, path: str, logits: bool, prompts: int, past: list):
+    """The call that prefills ``prompts`` prompts ``ids`` [T] as one :func:`prefill_variants` entry says (one prompt
+    in one forward: into ``past``, :func:`prefill_past`)."""
     if path != "single":
         return partial(prefill_chunked, backend, config, ids)
     if prompts == 1:
-        return partial(prefill_single, backend, config, ids, logits)
+        return partial(prefill_single, backend, config, ids, past, logits)
     return partial(prefill_batched, backend, config, ids, prompts)
 
 
@@ -279,7 +295,8 @@ def prefill_sweep(backend, config, path: str, args, rng) -> list[dict]:
     for num_tokens in args.prompt_lengths:
         ids = rng.integers(0, config.vocab_size, num_tokens, dtype=np.int64)  # [T]
         forwards = 1 if path == "single" else -(-num_tokens // config.window)
-        calls = [prefill_call(backend, config, ids, path, logits, prompts) for _, logits, prompts in variants]
+        past = prefill_past(config, num_tokens) if path == "single" else None  # one cache per T, as the engine's slot
+        calls = [prefill_call(backend, config, ids, path, logits, prompts, past) for _, logits, prompts in variants]
         if path == "single":  # chunked forwards have the decode step's shapes, already warm
             for call in calls:
                 call()

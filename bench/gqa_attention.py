@@ -19,7 +19,7 @@ with I/O binding (the W new entries are written in place, nothing else copied):
 
 - ours: :func:`mars_export.step_module.step_attention` with :func:`rotary_joint`, exported
   by torch as the step graph is (cache [1, Hkv, S, D] with S = P + W here, the entries written
-  by a ScatterElements at ``positions``, mask bool [1, 1, W, S] over the cache's indices; the
+  by a ScatterND at ``positions``, mask bool [1, 1, W, S] over the cache's indices; the
   scores and p·v run over all S positions, so in the runtime, whose cache capacity S is up to
   about twice the length, ours costs more than here);
 - GQA: one ``com.microsoft::GroupQueryAttention`` node with ``do_rotary`` (cos/sin caches

@@ -71,7 +71,7 @@ def test_joint_rotary_equals_transformers_rotary():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
     """No KV-head Expand (only position indices are expanded), no past concatenated with anything (the window's
-    KV is scattered into the past, one ScatterElements per past input); one MatMul for Q/K/V and one for gate/up per layer; onnxruntime's optimizer turns every RMSNorm
+    KV is scattered into the past, one ScatterND per past input); one MatMul for Q/K/V and one for gate/up per layer; onnxruntime's optimizer turns every RMSNorm
     into one SimplifiedLayerNormalization."""
     path = tiny_bundle(arch, 4)[1] / bundle.ONNX_FILE
     graph = onnx.load(str(path)).graph
@@ -86,9 +86,9 @@ def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
     assert all(types.get(n.output[0]) == onnx.TensorProto.INT64 or n.input[0] in constants
                for n in graph.node if n.op_type == "Expand")
     past_readers = [(n.op_type, i) for n in graph.node for i in n.input if i in past_inputs and n.op_type != "Shape"]
-    assert sorted(past_readers) == sorted(("ScatterElements", i) for i in past_inputs)  # written in place, never copied
+    assert sorted(past_readers) == sorted(("ScatterND", i) for i in past_inputs)  # written in place, never copied
     outputs = {o.name for o in graph.output}
-    assert {n.output[0] for n in graph.node if n.op_type == "ScatterElements"} == outputs - {bundle.LOGITS}
+    assert {n.output[0] for n in graph.node if n.op_type == "ScatterND"} == outputs - {bundle.LOGITS}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")

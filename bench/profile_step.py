@@ -89,18 +89,8 @@ def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs
         start = int(positions[0, 0])
         step, buffers = FusedStep(session, ort, config), past_with_room(past, start, ids.shape[1])
         return lambda: step(ids, positions, buffers)[0]
-    kv = KVBinding(session, ort)
-    feeds = {bundle.INPUT_IDS: np.ascontiguousarray(ids, np.int64),
-             bundle.POSITION_IDS: np.ascontiguousarray(positions, np.int64),
-             bundle.ATTENTION_MASK: np.ascontiguousarray(mask, np.bool_)}
-    logits_shape = (ids.shape[0], ids.shape[1], config.vocab_size)  # [B, W, V]
-
-    def call() -> np.ndarray:
-        binding = kv.bind_kv(past)  # bound at the first call, then only checked, as in OnnxBackend.step
-        for name, array in feeds.items():
-            binding.bind_cpu_input(name, array)
-        return kv.run(logits_shape)
-    return call
+    kv = KVBinding(session, ort)  # the cache bound at the first call, then only checked, as in OnnxBackend.step
+    return lambda: kv.run_step(ids, positions, mask, past, config.vocab_size)
 
 
 def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int,

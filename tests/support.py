@@ -83,21 +83,15 @@ def window_logits(session, rows: list[list[int]], cache: list, lengths: list[int
     import numpy as np
     import onnxruntime as ort
 
-    from runtime import bundle
     from runtime.backends.kv_binding import KVBinding
     from runtime.decode.batch import window_mask
 
     window, capacity = len(rows[0]), cache[0].shape[2]
     lengths = np.array(lengths, np.int64)
     positions = lengths[:, None] + np.arange(window)[None]  # [n, W]
-    kv = KVBinding(session, ort)
-    binding = kv.bind_kv(list(zip(cache[0::2], cache[1::2])))
-    feeds = {bundle.INPUT_IDS: np.array(rows, np.int64), bundle.POSITION_IDS: positions,
-             bundle.ATTENTION_MASK: window_mask(lengths, capacity, window)}
-    for name, array in feeds.items():
-        binding.bind_cpu_input(name, array)
     vocab = session.get_outputs()[0].shape[2]
-    return kv.run((len(rows), window, vocab))
+    return KVBinding(session, ort).run_step(np.array(rows, np.int64), positions, window_mask(lengths, capacity, window),
+                                            list(zip(cache[0::2], cache[1::2])), vocab)
 
 
 def declare_old_kv_outputs(bundle: Path) -> None:

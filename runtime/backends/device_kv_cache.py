@@ -14,8 +14,7 @@ its tensor addresses):
     (the past with each row's new entries written at their positions, in buffers of their
     own: :mod:`runtime.backends.trt` does not alias them to the cache) and copies, for each
     row, its ``count`` entries at positions ``length .. length + count - 1`` into the slot:
-    one device-to-device 2-D copy (H rows of ``count * D`` elements) per row and tensor,
-    none where a present is the cache's own memory (a backend that writes in place);
+    one device-to-device 2-D copy (H rows of ``count * D`` elements) per row and tensor;
   - :meth:`reserve` reallocates (zero-filled: masked keys must hold finite numbers, as
     0 * NaN is NaN) and copies the committed prefix device-to-device.
 Host<->device traffic of the cache: none.
@@ -77,7 +76,7 @@ class DeviceKVCache(KVCache):
 
     def _write(self, slot: int, presents: list[tuple[DeviceTensor, DeviceTensor]], row: int, count: int) -> None:
         """Device-side copy of entries ``lengths[slot] .. + count`` of ``presents`` row ``row`` (``[n, H, S', D]``,
-        position p at index p) into slot ``slot`` at the same positions, unless that row is the slot's own memory."""
+        position p at index p) into slot ``slot`` at the same positions."""
         start, item = int(self.lengths[slot]), self.dtype.itemsize
         for pair, key, value in zip(presents, self.keys, self.values):
             for new, buffer in zip(pair, (key, value)):
@@ -87,8 +86,6 @@ class DeviceKVCache(KVCache):
                 capacity = buffer.shape[2]
                 src = new.ptr + ((row * heads) * positions + start) * dim * item
                 dst = buffer.ptr + ((slot * heads) * capacity + start) * dim * item
-                if src == dst and positions == capacity:
-                    continue  # the step wrote them here (presents bound to the cache itself)
                 self.cuda.copy_rows(dst, capacity * dim * item, src, positions * dim * item, count * dim * item, heads,
                                     self.stream)
 

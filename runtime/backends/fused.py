@@ -53,7 +53,7 @@ class FusedStep:
     """
 
     def __init__(self, session, ort, config: BundleConfig):
-        self.session, self.ort, self.config = session, ort, config
+        self.config = config
         # fused graphs exported since 2026-12-02 take num_logits (required; mars_export.logits_rows)
         self.takes_num_logits = NUM_LOGITS in {i.name for i in session.get_inputs()}
         self.kv = KVBinding(session, ort)

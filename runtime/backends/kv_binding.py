@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from runtime.bundle import LOGITS, past_names, present_names
+from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_names, present_names
 
 
 class KVBinding:
@@ -66,6 +66,25 @@ class KVBinding:
                 binding.bind_ortvalue_output(name_out, value)
         self._local.bound = buffers  # held, so no other array can take their memory while bound
         return binding
+
+    def run_step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                 past: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
+        """One step-graph forward (:mod:`runtime.bundle` I/O), its KV written into ``past`` in place.
+
+        Args:
+            input_ids, position_ids: int64 [n, W]; attention_mask: bool [n, 1, W, S]; past: the KV cache,
+                per layer (key, value) [n, H, S, D] (as :meth:`bind_kv`); vocab_size: V.
+
+        Returns:
+            logits float32 [n, W, V].
+        """
+        binding = self.bind_kv(past)
+        feeds = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),  # held until the run
+                 POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
+                 ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_)}
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)
+        return self.run((*input_ids.shape, vocab_size))
 
     def run(self, logits_shape: tuple[int, int, int]) -> np.ndarray:
         """Run the session over the bound inputs; returns the logits float32 ``logits_shape``, written in place."""

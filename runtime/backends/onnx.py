@@ -117,13 +117,7 @@ class OnnxBackend:
             feeds = {**bundle.step_feeds(input_ids, position_ids, attention_mask, past), bundle.NUM_LOGITS: np.array(0, np.int64)}
             rows, *kv = self.session.run(None, feeds)
             return rows, list(zip(kv[0::2], kv[1::2]))
-        binding = self.kv.bind_kv(past)
-        feeds = {bundle.INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),  # held until the run
-                 bundle.POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
-                 bundle.ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_)}
-        for name, array in feeds.items():
-            binding.bind_cpu_input(name, array)
-        out = self.kv.run((input_ids.shape[0], input_ids.shape[1], self.vocab_size))  # [n, W, V]
+        out = self.kv.run_step(input_ids, position_ids, attention_mask, past, self.vocab_size)  # [n, W, V]
         return (out if logits else out[:, :0]), past
 
 

@@ -115,6 +115,20 @@ def test_kv_cache_rows_advance_independently_and_past_is_a_view():
     assert cache.capacity == 64  # halved while the longest row (20) fits in a quarter
 
 
+def test_kv_cache_hands_the_same_views_until_its_buffers_change():
+    """The step's binding knows the cache by the identity of its views (runtime.backends.kv_binding), so they are
+    made once per set of buffers, and anew once the buffers are reallocated."""
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=256, dtype=np.float32, num_slots=3)
+    first, again = cache.past(2), cache.past(2)
+    assert first is not again  # a caller may change its list
+    assert all(a is b for pair, other in zip(first, again) for a, b in zip(pair, other))
+    assert cache.past_of(1)[1][1] is cache.past_of(1)[1][1] and cache.past_of(1)[1][1] is not cache.past_of(2)[1][1]
+    cache.reserve(40)  # reallocated
+    grown = cache.past(2)
+    assert grown[0][0] is not first[0][0] and grown[0][0].shape == (2, 1, 64, 2)
+    assert np.shares_memory(grown[1][1], cache.values[1]) and np.shares_memory(cache.past_of(1)[0][0], cache.keys[0])
+
+
 def test_kv_cache_commit_slot_appends_a_whole_prefill_chunk_to_one_slot():
     cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=64, dtype=np.float32, num_slots=3)
     cache.commit([(np.ones((2, 1, 4, 2), np.float32), np.ones((2, 1, 4, 2), np.float32))], [2, 1])

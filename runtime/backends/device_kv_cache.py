@@ -45,21 +45,12 @@ class DeviceKVCache(KVCache):
         self.cuda, self.stream = cuda, stream  # keys, values: L x DeviceTensor [N, H, S, D]
         super().__init__(num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots)
 
-    def past(self, num_rows: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
-        """Device views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy)."""
-        return [(self._rows(k, 0, num_rows), self._rows(v, 0, num_rows)) for k, v in zip(self.keys, self.values)]
-
-    def past_of(self, slot: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
-        """Device views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` (no copy; 256-byte
-        aligned, as TensorRT wants, when H * S * D * itemsize is a multiple of 256)."""
-        return [(self._rows(k, slot, 1), self._rows(v, slot, 1)) for k, v in zip(self.keys, self.values)]
-
     def close(self) -> None:
         """Free the device buffers (the cache is unusable afterwards)."""
         self.cuda.synchronize(self.stream)
         for buffer in self.keys + self.values:
             self.cuda.free(buffer.ptr)
-        self.keys, self.values = [], []
+        self._set_buffers([], [])
 
     def __del__(self):
         try:
@@ -69,7 +60,8 @@ class DeviceKVCache(KVCache):
             pass  # the CUDA context (or cuda-python itself) may already be gone at interpreter exit
 
     def _rows(self, buffer: DeviceTensor, first: int, count: int) -> DeviceTensor:
-        """Slots ``first .. first + count - 1`` of a ``[N, H, S, D]`` buffer as ``[count, H, S, D]``."""
+        """Slots ``first .. first + count - 1`` of a ``[N, H, S, D]`` buffer as ``[count, H, S, D]`` (no copy; 256-byte
+        aligned, as TensorRT wants, when H * S * D * itemsize is a multiple of 256)."""
         _, heads, capacity, dim = buffer.shape
         offset = first * heads * capacity * dim * self.dtype.itemsize  # bytes
         return DeviceTensor(buffer.ptr + offset, (count, heads, capacity, dim), self.dtype)
@@ -106,4 +98,4 @@ class DeviceKVCache(KVCache):
             self.cuda.synchronize(self.stream)  # the copies read the old buffers
             for buffer in old:
                 self.cuda.free(buffer.ptr)
-        self.keys, self.values = new[:self.num_layers], new[self.num_layers:]
+        self._set_buffers(new[:self.num_layers], new[self.num_layers:])

@@ -16,7 +16,7 @@ onnxruntime backends) the entries already lie where they are committed and a com
 counts them; other presents (TensorRT outputs, a batched prefill's scratch past) are copied.
 
 Memory traffic of the cache manager per step:
-  - :meth:`past`, :meth:`past_of`: none (views).
+  - :meth:`past`, :meth:`past_of`: none (views, made once per set of buffers).
   - :meth:`commit`: nothing for in-place presents; else writes ``2 * L * H * D * count_i``
     elements for each row ``i`` (only positions whose input was a real token; KV of mask and
     padding positions stays beyond the length, hidden); :meth:`commit_slot` likewise for a
@@ -51,8 +51,7 @@ class KVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_len, self.dtype, self.num_slots = max_len, np.dtype(dtype), num_slots
         self.lengths = np.zeros(num_slots, dtype=np.int64)  # [N] committed positions per slot
-        self.keys: list[np.ndarray] = []    # L x [N, H, S, D]
-        self.values: list[np.ndarray] = []  # L x [N, H, S, D]
+        self._set_buffers([], [])  # keys, values: L x [N, H, S, D] each
         self._allocate(min(MIN_CAPACITY, max_len))
 
     @property
@@ -80,12 +79,34 @@ class KVCache:
             self._allocate(target)
 
     def past(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy)."""
-        return [(k[:num_rows], v[:num_rows]) for k, v in zip(self.keys, self.values)]
+        """Views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy).
+
+        The same view objects until the buffers are reallocated, so a backend that bound them last step
+        (:class:`runtime.backends.kv_binding.KVBinding`) knows them by identity, without comparing addresses."""
+        return self._views(0, num_rows)
 
     def past_of(self, slot: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` alone (prefill; no copy)."""
-        return [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in zip(self.keys, self.values)]
+        """Views ``([1, H, S, D], [1, H, S, D])`` per layer of slot ``slot`` alone (prefill; no copy), kept as
+        :meth:`past`'s."""
+        return self._views(slot, slot + 1)
+
+    def _views(self, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer the views of slots ``first .. end - 1``, made once per set of buffers; a new list each call."""
+        views = self._view_memo.get((first, end))
+        if views is None:
+            views = self._view_memo[first, end] = [(self._rows(k, first, end - first), self._rows(v, first, end - first))
+                                                   for k, v in zip(self.keys, self.values)]
+        return list(views)
+
+    @staticmethod
+    def _rows(buffer: np.ndarray, first: int, count: int) -> np.ndarray:
+        """Slots ``first .. first + count - 1`` of a ``[N, H, S, D]`` buffer as ``[count, H, S, D]`` (a view)."""
+        return buffer[first:first + count]
+
+    def _set_buffers(self, keys: list, values: list) -> None:
+        """Hold new key and value buffers (L x [N, H, S, D]); views of the old ones are made anew."""
+        self.keys, self.values = keys, values
+        self._view_memo: dict[tuple[int, int], list[tuple]] = {}  # (first, end) -> per layer (key, value) views
 
     def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], counts) -> None:
         """Commit, for each row i, the ``counts[i]`` new entries of presents ``[n, H, S', D]`` at positions
@@ -140,4 +161,4 @@ class KVCache:
         values = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
         for old, new in zip(self.keys + self.values, keys + values):
             new[:, :, :keep] = old[:, :, :keep]
-        self.keys, self.values = keys, values
+        self._set_buffers(keys, values)

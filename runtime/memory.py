@@ -134,9 +134,12 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
         note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""), kv_copies=2 if trt else 1)
 
 
-def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False) -> ModelMemory:
+def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan: Path | None = None) -> ModelMemory:
     """Sizing of an exported bundle: its weights are the bytes of its ONNX file(s); on onnxruntime, or on
     TensorRT when ``trt`` (the KV held twice).
+
+    Args:
+        plan: the engine file the user named, when sizing came from it (only for the error below).
 
     Raises:
         ValueError: ``trt`` for a fused bundle (TensorRT builds only the step graph).
@@ -144,8 +147,9 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False) -> Mo
     from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
     if trt and config.graph != "step":
-        raise ValueError(f"{bundle_dir} holds a {config.graph} graph, which runs on onnxruntime only (TensorRT builds "
-                         "the step graph); size it without --trt")
+        fix = "give the bundle directory instead" if plan else "size it without --trt"
+        raise ValueError(f"{plan or bundle_dir}: the bundle holds a {config.graph} graph, which runs on onnxruntime "
+                         f"only (TensorRT builds the step graph); {fix}")
     files = [bundle_dir / config.onnx_file, bundle_dir / external_data_file(config.onnx_file)]
     weights = sum(f.stat().st_size for f in files if f.is_file())
     note = f"{config.onnx_file} on disk ({config.dtype})"
@@ -207,8 +211,14 @@ def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False
         ValueError: the path is none of these, or its config cannot be sized.
     """
     from runtime.bundle import CONFIG_FILE
-    if path.suffix == ".plan" and (path.parent / CONFIG_FILE).is_file():
-        return from_bundle(path.parent, kv_dtype, trt=True)
+    if path.suffix == ".plan":
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist; give an engine built with python -m runtime.trt_build, or the "
+                             "bundle directory with --trt")
+        if not (path.parent / CONFIG_FILE).is_file():
+            raise ValueError(f"{path} is not inside a MARS bundle (no {CONFIG_FILE} next to it); give the engine in "
+                             "its bundle directory")
+        return from_bundle(path.parent, kv_dtype, trt=True, plan=path)
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         return from_bundle(path, kv_dtype, trt)
     config = path / "config.json" if path.is_dir() else path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,12 @@ def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     on_ort, on_trt = memory.load(bundle, "fp16", None), memory.load(bundle, "fp16", None, trt=True)
     assert (on_ort.kv_copies, on_trt.kv_copies) == (1, 2)
     assert on_trt.kv_bytes(100, 3) == 2 * on_ort.kv_bytes(100, 3) == 2 * memory.kv_cache_bytes(2, 2, 16, 100, 3, 4)
-    assert memory.load(bundle / "engine.plan", "fp16", None).kv_copies == 2  # the engine's path: TensorRT
+    with pytest.raises(ValueError, match="engine.plan does not exist; give an engine built with"):
+        memory.load(bundle / "engine.plan", "fp16", None)  # not built yet: no silent sizing of a missing file
+    engine = tmp_path / "engine-bundle"
+    shutil.copytree(bundle, engine)
+    (engine / "engine.plan").write_bytes(b"serialized engine")
+    assert memory.load(engine / "engine.plan", "fp16", None).kv_copies == 2  # the engine's path: TensorRT
     config = CONFIGS / "qwen2.5-7b-instruct" / "config.json"
     assert memory.from_hf_config(config, "fp16", "fp16", trt=True).kv_bytes(1, 1) == 2 * 57_344
     assert memory.main([str(bundle), str(config), "--trt", "--batch", "1", "8", "--context", "4096"]) == 0
@@ -131,5 +137,8 @@ def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     raw = json.loads((bundle / "mars_config.json").read_text())
     (fused / "mars_config.json").write_text(json.dumps({**raw, "graph": "fused"}))
     assert memory.load(fused, "fp16", None).kv_copies == 1
-    with pytest.raises(ValueError, match="runs on onnxruntime only"):
+    with pytest.raises(ValueError, match="runs on onnxruntime only .*; size it without --trt"):
         memory.load(fused, "fp16", None, trt=True)
+    (fused / "engine.plan").write_bytes(b"serialized engine")
+    with pytest.raises(ValueError, match="runs on onnxruntime only .*; give the bundle directory instead"):
+        memory.load(fused / "engine.plan", "fp16", None)  # no --trt was given: the message does not ask to drop it

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.decode.acceptance import confidence, count_accepted
+from runtime.decode import acceptance
+from runtime.decode.acceptance import Confidences, accept, confidence, count_accepted, softmax
 from runtime.decode.batch import window_mask
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams
@@ -40,6 +41,37 @@ def test_confidence_metrics():
     np.testing.assert_allclose(confidence(logits, "entropy"), [1 - entropy / np.log(3), 0.0], atol=1e-5)
     with pytest.raises(ValueError, match="unknown confidence metric"):
         confidence(logits, "nope")
+
+
+@pytest.mark.parametrize("metric", acceptance.METRICS)
+def test_confidences_read_row_by_row_have_the_bits_of_the_whole_step(metric):
+    """Row j of Confidences is confidence() of the step's [M, V] logits, bit for bit (the probability metric
+    as 1 / sum(exp): the softmax's own max); slices and negative indices read the same rows."""
+    logits = np.random.default_rng(0).standard_normal((5, 4099), np.float32) * 6  # [M, V]
+    whole = confidence(logits, metric)
+    lazy = Confidences(logits, metric)
+    assert len(lazy) == 5 and [lazy[j] for j in range(5)] == whole.tolist() and lazy[-1] == whole[-1]
+    assert lazy[2:][1] == whole[3] and np.array_equal(np.asarray(lazy), whole)
+    if metric == "probability":
+        np.testing.assert_array_equal(whole, softmax(logits).max(axis=-1))
+    with pytest.raises(IndexError):
+        lazy[5]
+    with pytest.raises(ValueError, match="unknown confidence metric"):
+        Confidences(logits, "nope")
+
+
+def test_threshold_acceptance_computes_only_the_rows_it_reads(monkeypatch):
+    """Row 0 (the exact next token) is never tested and nothing after the first row below tau is read, so a
+    step of 4 predictions whose second mask is not confident computes the confidence of rows 1 and 2 only."""
+    computed = []
+    real = acceptance.confidence
+    monkeypatch.setattr(acceptance, "confidence",
+                        lambda rows, metric: computed.extend(rows[:, 7].tolist()) or real(rows, metric))
+    logits = np.zeros((4, 8), np.float32)  # [M, V]
+    logits[:, 3] = [0.0, 9.0, 0.0, 9.0]  # rows 1 and 3 confident (p ~ 0.999), rows 0 and 2 flat
+    logits[:, 7] = [0.25, 0.5, 0.75, 1.0]  # tells the rows apart (row 2 stays far below tau)
+    got = accept(logits.argmax(-1), Confidences(logits), 0.9, [], 8, STOP, num_real=1, block_size=4, is_block=False)
+    assert got.tokens == [7, 3] and computed == [0.5, 0.75]
 
 
 @pytest.mark.parametrize("kwargs, message", [

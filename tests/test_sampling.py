@@ -37,7 +37,8 @@ def test_select_greedy_and_sampled_confidence():
     ids, conf = select(LOGITS, 0.0, 0, 1.0, "probability", None)
     assert ids.tolist() == [0] and conf[0] == pytest.approx(0.5)
     for tiny in (1e-38, MIN_TEMPERATURE / 2):  # below MIN_TEMPERATURE: greedy, no rng needed, finite confidence
-        assert [a.tolist() for a in select(LOGITS, tiny, 0, 1.0, "probability", None)] == [ids.tolist(), conf.tolist()]
+        assert [np.asarray(a).tolist() for a in select(LOGITS, tiny, 0, 1.0, "probability", None)] == \
+            [ids.tolist(), np.asarray(conf).tolist()]
     ids, conf = select(LOGITS, 1.0, 2, 1.0, "probability", np.random.default_rng(0))
     assert ids[0] in (0, 1) and conf[0] == pytest.approx(0.5)  # top-k shapes the draw, not the confidence
     assert select(LOGITS, 0.0, 0, 1.0, "probability", None, with_confidence=False)[1].tolist() == [0.0]

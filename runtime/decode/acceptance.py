@@ -39,10 +39,55 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 def confidence(logits: np.ndarray, metric: str = "probability") -> np.ndarray:
     """Confidence of the argmax of each row of logits, in [0, 1]; [M, V] float32 -> [M] float32.
 
+    The probability metric skips the normalized softmax: p(argmax) = exp(0) / sum(exp(logits - max)) is
+    ``1 / sum``, the same float32 division (bit-identical to :func:`probability_confidence` of the softmax).
+
     Raises:
         ValueError: unknown metric.
     """
-    return probability_confidence(softmax(logits.astype(np.float32, copy=False)), metric)
+    logits = logits.astype(np.float32, copy=False)
+    if metric == "probability":
+        total = np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)  # [M]
+        return np.float32(1.0) / total
+    return probability_confidence(softmax(logits), metric)
+
+
+class Confidences:
+    """The confidences (:func:`confidence`) of one step's prediction rows, each computed when first read.
+
+    The acceptance rule reads them left to right and stops at the first row not above tau, and it
+    never reads row 0 (the exact next token is accepted whatever its confidence), so most rows of a
+    wide window are never computed; a softmax over the vocabulary per row was the runtime's largest
+    own cost per step in threshold mode. Reads like a float sequence: ``c[j]`` (a float), ``len(c)``,
+    ``c[a:b]`` (the rows a..b-1, computed when read), ``np.asarray(c)`` (all rows, float32 [M]).
+
+    Args:
+        logits: float32 [M, V]: the rows' logits (kept, not copied).
+        metric: one of :data:`METRICS`.
+
+    Raises:
+        ValueError: unknown metric.
+    """
+
+    def __init__(self, logits: np.ndarray, metric: str = "probability"):
+        if metric not in METRICS:
+            raise ValueError(f"unknown confidence metric {metric!r}; choose one of {METRICS}")
+        self.logits, self.metric = logits, metric
+        self._rows: dict[int, float] = {}  # row -> its confidence, once read
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Confidences(self.logits[index], self.metric)
+        row = range(len(self.logits))[index]  # IndexError past the end, as a sequence's
+        if row not in self._rows:
+            self._rows[row] = float(confidence(self.logits[row:row + 1], self.metric)[0])
+        return self._rows[row]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.array([self[row] for row in range(len(self))], dtype or np.float32)
 
 
 def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np.ndarray:
@@ -63,7 +108,7 @@ def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np
         return np.abs(top2[:, 1] - top2[:, 0])
     if metric == "entropy":
         entropy = -(probs * np.log(np.maximum(probs, 1e-30))).sum(axis=-1)
-        return 1.0 - entropy / np.log(probs.shape[-1])
+        return (1.0 - entropy / np.log(probs.shape[-1])).astype(np.float32)
     raise ValueError(f"unknown confidence metric {metric!r}; choose one of {METRICS}")
 
 
@@ -73,7 +118,8 @@ def count_accepted(predicted_ids: np.ndarray, confidences: np.ndarray, tau: floa
 
     Args:
         predicted_ids: [M] int, argmax ids; index 0 is the AR prediction.
-        confidences: [M] float, from :func:`confidence`.
+        confidences: [M] float, from :func:`confidence` (an array, or :class:`Confidences`: row j is read
+            only when rows 1..j-1 passed; row 0 never).
         tau: threshold; >= 1 means one token per step.
         max_accept: upper bound on the count (block size, remaining budget), >= 1.
         stop_ids: end-token ids; nothing is accepted after one of them.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.decode.acceptance import confidence, softmax
+from runtime.decode.acceptance import Confidences, softmax
 
 MIN_TEMPERATURE = 1e-5  # below it, greedy (the same epsilon as vLLM's sampler)
 
@@ -49,15 +49,20 @@ def select(logits: np.ndarray, temperature: float, top_k: int, top_p: float, met
         with_confidence: False skips the softmax for the confidence (confidences are then 0).
 
     Returns:
-        ids int64 [M], confidences float32 [M].
+        ids int64 [M], and the confidences [M]: :class:`~runtime.decode.acceptance.Confidences` (each row
+        computed when the acceptance rule reads it), or float32 zeros without ``with_confidence``.
+
+    Raises:
+        ValueError: unknown metric.
     """
+    confidences = Confidences(logits, metric)  # checks the metric before any work
     if is_greedy(temperature):
         ids = logits.argmax(axis=-1)
     else:
         ids = sample(filtered_probs(logits, temperature, top_k, top_p), rng)
     if not with_confidence:
         return ids, np.zeros(len(logits), np.float32)
-    return ids, confidence(logits, metric)
+    return ids, confidences
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:

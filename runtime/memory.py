@@ -147,7 +147,7 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
     from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
     if trt and config.graph != "step":
-        fix = "give the bundle directory instead" if plan else "size it without --trt"
+        fix = "size the bundle directory, without --trt" if plan else "size it without --trt"
         raise ValueError(f"{plan or bundle_dir}: the bundle holds a {config.graph} graph, which runs on onnxruntime "
                          f"only (TensorRT builds the step graph); {fix}")
     files = [bundle_dir / config.onnx_file, bundle_dir / external_data_file(config.onnx_file)]
@@ -213,8 +213,8 @@ def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False
     from runtime.bundle import CONFIG_FILE
     if path.suffix == ".plan":
         if not path.is_file():
-            raise ValueError(f"{path} does not exist; give an engine built with python -m runtime.trt_build, or the "
-                             "bundle directory with --trt")
+            raise ValueError(f"{path} is not an engine file; give an engine built with python -m runtime.trt_build, or "
+                             "the bundle directory with --trt")
         if not (path.parent / CONFIG_FILE).is_file():
             raise ValueError(f"{path} is not inside a MARS bundle (no {CONFIG_FILE} next to it); give the engine in "
                              "its bundle directory")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -58,6 +61,16 @@ def test_confidences_read_row_by_row_have_the_bits_of_the_whole_step(metric):
         lazy[5]
     with pytest.raises(ValueError, match="unknown confidence metric"):
         Confidences(logits, "nope")
+
+
+def test_lazy_confidences_meet_tau_in_float32_as_the_eager_array():
+    """A confidence equal to float32(tau) is not above tau: compared in float32 (numpy's rule for a float32
+    array against a Python float, which the C sample copies), where float64 would accept float32(0.8) > 0.8."""
+    logits = np.array([[1.3862941, 0.0]] * 3, np.float32)  # p(argmax) = float32(0.8) in every row
+    ids = logits.argmax(-1)
+    assert confidence(logits)[1] == np.float32(0.8)
+    assert count_accepted(ids, Confidences(logits), 0.8, 8, STOP) == count_accepted(ids, confidence(logits), 0.8, 8,
+                                                                                     STOP) == 1
 
 
 def test_threshold_acceptance_computes_only_the_rows_it_reads(monkeypatch):
@@ -159,6 +172,9 @@ def test_kv_cache_hands_the_same_views_until_its_buffers_change():
     grown = cache.past(2)
     assert grown[0][0] is not first[0][0] and grown[0][0].shape == (2, 1, 64, 2)
     assert np.shares_memory(grown[1][1], cache.values[1]) and np.shares_memory(cache.past_of(1)[0][0], cache.keys[0])
+    for copied in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):  # views of the copy's own buffers
+        assert np.shares_memory(copied.past(2)[0][0], copied.keys[0])
+        assert not np.shares_memory(copied.past(2)[0][0], cache.keys[0])
 
 
 def test_kv_cache_commit_slot_appends_a_whole_prefill_chunk_to_one_slot():

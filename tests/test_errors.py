@@ -217,3 +217,6 @@ def test_step_inputs_that_do_not_fit_name_the_problem(bundle):
     with pytest.raises(Exception):
         backend.step(ids, positions, mask, broken)
     assert np.array_equal(backend.step(ids, positions, mask, kept)[0], expected)  # bound again, whole
+    kept[0][1].flags.writeable = False  # the very arrays bound last, made read-only: still refused
+    with pytest.raises(ValueError, match="C-contiguous, writeable arrays"):
+        backend.step(ids, positions, mask, kept)

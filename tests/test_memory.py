@@ -115,7 +115,7 @@ def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     on_ort, on_trt = memory.load(bundle, "fp16", None), memory.load(bundle, "fp16", None, trt=True)
     assert (on_ort.kv_copies, on_trt.kv_copies) == (1, 2)
     assert on_trt.kv_bytes(100, 3) == 2 * on_ort.kv_bytes(100, 3) == 2 * memory.kv_cache_bytes(2, 2, 16, 100, 3, 4)
-    with pytest.raises(ValueError, match="engine.plan does not exist; give an engine built with"):
+    with pytest.raises(ValueError, match="engine.plan is not an engine file; give an engine built with"):
         memory.load(bundle / "engine.plan", "fp16", None)  # not built yet: no silent sizing of a missing file
     engine = tmp_path / "engine-bundle"
     shutil.copytree(bundle, engine)
@@ -140,5 +140,5 @@ def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     with pytest.raises(ValueError, match="runs on onnxruntime only .*; size it without --trt"):
         memory.load(fused, "fp16", None, trt=True)
     (fused / "engine.plan").write_bytes(b"serialized engine")
-    with pytest.raises(ValueError, match="runs on onnxruntime only .*; give the bundle directory instead"):
+    with pytest.raises(ValueError, match="runs on onnxruntime only .*; size the bundle directory, without --trt"):
         memory.load(fused / "engine.plan", "fp16", None)  # no --trt was given: the message does not ask to drop it

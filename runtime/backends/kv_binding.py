@@ -50,12 +50,12 @@ class KVBinding:
                 write its entries there instead of into the cache) or not writeable.
         """
         buffers = [buffer for pair in past for buffer in pair]
-        binding, bound = self.binding, self._local.bound
-        if len(buffers) == len(bound) and all(a is b for a, b in zip(buffers, bound)):
-            return binding  # the very arrays bound last (checked then): the engine's cache hands the same views
         if not all(buffer.flags.c_contiguous and buffer.flags.writeable for buffer in buffers):
             raise ValueError("the KV cache handed to the step must be C-contiguous, writeable arrays (the step writes "
                              "into them in place); slice whole slots (leading axis) or copy with np.array")
+        binding, bound = self.binding, self._local.bound
+        if len(buffers) == len(bound) and all(a is b for a, b in zip(buffers, bound)):
+            return binding  # the very arrays bound last: the engine's cache hands the same views
         if len(buffers) == len(bound) and all(_same_memory(a, b) for a, b in zip(buffers, bound)):
             self._local.bound = buffers
             return binding

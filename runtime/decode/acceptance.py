@@ -58,7 +58,8 @@ class Confidences:
     The acceptance rule reads them left to right and stops at the first row not above tau, and it
     never reads row 0 (the exact next token is accepted whatever its confidence), so most rows of a
     wide window are never computed; a softmax over the vocabulary per row was the runtime's largest
-    own cost per step in threshold mode. Reads like a float sequence: ``c[j]`` (a float), ``len(c)``,
+    own cost per step in threshold mode. Reads like a float32 sequence: ``c[j]`` (an ``np.float32``, so
+    ``c[j] > tau`` compares in float32 as the eager array did, and as the C sample copies), ``len(c)``,
     ``c[a:b]`` (the rows a..b-1, computed when read), ``np.asarray(c)`` (all rows, float32 [M]).
 
     Args:
@@ -73,7 +74,7 @@ class Confidences:
         if metric not in METRICS:
             raise ValueError(f"unknown confidence metric {metric!r}; choose one of {METRICS}")
         self.logits, self.metric = logits, metric
-        self._rows: dict[int, float] = {}  # row -> its confidence, once read
+        self._rows: dict[int, np.float32] = {}  # row -> its confidence, once read
 
     def __len__(self) -> int:
         return len(self.logits)
@@ -83,8 +84,8 @@ class Confidences:
             return Confidences(self.logits[index], self.metric)
         row = range(len(self.logits))[index]  # IndexError past the end, as a sequence's
         if row not in self._rows:
-            self._rows[row] = float(confidence(self.logits[row:row + 1], self.metric)[0])
-        return self._rows[row]
+            self._rows[row] = confidence(self.logits[row:row + 1], self.metric)[0]  # np.float32: compared with tau
+        return self._rows[row]                                                       # as the eager array's were
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return np.array([self[row] for row in range(len(self))], dtype or np.float32)

@@ -104,9 +104,14 @@ class KVCache:
         return buffer[first:first + count]
 
     def _set_buffers(self, keys: list, values: list) -> None:
-        """Hold new key and value buffers (L x [N, H, S, D]); views of the old ones are made anew."""
+        """Hold new key and value buffers (L x [N, H, S, D]); views of the old ones are made anew. The one way
+        the buffers change (subclasses too): assigning ``keys`` / ``values`` directly would leave stale views."""
         self.keys, self.values = keys, values
         self._view_memo: dict[tuple[int, int], list[tuple]] = {}  # (first, end) -> per layer (key, value) views
+
+    def __getstate__(self) -> dict:
+        """Pickle and deepcopy without the views: a copy's views would be copies, not views of its buffers."""
+        return {**self.__dict__, "_view_memo": {}}
 
     def commit(self, presents: list[tuple[np.ndarray, np.ndarray]], counts) -> None:
         """Commit, for each row i, the ``counts[i]`` new entries of presents ``[n, H, S', D]`` at positions

@@ -83,8 +83,9 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         if graph == "fused":
-            write_fused_graph(loaded.model, loaded.tokenizer, tmp / ONNX_FILE,
-                              fuse_projections=weight_dtype is not None)  # pays in int8 (fused_graph)
+            quantized = weight_dtype is not None
+            write_fused_graph(loaded.model, loaded.tokenizer, tmp / ONNX_FILE, fuse_projections=quantized,  # pays in int8
+                              greedy_mask_token=None if quantized else config.mask_token_id)
         else:
             graph_model = prepare_fp16_model(loaded.model) if dtype == "float16" else loaded.model
             export_step_graph(graph_model, tmp / ONNX_FILE, window, config.max_context)

@@ -15,6 +15,9 @@ probabilities x V product of one query row), which would break "tau = 1 is exact
 where the runtime would otherwise feed a second, padding token through the whole model
 (``runtime.backends.fused``).
 
+A float32 fused bundle also gets the greedy head (:mod:`mars_export.greedy_head`): the argmax ids of the
+window's last ``num_greedy`` rows, exact, without reading the float32 output head.
+
 A quantized fused bundle (``--int8``) also gets the MLP's gate and up projections (any MatMuls reading
 one input; the builder already packs Q, K and V, also for Qwen3) fused into one MatMul and a Split
 (:func:`mars_export.fuse_projections.fuse_shared_input_matmuls`, the step graph's rule): one
@@ -37,6 +40,7 @@ from onnx import TensorProto, helper
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
+from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.fused import ONE_TOKEN_WINDOW_KEY, TILED  # model metadata: tile_one_token_windows ran
 from runtime.bundle import external_data_file
@@ -53,12 +57,14 @@ def require_builder() -> None:
 
 
 def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
-                      fuse_projections: bool = False) -> None:
+                      fuse_projections: bool = False, greedy_mask_token: int | None = None) -> None:
     """Write the model builder's float32 CPU graph of ``model`` to ``path`` (weights inline; over 2 GB in
     ``path`` + .data), one-token windows tiled (:func:`tile_one_token_windows`), the output head on the
     window's last ``num_logits`` rows (:mod:`mars_export.logits_rows`).
 
     ``fuse_projections``: MatMuls reading one input become one (for a graph that will be quantized).
+    ``greedy_mask_token``: add the greedy head (:mod:`mars_export.greedy_head`), which never returns that
+    token; None: none (a graph to be quantized, whose ids must be its own int8 head's argmax).
 
     Raises:
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last
@@ -83,6 +89,8 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         if fuse_projections:
             fuse_shared_input_matmuls(model.graph)
         compute_logits_of_last_rows(model.graph, has_default=False)  # FusedStep binds it (I/O binding)
+        if greedy_mask_token is not None:
+            add_greedy_head(model.graph, greedy_mask_token)
         graph = ir.to_proto(model)
         tile_one_token_windows(graph)
         onnx.save(graph, str(path), save_as_external_data=graph.ByteSize() > MAX_INLINE_BYTES,

@@ -45,9 +45,14 @@ def measure_parity(model: PreTrainedModel, backend, config: BundleConfig, prompt
     """Compare graph and PyTorch logits on ``prompts``.
 
     Returns:
-        ``{"max_abs_logit_diff", "top1_agreement", "num_positions", "num_prompts"}``.
+        ``{"max_abs_logit_diff", "top1_agreement", "num_positions", "num_prompts"}``; for a graph with the
+        greedy head (``backend.takes_num_greedy``, :mod:`mars_export.greedy_head`) also
+        ``"greedy_head_agreement"`` (the fraction of positions where its id is the argmax of the graph's
+        own logits, the mask token excluded) and ``"greedy_head_max_gap"`` (the largest amount by which
+        its id's logit falls below that argmax's: a near-tie, both being float32 sums in other orders).
     """
-    max_diff, agree, total = 0.0, 0, 0
+    max_diff, agree, total, head_agree, head_gap = 0.0, 0, 0, 0, 0.0
+    takes_greedy = getattr(backend, "takes_num_greedy", False)
     for ids in prompts:
         onnx_logits = _graph_logits(backend, config, ids)  # [T_padded, V]
         padded = ids + [config.mask_token_id] * (len(onnx_logits) - len(ids))
@@ -56,12 +61,20 @@ def measure_parity(model: PreTrainedModel, backend, config: BundleConfig, prompt
         max_diff = max(max_diff, float(np.abs(onnx_logits - torch_logits).max()))
         agree += int((onnx_logits.argmax(-1) == torch_logits.argmax(-1)).sum())
         total += len(padded)
+        if takes_greedy:
+            chosen = _graph_logits(backend, config, ids, greedy_ids=True)  # [T_padded]
+            allowed = onnx_logits.copy()
+            allowed[:, config.mask_token_id] = -np.inf
+            head_agree += int((chosen == allowed.argmax(-1)).sum())
+            head_gap = max(head_gap, float((allowed.max(-1) - np.take_along_axis(allowed, chosen[:, None], 1)[:, 0]).max()))
+    greedy = {"greedy_head_agreement": head_agree / total, "greedy_head_max_gap": head_gap} if takes_greedy else {}
     return {"max_abs_logit_diff": max_diff, "top1_agreement": agree / total,
-            "num_positions": total, "num_prompts": len(prompts)}
+            "num_positions": total, "num_prompts": len(prompts), **greedy}
 
 
-def _graph_logits(backend, config: BundleConfig, ids: list[int]) -> np.ndarray:
-    """Logits float32 [T_padded, V] of ``ids`` fed W at a time, the last window padded with masks."""
+def _graph_logits(backend, config: BundleConfig, ids: list[int], greedy_ids: bool = False) -> np.ndarray:
+    """Logits float32 [T_padded, V] of ``ids`` fed W at a time, the last window padded with masks (with
+    ``greedy_ids``: the greedy head's ids int64 [T_padded] instead)."""
     window, dtype = config.window, np.dtype(config.dtype)
     padded = ids + [config.mask_token_id] * (-len(ids) % window)
     room = written_positions(window) - window if config.graph == "fused" else 0  # a one-token window's second row
@@ -71,13 +84,20 @@ def _graph_logits(backend, config: BundleConfig, ids: list[int]) -> np.ndarray:
     for start in range(0, len(padded), window):
         tokens = np.array([padded[start:start + window]], dtype=np.int64)  # [1, W]
         positions = np.arange(start, start + window, dtype=np.int64)[None]  # [1, W]
-        logits, past = backend.step(tokens, positions, window_mask(np.array([start]), capacity, window), past)
-        chunks.append(logits[0])
+        mask = window_mask(np.array([start]), capacity, window)
+        out, past = (backend.step(tokens, positions, mask, past, greedy_ids=True) if greedy_ids
+                     else backend.step(tokens, positions, mask, past))
+        chunks.append(out[0])
     return np.concatenate(chunks)
 
 
 def check_parity(result: dict, tolerance: float) -> None:
-    """Raise :class:`ParityError` if the max |Δlogit| is above ``tolerance``."""
+    """Raise :class:`ParityError` if the max |Δlogit| is above ``tolerance``, or the greedy head's ids fall
+    more than ``tolerance`` below the argmax of the graph's logits."""
+    if not result.get("greedy_head_max_gap", 0.0) <= tolerance:
+        raise ParityError(f"the greedy head's ids fall {result['greedy_head_max_gap']:.3g} below the argmax logit "
+                          f"(tolerance {tolerance:g}; agreement {result['greedy_head_agreement']:.4f}): its screening "
+                          "bound does not hold on this onnxruntime; export with --int8 or report it")
     if not result["max_abs_logit_diff"] <= tolerance:
         on = f" on {result['backend']}" if "backend" in result else ""
         raise ParityError(f"parity check failed{on}: max |Δlogit| = {result['max_abs_logit_diff']:.3g} > tolerance "

@@ -50,6 +50,7 @@ POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
 NUM_LOGITS = "num_logits"  # optional: logits of the window's last rows only (mars_export.logits_rows)
+NUM_GREEDY, GREEDY_IDS = "num_greedy", "greedy_ids"  # optional: argmax ids of the last rows (mars_export.greedy_head)
 DTYPES = ("float32", "float16")
 # Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.
 WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
@@ -145,8 +146,8 @@ def output_names(num_layers: int) -> list[str]:
 
 
 def fused_io_names(num_layers: int) -> tuple[set[str], set[str]]:
-    """The fused graph's input and output names (its order is the model builder's; ``num_logits`` not
-    counted: fused graphs exported before 2026-12-02 lack it)."""
+    """The fused graph's input and output names (its order is the model builder's; ``num_logits``,
+    ``num_greedy`` and ``greedy_ids`` not counted: older fused graphs and quantized ones lack them)."""
     inputs = {INPUT_IDS, ATTENTION_MASK} | {name for i in range(num_layers) for name in past_names(i)}
     return inputs, set(output_names(num_layers))
 

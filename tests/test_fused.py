@@ -41,7 +41,7 @@ TEXTS = ["Hi", "Tell me a story about a cat who sails.", "List the planets. " * 
 def fused_bundles(tmp_path_factory):
     """(checkpoint, {"float32": bundle, "int8": bundle, "untiled": bundle}): one tiny Llama exported with
     --graph fused, W = 4; "untiled" as exports before tile_one_token_windows wrote them (the runtime pads),
-    also without the num_logits input (older still)."""
+    also without the num_logits input and the greedy head (older still)."""
     root = tmp_path_factory.mktemp("fused")
     ckpt = make_checkpoint("llama", root / "ckpt")
     bundles = {"float32": export(str(ckpt), root / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused"),
@@ -50,6 +50,7 @@ def fused_bundles(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_graph, "tile_one_token_windows", lambda model: None)
         patch.setattr(fused_graph, "compute_logits_of_last_rows", lambda graph, has_default: None)
+        patch.setattr(fused_graph, "add_greedy_head", lambda graph, mask_token_id: False)
         bundles["untiled"] = export(str(ckpt), root / "fused-untiled", 4, 4, "--mask-token", "<mask>", "--graph",
                                     "fused")
     return ckpt, bundles
@@ -72,17 +73,22 @@ def test_the_bundle_holds_the_builders_graph_and_passed_parity(fused_bundles):
         config = load_config(bundle)
         assert (config.graph, config.weight_dtype) == ("fused", dtype)
         assert json.loads((bundle / "mars_config.json").read_text())["graph"] == "fused"
-        ops = {node.op_type for node in onnx.load(bundle / config.onnx_file, load_external_data=False).graph.node}
+        model = onnx.load(bundle / config.onnx_file, load_external_data=False)
+        greedy_head = [n for n in model.graph.node if n.name.startswith("/mars_edge/greedy_head/")]
+        nodes = [n for n in model.graph.node if n not in greedy_head]
+        ops = {node.op_type for node in nodes}
         assert "GroupQueryAttention" in ops and ("MatMulNBits" in ops) == (dtype == "int8")
+        has_head = name == "float32"  # not on a quantized graph (its ids are its int8 head's), nor on older exports
+        assert (bool(greedy_head), "greedy_ids" in {o.name for o in model.graph.output}) == (has_head, has_head)
         parity = config.parity
+        assert ("greedy_head_max_gap" in parity) == has_head
         assert parity["max_abs_logit_diff"] < 1e-3 if dtype == "float32" else parity["top1_agreement"] >= 0.9
         assert not list(bundle.glob("*.data")) and not list(bundle.glob("*reference*"))  # one graph file, no leftovers
-        model = onnx.load(bundle / config.onnx_file, load_external_data=False)
         tiled = {p.key: p.value for p in model.metadata_props}.get(fused_module.ONE_TOKEN_WINDOW_KEY)
         assert tiled == (None if name == "untiled" else fused_module.TILED)
-        assert sum(n.op_type == "Tile" for n in model.graph.node) == (0 if name == "untiled" else config.num_layers)
-        matmuls = sum(n.op_type in ("MatMul", "MatMulNBits") for n in model.graph.node)  # per layer QKV, o, MLP; head
-        splits = sum(n.op_type == "Split" for n in model.graph.node)
+        assert sum(n.op_type == "Tile" for n in nodes) == (0 if name == "untiled" else config.num_layers)
+        matmuls = sum(n.op_type in ("MatMul", "MatMulNBits") for n in nodes)  # per layer QKV, o, MLP; head
+        splits = sum(n.op_type == "Split" for n in nodes)
         assert (matmuls, splits) == ((4 * config.num_layers + 1, config.num_layers) if dtype == "int8"  # gate + up
                                      else (5 * config.num_layers + 1, 0))
 
@@ -100,7 +106,8 @@ def test_a_tiled_graph_runs_a_one_token_window_as_one_token(fused, monkeypatch):
     logits, presents = run_batch(backend, cache, [prompts[1][5:6]], config.pad_token_id)
     assert backend.fused.is_tiled == (bundle.name != "fused-untiled")
     expected = [("input_ids", (1, 1 if backend.fused.is_tiled else 2)), ("attention_mask", (1, 7))]
-    assert fed == expected + [("num_logits", ())] * backend.takes_num_logits  # the untiled bundle is older than it
+    # the untiled bundle is older than num_logits and the greedy head
+    assert fed == expected + [("num_logits", ())] * backend.takes_num_logits + [("num_greedy", ())] * backend.takes_num_greedy
     assert logits.shape == (1, 1, config.vocab_size) and np.shares_memory(presents[0][0], cache.keys[0])
 
 
@@ -115,6 +122,44 @@ def greedy(backend, config, prompts, **params):
 def test_lossless_modes_equal_greedy_ar_on_the_fused_graph(fused, params):
     backend, config, prompts, _ = fused
     assert greedy(backend, config, prompts, **params) == greedy(backend, config, prompts, mode="ar")
+
+
+@pytest.mark.parametrize("params, reads_ids", [({"mode": "ar"}, True), ({"tau": 1.0}, True), ({"mode": "verify"}, True),
+                                               ({"mode": "verify", "draft": "both"}, True), ({"tau": 0.5}, False),
+                                               ({"mode": "ar", "temperature": 0.7, "seed": 3}, False)],
+                         ids=["ar", "tau1", "verify", "verify-both", "tau0.5", "sampled"])
+def test_greedy_steps_read_the_greedy_heads_ids_and_get_the_tokens_of_the_logits(fused_bundles, params, reads_ids,
+                                                                                  monkeypatch):
+    """On a float32 fused bundle, a decode step whose rows read argmaxes only (greedy, tau >= 1) takes the
+    ids of the greedy head (mars_export.greedy_head) instead of the logits; the tokens are those the
+    logits give (the backend told it has no head), and other steps still read the logits."""
+    ckpt, bundles = fused_bundles
+    config = load_config(bundles["float32"])
+    backend = OnnxBackend(bundles["float32"], config)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    prompts = [chat_prompt_ids(tokenizer, text) for text in TEXTS]
+    assert backend.takes_num_greedy
+    calls, step = [], backend.step
+    monkeypatch.setattr(backend, "step", lambda *args, **kwargs: (calls.append(kwargs.get("greedy_ids", False)),
+                                                                   step(*args, **kwargs))[1])
+    with_head = greedy(backend, config, prompts, **params)
+    assert any(calls) == reads_ids and (all(calls[-3:]) if reads_ids else True)
+    monkeypatch.setattr(backend, "takes_num_greedy", False)
+    assert with_head == greedy(backend, config, prompts, **params)
+
+
+def test_greedy_ids_need_the_greedy_head(fused_bundles, tiny_bundle):
+    """Asking a graph without the head (a quantized fused graph, a step graph) for ids is an error naming the fix."""
+    _, bundles = fused_bundles
+    step_bundle = tiny_bundle("llama", 4)[1]
+    for bundle, match in ((bundles["int8"], "no greedy head"), (step_bundle, "step graph has no greedy head")):
+        config = load_config(bundle)
+        backend = OnnxBackend(bundle, config)
+        assert not backend.takes_num_greedy
+        cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 16, config.dtype)
+        cache.reserve(config.window)
+        with pytest.raises(ValueError, match=match):
+            run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True)
 
 
 def fed_in_windows(backend, config, ids: list[int], cuts: list[int], capacity: int | None = None,

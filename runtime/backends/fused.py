@@ -24,6 +24,10 @@ rotary, SkipSimplifiedLayerNormalization, one packed QKV MatMul (:mod:`runtime.b
   P + 2 and room for the second row's KV at P + 1. Older fused bundles get a pad token instead
   (the whole model runs two rows; the pad's output and KV are dropped). Either way tau = 1 stays
   exactly greedy AR, and verify mode exactly AR (DESIGN.md §3).
+- **Ids instead of logits.** A float32 fused graph exported since the fourteenth session has the
+  greedy head (``mars_export.greedy_head``; ``takes_num_greedy``): asked for ``greedy_ids``, the step
+  feeds ``num_logits`` 0 and ``num_greedy`` W and returns each row's argmax id, the float32 output head
+  skipped; otherwise it feeds ``num_greedy`` 0.
 - Batch 1 only: the kernel refuses a window of several tokens over a past at batch > 1.
 """
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.backends.kv_binding import KVBinding
-from runtime.bundle import ATTENTION_MASK, INPUT_IDS, NUM_LOGITS, BundleConfig
+from runtime.bundle import ATTENTION_MASK, INPUT_IDS, NUM_GREEDY, NUM_LOGITS, BundleConfig
 from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
@@ -55,12 +59,16 @@ class FusedStep:
     def __init__(self, session, ort, config: BundleConfig):
         self.config = config
         # fused graphs exported since 2026-12-02 take num_logits (required; mars_export.logits_rows)
-        self.takes_num_logits = NUM_LOGITS in {i.name for i in session.get_inputs()}
+        inputs = {i.name for i in session.get_inputs()}
+        self.takes_num_logits = NUM_LOGITS in inputs
+        # float32 fused graphs exported since 2026-12-02 (the fourteenth session) have the greedy head (mars_export.greedy_head)
+        self.takes_num_greedy = NUM_GREEDY in inputs
         self.kv = KVBinding(session, ort)
         self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED
 
     def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
-                 past: list[tuple[np.ndarray, np.ndarray]], logits: bool = True) -> tuple[np.ndarray, list]:
+                 past: list[tuple[np.ndarray, np.ndarray]], logits: bool = True,
+                 greedy_ids: bool = False) -> tuple[np.ndarray, list]:
         """One forward of W tokens at positions P .. P+W-1 (P = ``position_ids[0, 0]``), the new KV written into ``past``.
 
         Args:
@@ -71,20 +79,26 @@ class FusedStep:
                 first copied into new buffers of P + max(W, 2) positions, and those are written.
             logits: False when no logits are read (prefill): the output head is skipped where the
                 graph takes ``num_logits``.
+            greedy_ids: return each row's argmax token instead of its logits, from the greedy head
+                (``takes_num_greedy``; the float32 output head is then skipped).
 
         Returns:
-            logits float32 [1, W, V] ([1, 0, V] when ``logits`` is False), and per layer (key, value)
-            [1, Hkv, S, D]: the written buffers (``past`` itself, or the copies with room).
+            logits float32 [1, W, V] ([1, 0, V] when ``logits`` is False), or with ``greedy_ids`` the ids
+            int64 [1, W] (the mask token never among them); and per layer (key, value) [1, Hkv, S, D]:
+            the written buffers (``past`` itself, or the copies with room).
 
         Raises:
-            ValueError: more than one row, positions that do not follow on from P, or P + max(W, 2)
-                beyond the model's context.
+            ValueError: more than one row, positions that do not follow on from P, P + max(W, 2)
+                beyond the model's context, or ``greedy_ids`` on a graph without the greedy head.
         """
         batch, window = input_ids.shape
         start = int(position_ids[0, 0])
         if batch != 1:
             raise ValueError(f"a fused bundle runs one sequence at a time (batch 1), got {batch} rows; "
                              "set the batch size to 1 or export with --graph step")
+        if greedy_ids and not self.takes_num_greedy:
+            raise ValueError("this fused graph has no greedy head (num_greedy input); re-export it with mars-export "
+                             "--graph fused, or read the logits")
         if not np.array_equal(position_ids[0], np.arange(start, start + window)):
             raise ValueError(f"a fused graph takes consecutive positions from the committed length, got {position_ids[0]}")
         ids = input_ids
@@ -99,11 +113,16 @@ class FusedStep:
         binding = self.kv.bind_kv(past)
         binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
-        rows = ids.shape[1] if logits or not self.takes_num_logits else 0
+        rows = ids.shape[1] if logits and not greedy_ids or not self.takes_num_logits else 0
         if self.takes_num_logits:
             binding.bind_cpu_input(NUM_LOGITS, np.array(rows, np.int64))
-        out = self.kv.run((1, rows, self.config.vocab_size))  # [1, W fed or 0, V]
-        return out[:, :window if logits else 0], past
+        if not self.takes_num_greedy:
+            out = self.kv.run((1, rows, self.config.vocab_size))  # [1, W fed or 0, V]
+            return out[:, :window if logits else 0], past
+        greedy_rows = ids.shape[1] if greedy_ids else 0
+        binding.bind_cpu_input(NUM_GREEDY, np.array(greedy_rows, np.int64))
+        out, chosen = self.kv.run_with_ids((1, rows, self.config.vocab_size), (1, greedy_rows))
+        return (chosen[:, :window], past) if greedy_ids else (out[:, :window if logits else 0], past)
 
 
 def written_positions(window: int) -> int:

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from runtime.bundle import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_names, present_names
+from runtime.bundle import ATTENTION_MASK, GREEDY_IDS, INPUT_IDS, LOGITS, POSITION_IDS, past_names, present_names
 
 
 class KVBinding:
@@ -92,10 +92,16 @@ class KVBinding:
     def run(self, logits_shape: tuple[int, int, int]) -> np.ndarray:
         """Run the session over the bound inputs; returns the logits float32 ``logits_shape``, written in place."""
         out = np.empty(logits_shape, np.float32)
-        binding = self.binding
-        binding.bind_output(LOGITS, "cpu", 0, np.float32, out.shape, out.ctypes.data)
-        self.session.run_with_iobinding(binding)  # no get_outputs: it would wrap every present too
+        self.binding.bind_output(LOGITS, "cpu", 0, np.float32, out.shape, out.ctypes.data)
+        self.session.run_with_iobinding(self.binding)  # no get_outputs: it would wrap every present too
         return out
+
+    def run_with_ids(self, logits_shape: tuple[int, int, int], ids_shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`run`, also binding the ``greedy_ids`` output (mars_export.greedy_head); returns the logits float32
+        ``logits_shape`` and the ids int64 ``ids_shape``."""
+        ids = np.empty(ids_shape, np.int64)
+        self.binding.bind_output(GREEDY_IDS, "cpu", 0, np.int64, ids.shape, ids.ctypes.data)
+        return self.run(logits_shape), ids
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

@@ -68,6 +68,8 @@ class OnnxBackend:
         # prefill forwards skip the output head.
         self.takes_num_logits = self.fused.takes_num_logits if self.fused else bundle.NUM_LOGITS in {
             i.name for i in self.session.get_overridable_initializers()}
+        # float32 fused graphs since the fourteenth session: the argmax tokens without the float32 output head
+        self.takes_num_greedy = bool(self.fused and self.fused.takes_num_greedy)
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
         self.kv = KVBinding(self.session, ort)
@@ -82,7 +84,7 @@ class OnnxBackend:
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]],
-             logits: bool = True) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+             logits: bool = True, greedy_ids: bool = False) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         """Run one forward over a window, its KV written into ``past`` in place.
 
         Args:
@@ -94,22 +96,28 @@ class OnnxBackend:
             past: per layer (key, value), each a C-contiguous [n, H, S, D] in the bundle dtype: the KV cache.
             logits: False when no logits are read (prefill): a graph with the ``num_logits``
                 input (``takes_num_logits``) then skips the output head.
+            greedy_ids: return each row's argmax token, the mask token excluded, instead of its logits
+                (graphs with the greedy head only, ``takes_num_greedy``: mars_export.greedy_head).
 
         Returns:
-            logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False), and the presents: per layer
+            logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False; with ``greedy_ids`` the ids
+            int64 [n, W] instead), and the presents: per layer
             (key, value) [n, H, S, D], ``past`` itself with the new entries written (a forward that skips the
             output head returns new arrays instead and leaves ``past`` as it was).
 
         Raises:
             ValueError: inputs whose shapes disagree, a position outside the past (no room for the window),
                 or, where the step writes into it, a past that is not C-contiguous and writeable
-                (:func:`runtime.bundle.check_step_inputs`, :class:`~runtime.backends.kv_binding.KVBinding`).
+                (:func:`runtime.bundle.check_step_inputs`, :class:`~runtime.backends.kv_binding.KVBinding`);
+                ``greedy_ids`` on a graph without the greedy head.
 
         A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
         past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
         if self.fused:
-            return self.fused(input_ids, position_ids, past, logits)
+            return self.fused(input_ids, position_ids, past, logits, greedy_ids)
+        if greedy_ids:
+            raise ValueError("a step graph has no greedy head (num_greedy input); read the logits")
         bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
         if not logits and self.takes_num_logits:
             # onnxruntime's I/O binding cannot bind num_logits (an input with a default), so a forward that skips the
@@ -181,7 +189,9 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
     got_in = [i.name for i in session.get_inputs()]
     got_out = [o.name for o in session.get_outputs()]
     if config.graph == "fused":
-        if (set(got_in) - {bundle.NUM_LOGITS}, set(got_out)) != bundle.fused_io_names(config.num_layers):
+        optional_in, optional_out = {bundle.NUM_LOGITS, bundle.NUM_GREEDY}, {bundle.GREEDY_IDS}
+        if ((set(got_in) - optional_in, set(got_out) - optional_out) != bundle.fused_io_names(config.num_layers)
+                or (bundle.NUM_GREEDY in got_in) != (bundle.GREEDY_IDS in got_out)):
             raise BundleError(f"{path} is not the fused graph of a {config.num_layers}-layer model (inputs "
                               f"{got_in[:3]}...); re-export the bundle with mars-export --graph fused")
         return

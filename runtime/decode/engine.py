@@ -47,7 +47,7 @@ from runtime.decode.acceptance import Accepted, accept, max_accept
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
-from runtime.decode.sampling import select
+from runtime.decode.sampling import is_greedy, select
 from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan
 from runtime.decode.sequence import Sequence
 
@@ -249,8 +249,8 @@ class Engine:
                 self._prefill_first_chunks(group)
         if not plan.rows:
             return []
-        logits, presents = self._run(plan)  # [n, w, V]
-        accepted = [self._accept(seq, logits[seq.slot], plan.is_block) for seq in plan.rows]
+        outputs, presents, are_ids = self._run(plan)  # logits [n, w, V], or the argmax ids [n, w]
+        accepted = [self._accept(seq, outputs[seq.slot], plan.is_block, are_ids) for seq in plan.rows]
         return self._commit(plan, accepted, presents)
 
     def generate(self, prompts: list[list[int]], params: DecodeParams) -> list[GenerationResult]:
@@ -293,32 +293,46 @@ class Engine:
         if not seq.is_prefilling:
             seq.result.prefill_seconds = time.perf_counter() - seq.start_time
 
-    def _run(self, plan: StepPlan) -> tuple[np.ndarray, list]:
-        """One batch forward of the plan's rows (other slots idle); the mask token's logit suppressed."""
+    def _run(self, plan: StepPlan) -> tuple[np.ndarray, list, bool]:
+        """One batch forward of the plan's rows (other slots idle). Returns the logits [n, w, V], the mask
+        token's logit suppressed, or, where the backend has the greedy head and every row reads argmaxes
+        only (:meth:`_reads_ids_only`), each position's argmax id [n, w] (the float32 output head skipped);
+        the presents; and whether the outputs are ids."""
         rows: list[list[int] | None] = [None] * plan.num_rows
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
         self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
-        logits, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)  # [n, w, V]
-        logits[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
+        are_ids = getattr(self.backend, "takes_num_greedy", False) and all(map(self._reads_ids_only, plan.rows))
+        outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id, greedy_ids=are_ids)
+        if not are_ids:  # the greedy head excludes the mask token itself
+            outputs[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
         self.num_steps += 1
-        return logits, presents
+        return outputs, presents, are_ids
 
-    def _accept(self, seq: Sequence, logits: np.ndarray, is_block: bool) -> Accepted:
-        """What this row keeps from its logits [w, V]: a W-token prefill commits its chunk; else
-        the acceptance rule over its drafts and the predictions from the last real token on."""
+    def _reads_ids_only(self, seq: Sequence) -> bool:
+        """Whether the row's step reads no more than each prediction's argmax: a prefill chunk, or greedy
+        decoding that tests no confidence (tau >= 1, as ``select(with_confidence=tau < 1)``)."""
+        return seq.is_prefilling or is_greedy(seq.params.temperature) and seq.tau(self.default_tau) >= 1.0
+
+    def _accept(self, seq: Sequence, outputs: np.ndarray, is_block: bool, are_ids: bool = False) -> Accepted:
+        """What this row keeps from its logits [w, V] (or, ``are_ids``, its argmax ids [w]): a W-token
+        prefill commits its chunk; else the acceptance rule over its drafts and the predictions from the
+        last real token on."""
         if seq.is_prefilling:
             return Accepted([], len(seq.prefill_chunk(self.config.window)))
-        num_real = min(len(seq.uncached), len(logits))
-        predictions = logits[num_real - 1:]  # [M, V], M = w - r + 1: the AR prediction, then one per later input
+        num_real = min(len(seq.uncached), len(outputs))
+        predictions = outputs[num_real - 1:]  # [M, V] (or ids [M]), M = w - r + 1: the AR prediction, then one per later input
         in_block = is_block and seq.params.mode != "verify"  # verify rows advance per row in both schemes
         budget = max_accept(seq.block_size, seq.num_remaining, len(seq.uncached), self.config.window, in_block)
         if budget == 0:  # block scheme: a full block re-run until every row is ready
             return Accepted([], 0)
         params, tau = seq.params, seq.tau(self.default_tau)
-        ids, scores = select(predictions, params.temperature, params.top_k, params.top_p, params.metric,
-                             seq.rng, with_confidence=tau < 1.0)
+        if are_ids:
+            ids, scores = predictions, np.zeros(len(predictions), np.float32)  # no confidence is tested
+        else:
+            ids, scores = select(predictions, params.temperature, params.top_k, params.top_p, params.metric,
+                                 seq.rng, with_confidence=tau < 1.0)
         drafts = seq.drafts[:len(predictions) - 1]  # the drafts this step fed
         return accept(ids, scores, tau, drafts, budget, seq.stop_ids, num_real, seq.block_size, in_block)
 

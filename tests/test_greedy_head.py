@@ -1,0 +1,160 @@
+"""mars_export.greedy_head: the argmax token of a window's rows from an int8 screening and an exact rescoring.
+
+The guarantee rests on one inequality, that onnxruntime's MatMulNBits (int8 weights, accuracy_level 4)
+stays within the error bound the head computes; these tests hold the kernel to it on rows shaped as a
+model's final hidden states are (a few dimensions 30x the others), and hold the graph to the argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mars_export import greedy_head
+from mars_export.logits_rows import compute_logits_of_last_rows
+
+K, V, MASK = 576, 3000, 7
+
+
+def hidden_rows(rng: np.random.Generator, n: int, k: int = K) -> np.ndarray:
+    """float32 [n, k]: normal rows, some with outlier dimensions (x30); row 1 tiny and row 2 zeros, where n allows."""
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[::3, rng.integers(0, k, 3)] *= 30  # outliers, as RMSNorm outputs have
+    x[1:2] *= 1e-6
+    x[2:3] = 0
+    return x
+
+
+def head_weight(rng: np.random.Generator, k: int = K, v: int = V) -> np.ndarray:
+    """float32 [k, v], columns of different scales and a few very close to one another (near-ties)."""
+    w = (rng.standard_normal((k, v)) * rng.uniform(0.005, 0.08, v)).astype(np.float32)
+    w[:, 10:20] = w[:, 9:10] + rng.standard_normal((k, 10)).astype(np.float32) * 1e-5
+    w[:, 0] = rng.integers(-127, 128, k) * np.float32(0.01)  # on the int8 grid: no weight error, column 0
+    w[::greedy_head.BLOCK, 0] = 1.27  # each block's max, so the grid is the quantizer's
+    return w
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_the_int8_kernel_stays_within_the_screening_bound():
+    """|MatMulNBits(x) - x·W| <= the bound of the module docstring, for every row and column."""
+    rng = np.random.default_rng(0)
+    weight = head_weight(rng)
+    packed, scales, dequantized = greedy_head.quantize_columns(weight)
+    per_l1, per_block_max = greedy_head.bound_coefficients(weight, dequantized)
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=K, N=V, bits=8,
+                            block_size=greedy_head.BLOCK, accuracy_level=4)
+    graph = helper.make_graph([node], "screen", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", V])],
+                              [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
+    screen = session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                              helper.make_opsetid("com.microsoft", 1)]))
+    for m in (1, 2, 4, 16):  # the kernel takes other paths at other row counts
+        x = hidden_rows(rng, m)
+        x[-1] = worst_activation(rng, weight[:, 0])
+        approx = screen.run(None, {"x": x})[0]
+        exact = x.astype(np.float64) @ weight.astype(np.float64)
+        blocks = np.abs(x).reshape(m, K // greedy_head.BLOCK, greedy_head.BLOCK).max(-1).sum(-1, keepdims=True)
+        bound = np.abs(x).sum(-1, keepdims=True) * per_l1 + blocks * per_block_max + greedy_head.ABSOLUTE_SLACK
+        error = np.abs(approx - exact)
+        assert np.all(error <= bound), (m, float((error / bound).max()))
+        assert np.median(error / bound) < 0.5  # a bound the kernel gets near would be one it might pass
+        assert error[-1, 0] > 0.6 * bound[-1, 0]  # the activation's rounding, all of one sign: the bound is needed
+
+
+def worst_activation(rng: np.random.Generator, column: np.ndarray) -> np.ndarray:
+    """float32 [K]: a row whose int8 rounding errors all push its product with ``column`` one way: in each
+    block one element at the block's max (127 steps), the others 0.49 of a step above a whole step count,
+    signed as ``column``."""
+    step = np.float32(0.02)
+    counts = rng.integers(0, 120, K).astype(np.float32)
+    x = (counts + np.float32(0.49)) * step * np.sign(column)
+    x[::greedy_head.BLOCK] = 127 * step
+    return x.astype(np.float32)
+
+
+def head_graph(weight: np.ndarray, mask_token_id: int = MASK) -> tuple[onnx.ModelProto, bool]:
+    """A graph hidden [1, W, K] -> logits = hidden · weight on num_logits rows, with the greedy head added."""
+    k, v = weight.shape
+    graph = helper.make_graph([helper.make_node("MatMul", ["hidden", "head"], ["logits"])], "head",
+                              [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "w", k])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "w", v])],
+                              [numpy_helper.from_array(weight, "head")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    compute_logits_of_last_rows(model.graph, has_default=False)
+    added = greedy_head.add_greedy_head(model.graph, mask_token_id)
+    return ir.to_proto(model), added
+
+
+def run_head(sess: ort.InferenceSession, hidden: np.ndarray, num_greedy: int, num_logits: int = 0):
+    return sess.run(None, {"hidden": hidden[None], "num_logits": np.array(num_logits, np.int64),
+                           "num_greedy": np.array(num_greedy, np.int64)})
+
+
+def test_the_greedy_ids_are_the_argmax_of_the_logits_with_the_mask_token_excluded():
+    rng = np.random.default_rng(1)
+    weight = head_weight(rng)
+    weight[:, MASK] = weight[:, :50].max(axis=1) * 3  # the mask token would win most rows
+    model, added = head_graph(weight)
+    assert added
+    sess = session(model)
+    checked = 0
+    for _ in range(40):
+        x = hidden_rows(rng, 8)
+        x[0] = weight[:, 9] * 5  # a row whose best tokens are the near-tied columns 9..19
+        logits_out, ids = run_head(sess, x, 8, num_logits=8)
+        exact = x.astype(np.float64) @ weight.astype(np.float64)
+        exact[:, MASK] = -np.inf
+        top2 = np.sort(exact, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-3  # elsewhere both float32 sums may pick either of a near-tie
+        assert ids.shape == (1, 8) and MASK not in ids
+        assert np.array_equal(ids[0][clear], exact.argmax(-1)[clear])
+        graph_logits = logits_out[0].copy()
+        graph_logits[:, MASK] = -np.inf
+        gap = graph_logits.max(-1) - np.take_along_axis(graph_logits, ids[0][:, None], 1)[:, 0]
+        assert np.all(gap <= 1e-4)  # the graph's own logits: the same token, or a near-tie
+        checked += int(clear.sum())
+    assert checked > 150
+
+
+def test_each_row_gets_the_same_id_in_any_window_and_only_the_rows_asked():
+    rng = np.random.default_rng(2)
+    model, _ = head_graph(head_weight(rng))
+    sess = session(model)
+    x = hidden_rows(rng, 8)
+    whole = run_head(sess, x, 8)[1][0]
+    for cut in (1, 2, 3):
+        rows = np.concatenate([run_head(sess, x[i:i + cut], cut)[1][0] for i in range(0, 8, cut)])
+        assert np.array_equal(rows, whole), cut
+    logits_out, ids = run_head(sess, x, 3)
+    assert ids.shape == (1, 3) and np.array_equal(ids[0], whole[-3:]) and logits_out.shape == (1, 0, V)
+    assert run_head(sess, x, 0, num_logits=2)[1].shape == (1, 0)  # a step that reads logits only
+    assert np.array_equal(run_head(sess, x, 99)[1][0], whole)  # more rows than the window: all of them
+
+
+def test_a_head_whose_width_is_not_a_multiple_of_the_block_gets_none():
+    model, added = head_graph(head_weight(np.random.default_rng(3), k=48, v=100))
+    assert not added and "greedy_ids" not in {o.name for o in model.graph.output}
+
+
+def test_the_greedy_head_goes_after_the_num_logits_slice_once():
+    weight = head_weight(np.random.default_rng(4), k=64, v=100)
+    graph = helper.make_graph([helper.make_node("MatMul", ["hidden", "head"], ["logits"])], "head",
+                              [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "w", 64])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "w", 100])],
+                              [numpy_helper.from_array(weight, "head")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    with pytest.raises(ValueError, match="num_logits slice"):
+        greedy_head.add_greedy_head(model.graph, MASK)
+    compute_logits_of_last_rows(model.graph, has_default=False)
+    assert greedy_head.add_greedy_head(model.graph, MASK)
+    with pytest.raises(ValueError, match="already has"):
+        greedy_head.add_greedy_head(model.graph, MASK)

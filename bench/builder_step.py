@@ -168,7 +168,7 @@ def run(args, workdir: Path) -> dict:
                   for name, session in builders.items()}
         reference = next(iter(calls.values()))()  # also every graph's warm-up
         checks = {name: agreement(call(), reference) for name, call in calls.items()}
-        times = interleaved_times(calls, args.steps, args.rounds, with_argmax=False)
+        times = interleaved_times(calls, args.steps, args.rounds)
         first = next(iter(times.values()))
         for name, timing in times.items():
             rows.append({"graph": name, "past": past_len, "window": window, **timing, **checks[name],

@@ -236,7 +236,7 @@ def run(args) -> dict:
         inputs = make_inputs(*dims, past, window, rng)
         calls = {"ours": ours_call(ours, inputs), "gqa": gqa_call(gqa, args.max_context, inputs)}
         max_diff = float(np.abs(calls["ours"]()[0] - calls["gqa"]()[0]).max())
-        times = interleaved_times(calls, args.repeats, args.rounds, with_argmax=False)
+        times = interleaved_times(calls, args.repeats, args.rounds)
         ms = {f"{name}_{clock}": t[kind] for name, t in times.items()
               for clock, kind in (("ms", "step_ms"), ("cpu_ms", "cpu_ms"))}
         rows.append({"past": past, "window": window, "max_abs_diff": max_diff, **ms,

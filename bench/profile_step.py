@@ -25,10 +25,11 @@ the window, two positions for a one-token window; written in place; I/O binding)
    (bundle, B, P, W): the median over rounds of the mean step time (wall, and this
    process's CPU time), and their ratios to the first bundle's (the A/B figures to quote
    on a shared machine; at ``--threads 1`` the CPU time is the steadier one).
-2. Greedy post-processing, timed the same way: the step plus copying the logits
-   [B, W, V] out and taking their argmax, as a greedy engine does.
+2. A greedy step, timed the same way, as a greedy engine (tau >= 1) runs it: the step plus copying the
+   logits [B, W, V] out and taking their argmax, or, for a bundle with the greedy head
+   (``mars_export.greedy_head``: float32 fused bundles), the step reading its argmax ids instead.
 3. Op breakdown at the first B and P, per bundle and W: onnxruntime's profiler over
-   ``--steps`` steps: kernel time per op type (ms per step, share of the profiled total)
+   ``--steps`` greedy steps: kernel time per op type (ms per step, share of the profiled total)
    and the node count per op type in the graph as onnxruntime optimized it.
 
 Writes {name}.json to --out and prints Markdown tables.
@@ -93,6 +94,17 @@ def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs
     return lambda: kv.run_step(ids, positions, mask, past, config.vocab_size)
 
 
+def greedy_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple):
+    """As :func:`step_call`, a step as a greedy engine runs it; returns the argmax ids int64 [B, W]: the
+    greedy head's (a fused graph that has it), else the argmax of the step's logits."""
+    if config.graph == "fused" and bundle.NUM_GREEDY in {i.name for i in session.get_inputs()}:
+        ids, positions, _, past = inputs
+        step, buffers = FusedStep(session, ort, config), past_with_room(past, int(positions[0, 0]), ids.shape[1])
+        return lambda: step(ids, positions, buffers, greedy_ids=True)[0]
+    call = step_call(session, config, inputs)
+    return lambda: call().argmax(-1)
+
+
 def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int,
                  steps: int) -> tuple[dict[str, dict], float]:
     """(op type -> {"ms": kernel ms per step, "share": of the profiled total, "nodes": count in the optimized
@@ -101,7 +113,7 @@ def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads
     profiler's own per-node cost, which also inflates the kernel times: compare both with the unprofiled step."""
     with tempfile.TemporaryDirectory() as tmp:
         session = make_session(path, threads, tmp)
-        call = step_call(session, config, inputs)
+        call = greedy_call(session, config, inputs)
         call()  # warm-up, then profile only the timed steps
         for _ in range(steps):
             call()
@@ -123,14 +135,14 @@ def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads
 SETTLE_CALLS = 2  # untimed calls per turn: after another session ran, a session's first steps run ~13% slower
 
 
-def interleaved_times(calls: dict, steps: int, rounds: int, with_argmax: bool = True) -> dict[str, dict]:
+def interleaved_times(calls: dict, steps: int, rounds: int, greedy: dict | None = None) -> dict[str, dict]:
     """name -> {"step_ms", "cpu_ms"[, "greedy_ms"]}: medians over ``rounds`` of the mean over ``steps`` of each
     call, the calls taking turns; each turn starts with :data:`SETTLE_CALLS` untimed calls (measured on the
     default int8 bundle: a session's first 20 steps after another session's were 1.13-1.16x its next 20).
-    greedy_ms (``with_argmax``) adds the argmax over the call's logits [B, W, V], as a greedy engine does.
+    greedy_ms times ``greedy[name]`` (:func:`greedy_call`), where given: the step as a greedy engine runs it.
     cpu_ms is this process's CPU time per step (all its threads, spinning included): at ``--threads 1`` it
     hardly moves with other processes' load, so it is the steadier A/B figure."""
-    kinds = ("step_ms", "cpu_ms", "greedy_ms") if with_argmax else ("step_ms", "cpu_ms")
+    kinds = ("step_ms", "cpu_ms", "greedy_ms") if greedy else ("step_ms", "cpu_ms")
     samples = {name: {kind: [] for kind in kinds} for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
@@ -138,8 +150,8 @@ def interleaved_times(calls: dict, steps: int, rounds: int, with_argmax: bool = 
                 call()
             samples[name]["step_ms"].append(mean_seconds(call, steps) * 1000)
             samples[name]["cpu_ms"].append(mean_seconds(call, steps, time.process_time) * 1000)
-            if with_argmax:
-                samples[name]["greedy_ms"].append(mean_seconds(lambda: call().argmax(-1), steps) * 1000)
+            if greedy:
+                samples[name]["greedy_ms"].append(mean_seconds(greedy[name], steps) * 1000)
     return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
 
 
@@ -174,7 +186,8 @@ def run(args) -> dict:
     for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
         inputs = decode_inputs(step_config, window, batch, past, rng)
         calls = {name: step_call(session, loaded[name][0], inputs) for name, session in sessions.items()}
-        times = interleaved_times(calls, args.steps, args.rounds)
+        greedy = {name: greedy_call(session, loaded[name][0], inputs) for name, session in sessions.items()}
+        times = interleaved_times(calls, args.steps, args.rounds, greedy)
         is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
         for name, timing in times.items():
             config, path = loaded[name]
@@ -185,7 +198,7 @@ def run(args) -> dict:
                          "profiled_ms": sum(o["ms"] for o in ops.values()), "profiled_run_ms": run_ms,
                          "num_nodes": sum(o["nodes"] for o in ops.values()), "ops": ops})
             print(f"{name} B={batch} P={past} W={window}: step {timing['step_ms']:.2f} ms "
-                  f"({rows[-1]['ratio_to_first']:.3f}x first), with argmax {timing['greedy_ms']:.2f} ms", flush=True)
+                  f"({rows[-1]['ratio_to_first']:.3f}x first), greedy step {timing['greedy_ms']:.2f} ms", flush=True)
         del inputs, calls
     meta = {"command": "python bench/profile_step.py " + " ".join(sys.argv[1:]), "threads": args.threads,
             "onnxruntime": ort.__version__, "loadavg_end": os.getloadavg()}
@@ -195,14 +208,14 @@ def run(args) -> dict:
 def markdown(result: dict, top: int) -> str:
     """Timing table, then per (bundle, W) the top op types."""
     rows = result["rows"]
-    lines = ["| bundle | B | P | W | step ms | vs first | CPU ms | vs first | step + argmax ms |",
+    lines = ["| bundle | B | P | W | step ms | vs first | CPU ms | vs first | greedy step ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['bundle']} | {r['batch']} | {r['past']} | {r['window']} | {r['step_ms']:.2f} | "
               f"{r['ratio_to_first']:.3f} | {r['cpu_ms']:.2f} | {r['cpu_ratio_to_first']:.3f} | {r['greedy_ms']:.2f} |"
               for r in rows]
     for r in (r for r in rows if r["ops"]):
         lines += ["", f"{r['bundle']}, W = {r['window']}, B = {r['batch']}, P = {r['past']}: {r['num_nodes']} nodes "
-                  f"after onnxruntime's optimizer, {r['profiled_ms']:.2f} ms kernel time per step of a profiled run of "
+                  f"after onnxruntime's optimizer, {r['profiled_ms']:.2f} ms kernel time per greedy step of a profiled run of "
                   f"{r['profiled_run_ms']:.2f} ms (unprofiled step {r['step_ms']:.2f} ms: the profiler's own cost "
                   "per node is in both profiled figures)", "",
                   "| op type | nodes | ms/step | share |", "|---|---|---|---|"]

@@ -315,7 +315,7 @@ def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
 
 def test_profile_step_runs_a_fused_bundle_as_its_backend_does(smoke_model, tmp_path):
     """A fused bundle beside the step graph of the same model: its step over the same past (P = 0 included)
-    and its op breakdown (GroupQueryAttention); more than one row is refused naming --batches 1."""
+    and its op breakdown (GroupQueryAttention, the greedy head); more than one row is refused naming --batches 1."""
     ckpt, bundle = smoke_model
     fused = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
     python("bench/profile_step.py", bundle, fused, "--pasts", "6", "0", "--windows", "1", "3", "--steps", "2",
@@ -325,6 +325,9 @@ def test_profile_step_runs_a_fused_bundle_as_its_backend_does(smoke_model, tmp_p
         [(p, w, str(b)) for p in (6, 0) for w in (1, 3) for b in (bundle, fused)]
     assert all(row["step_ms"] > 0 for row in rows)
     assert all(row["ops"]["GroupQueryAttention"]["nodes"] == 2 for row in rows[1:4:2])  # 2 layers
+    # the greedy step of a float32 fused bundle reads its greedy head's ids: the int8 screening runs, and
+    # the float32 output head on no rows
+    assert all(row["ops"]["MatMulNBits"]["nodes"] == 1 and row["greedy_ms"] > 0 for row in rows[1:4:2])
     refused = subprocess.run([sys.executable, "bench/profile_step.py", fused, "--batches", "2"], cwd=ROOT,
                              capture_output=True, text=True, timeout=TIMEOUT_S)
     assert refused.returncode != 0 and "fused bundle: it runs batch 1; pass --batches 1" in refused.stderr

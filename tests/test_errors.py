@@ -81,6 +81,22 @@ def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
+def test_an_onnxruntime_without_8_bit_matmulnbits_is_named_with_the_version_to_install(bundle, capsys, monkeypatch):
+    """onnxruntime 1.21 (the declared floor) refuses 8-bit MatMulNBits (int8 exports, the greedy head of float32
+    fused bundles) with this message at load; the error names the version that runs it, not a corrupt file."""
+    import onnxruntime as ort
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    def refuse(*args, **kwargs):  # the message onnxruntime 1.21.0 gives (its matmul_nbits.cc)
+        raise ort_state.RuntimeException(
+            "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during initialization: matmul_nbits.cc:114 "
+            "onnxruntime::contrib::MatMulNBits<T1>::MatMulNBits(const onnxruntime::OpKernelInfo&) [with T1 = float] "
+            "nbits_ == 4 was false. Only 4b quantization is supported for MatMulNBits op, additional bits support is planned.")
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    code, _, err = run_generate(bundle, capsys)
+    assert code == 2 and len(err) == 1 and "8-bit MatMulNBits" in err[0] and "onnxruntime>=1.22" in err[0]
+
+
 @pytest.mark.parametrize("tau, message", [("-0.5", "tau must be a finite number >= 0"), ("nan", "tau must be a finite number >= 0"), ("inf", "tau must be a finite number >= 0")])
 def test_bad_tau(bundle, capsys, tau, message):
     code, _, err = run_generate(bundle, capsys, "--tau", tau)

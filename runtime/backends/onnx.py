@@ -177,6 +177,10 @@ def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceS
         session = ort.InferenceSession(str(path), options, providers=[name])
     except _LOAD_ERRORS as e:
         first_line = str(e).strip().splitlines()[0][:300]
+        if "MatMulNBits" in str(e) and "4b" in str(e):  # onnxruntime < 1.22 runs 4-bit MatMulNBits only
+            raise BundleError(f"cannot load {path} with onnxruntime {ort.__version__}: it holds 8-bit MatMulNBits "
+                              "(an --int8 export, or the greedy head of a float32 fused bundle), which onnxruntime "
+                              "runs from 1.22 on; pip install -U 'onnxruntime>=1.22'") from e
         raise BundleError(f"cannot load {path}: the ONNX file is corrupt or truncated ({first_line}); "
                           "re-export the bundle with mars-export") from e
     if name not in session.get_providers():  # onnxruntime falls back to the CPU when a GPU provider cannot start

@@ -2,7 +2,8 @@
 
     python bench/peers_runs.py RUN_DIR [RUN_DIR ...] [--out bench/results] [--name peers_runs]
 
-Each RUN_DIR holds the ``peers.json`` one ``scripts/bench_peers.sh`` run wrote (its ``OUT``).
+Each RUN_DIR holds the ``peers.json`` one ``scripts/bench_peers.sh`` run wrote (its ``OUT``), or one
+round of a run with ``ROUNDS=N`` (``OUT/round1`` ..., which that run sums up itself).
 On a shared machine the speed drifts by tens of percent between minutes, and one run measures
 its engines one after another, so a single run's ratio ours / peer carries that drift. This
 takes the ratio inside every run (the two rows of one run, same prompts, settings and

@@ -20,6 +20,12 @@
 #              "float32 int8"; "" for none): $BUNDLE-fused and $BUNDLE-fusedint8, exported if missing;
 #              variants "fused ar", "fused int8 ar" ...
 #   OUT        result folder (default bench/results)
+#   ROUNDS     times to run the engines (default 1). With N > 1 the engines run N times, their order
+#              reversed every other round (ours first, then peers first), each round's report in
+#              $OUT/round1 .. $OUT/roundN; bench/peers_runs.py then sums them up in $OUT/peers_runs.*
+#              (each row's decode tok/s and ours / peer within each round, median, min and max over
+#              the rounds): the drift of a shared machine between minutes shows in the spread
+#              instead of deciding a single ratio
 #   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
 #
 # Each peer gets its own venv with exact pins (their pins conflict with the project's).
@@ -42,6 +48,7 @@ ENGINES=${ENGINES:-ours transformers ortgenai llamacpp optimum}
 QUANTIZED=${QUANTIZED-int8 int4}
 FUSED=${FUSED-float32 int8}
 OUT=${OUT:-bench/results}
+ROUNDS=${ROUNDS:-1}
 LOGS=$PEER_ENVS/logs
 WORK=$PEER_ENVS/work
 CKPT=$PEER_ENVS/ckpt/$(basename "$MODEL")
@@ -57,6 +64,12 @@ LLAMACPP_SRC=$PEER_ENVS/src/llama_cpp_python-$LLAMACPP_VERSION
 GGUF_PINS=${GGUF_PINS:-"torch==2.13.0 transformers==4.57.6 sentencepiece==0.2.3 protobuf==4.25.9 numpy==2.4.6 $LLAMACPP_SRC/vendor/llama.cpp/gguf-py"}
 
 mkdir -p "$LOGS" "$WORK"
+case $ROUNDS in ''|*[!0-9]*|0) echo "error: ROUNDS takes a whole number of rounds >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
+for engine in $ENGINES; do
+    case $engine in ours|transformers|ortgenai|optimum|llamacpp) ;;
+        *) echo "error: unknown engine '$engine'; choose from: ours transformers ortgenai llamacpp optimum" >&2; exit 2 ;;
+    esac
+done
 for dtype in $QUANTIZED; do
     case $dtype in int8|int4) ;; *) echo "error: QUANTIZED takes int8 and/or int4, got '$dtype'" >&2; exit 2 ;; esac
 done
@@ -180,20 +193,39 @@ if $needs_checkpoint && [ ! -f "$CKPT/config.json" ]; then
 fi
 
 # ---- engines, one process each
-for engine in $ENGINES; do
-    case $engine in
-        ours) run_engine ours "$PY" --model "$BUNDLE"
-              for dtype in $QUANTIZED; do ours_variant "$dtype" "--$dtype"; done
-              for dtype in $FUSED; do
-                  if [ "$dtype" = int8 ]; then ours_variant fusedint8 --graph fused --int8  # tags: [a-z0-9]+
-                  else ours_variant fused --graph fused; fi
-              done ;;
-        transformers) run_engine transformers "$PY" --model "$CKPT" ;;
-        ortgenai) peer_ortgenai ;;
-        optimum) peer_optimum ;;
-        llamacpp) peer_llamacpp ;;
-        *) echo "error: unknown engine '$engine'; choose from: ours transformers ortgenai llamacpp optimum" >&2; exit 2 ;;
-    esac
-done
+run_engines() {  # run_engines ENGINE...: each engine in its own process, in this order
+    local engine dtype
+    for engine in "$@"; do
+        case $engine in
+            ours) run_engine ours "$PY" --model "$BUNDLE"
+                  for dtype in $QUANTIZED; do ours_variant "$dtype" "--$dtype"; done
+                  for dtype in $FUSED; do
+                      if [ "$dtype" = int8 ]; then ours_variant fusedint8 --graph fused --int8  # tags: [a-z0-9]+
+                      else ours_variant fused --graph fused; fi
+                  done ;;
+            transformers) run_engine transformers "$PY" --model "$CKPT" ;;
+            ortgenai) peer_ortgenai ;;
+            optimum) peer_optimum ;;
+            llamacpp) peer_llamacpp ;;
+        esac
+    done
+}
 
-"$PY" bench/peers.py report --work "$WORK" --out "$OUT"
+if [ "$ROUNDS" -eq 1 ]; then
+    # shellcheck disable=SC2086
+    run_engines $ENGINES
+    "$PY" bench/peers.py report --work "$WORK" --out "$OUT"
+    exit 0
+fi
+reversed=$(printf '%s\n' $ENGINES | tac | tr '\n' ' ')
+rounds=()
+for round in $(seq "$ROUNDS"); do
+    order=$ENGINES
+    [ $((round % 2)) -eq 1 ] || order=$reversed
+    echo "== round $round of $ROUNDS: $order"
+    # shellcheck disable=SC2086
+    run_engines $order
+    "$PY" bench/peers.py report --work "$WORK" --out "$OUT/round$round"
+    rounds+=("$OUT/round$round")
+done
+"$PY" bench/peers_runs.py "${rounds[@]}" --out "$OUT" --name peers_runs

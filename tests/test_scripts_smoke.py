@@ -222,43 +222,59 @@ def test_load_test_against_ray_replicas(smoke_model, tmp_path):
 
 @pytest.mark.usefixtures("shared_data")
 def test_bench_peers_ours_only(smoke_model, tmp_path):
-    """ENGINES=ours: no peer is installed and no checkpoint written; the report is still made,
-    with every variant of ours, the int8 bundle's and the fused bundle's rows (batch 1 only), and
-    the lossless ones equal our AR ids."""
+    """ENGINES=ours: no peer is installed and no checkpoint written; each of ROUNDS=2 rounds makes its report,
+    with every variant of ours, the int8 bundle's and the fused bundle's rows (batch 1 only), and the lossless
+    ones equal our AR ids; bench/peers_runs.py sums the two rounds up."""
     ckpt, bundle = smoke_model[0], shutil.copytree(smoke_model[1], tmp_path / "bundle")
     export(str(ckpt), tmp_path / "bundle-int8", 4, 4, "--mask-token", "<mask>", "--int8")  # found as $BUNDLE-int8
     export(str(ckpt), tmp_path / "bundle-fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")  # $BUNDLE-fused
     export(str(ckpt), tmp_path / "bundle-fusedint8", 4, 4, "--mask-token", "<mask>", "--graph", "fused", "--int8")
-    table = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
-                "2", "--threads", "1", "--taus", "0.9",
-                env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8", "BUNDLE": str(bundle),
-                     "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path)})
-    rows = assert_results(tmp_path, "peers")["rows"]
-    fused = ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS]
-    assert {row["engine"] for row in rows} == {"ours"}
-    assert all(row["status"] == ("ok" if row["batch_size"] == 1 or not row["variant"].startswith("fused") else
-                                 "not supported") for row in rows)
-    assert all(row["error"].startswith("a fused bundle runs one sequence") for row in rows if row["status"] != "ok")
-    assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
-        ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS,
-         *[f"fused {name}" for name in fused], "fused int8 ar", "fused int8 verify + both", "int8 ar",
-         "int8 verify + both"]  # tagged rows files in name order
-    lossless = ["ar", *VERIFY_VARIANTS, "fused ar", *[f"fused {name}" for name in VERIFY_VARIANTS]]
-    assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in lossless and r["status"] == "ok")
-    assert "| ours | verify + lookup | 2 |" in table and "| ours | int8 verify + both | 2 |" in table
-    assert "| ours | fused verify + both | 2 |" in table
+    out = tmp_path / "out"
+    printed = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
+                  "2", "--threads", "1", "--taus", "0.9",
+                  env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8", "BUNDLE": str(bundle),
+                       "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(out), "ROUNDS": "2"})
+    assert "== round 1 of 2: ours" in printed and "== round 2 of 2: ours" in printed
+    rounds = [assert_results(out / f"round{i}", "peers")["rows"] for i in (1, 2)]
+    for rows in rounds:
+        fused = ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS]
+        assert {row["engine"] for row in rows} == {"ours"}
+        assert all(row["status"] == ("ok" if row["batch_size"] == 1 or not row["variant"].startswith("fused") else
+                                     "not supported") for row in rows)
+        assert all(row["error"].startswith("a fused bundle runs one sequence") for row in rows if row["status"] != "ok")
+        assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
+            ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS,
+             *[f"fused {name}" for name in fused], "fused int8 ar", "fused int8 verify + both", "int8 ar",
+             "int8 verify + both"]  # tagged rows files in name order
+        lossless = ["ar", *VERIFY_VARIANTS, "fused ar", *[f"fused {name}" for name in VERIFY_VARIANTS]]
+        assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in lossless and r["status"] == "ok")
+    assert "| ours | verify + lookup | 2 |" in printed and "| ours | int8 verify + both | 2 |" in printed
+    assert "| ours | fused verify + both | 2 |" in printed
     assert not (tmp_path / "peers" / "ckpt").exists()
-    # bench/peers_runs.py sums up runs: this run twice gives each within-run ratio twice, equal
-    summary = run(sys.executable, "bench/peers_runs.py", tmp_path, tmp_path, "--out", tmp_path / "runs")
-    ratios = assert_results(tmp_path / "runs", "peers_runs")["ratios"]
+    # the summary of the rounds: each within-round ratio, round by round
+    ratios = assert_results(out, "peers_runs")["ratios"]
     fused_over_step = {(r["ratio"], r["batch_size"]): r for r in ratios}[("fused fp32 ar / ours fp32 ar", 1)]
-    ar = {(r["variant"], r["batch_size"]): r["decode_tokens_per_second"] for r in rows if r["status"] == "ok"}
-    assert fused_over_step["per_run"] == [ar["fused ar", 1] / ar["ar", 1]] * 2
+    ar = [{r["variant"]: r["decode_tokens_per_second"] for r in rows if r["status"] == "ok" and r["batch_size"] == 1}
+          for rows in rounds]
+    assert fused_over_step["per_run"] == [speeds["fused ar"] / speeds["ar"] for speeds in ar]
     assert not any("GenAI" in r["ratio"] or r["batch_size"] == 2 and "fused" in r["ratio"] for r in ratios)
-    assert "| fused fp32 ar / ours fp32 ar | 1 |" in summary
+    assert "| fused fp32 ar / ours fp32 ar | 1 |" in printed
     missing = subprocess.run([sys.executable, "bench/peers_runs.py", tmp_path / "peers"], cwd=ROOT,
                              capture_output=True, text=True, timeout=TIMEOUT_S)
     assert missing.returncode != 0 and "peers.json not found" in missing.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ROUNDS": "0"}, "ROUNDS takes a whole number of rounds >= 1, got '0'"),
+    ({"ROUNDS": "two"}, "ROUNDS takes a whole number of rounds >= 1, got 'two'"),
+    ({"ENGINES": "ours llama"}, "unknown engine 'llama'; choose from: ours transformers ortgenai llamacpp optimum"),
+])
+def test_bench_peers_refuses_bad_settings_before_running_anything(tmp_path, env, message):
+    """A bad ROUNDS or engine name stops the script with exit status 2 before any engine runs or any report is made."""
+    done = subprocess.run(["bash", "scripts/bench_peers.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path / "out"), **env})
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "peers" / "work").iterdir())
 
 
 def test_bench_peers_like_for_like_ratios():

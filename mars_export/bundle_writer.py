@@ -54,7 +54,7 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
 def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, window: int,
                  parity_tolerance: float, overwrite: bool = False, dtype: str = "float32",
                  trt_options=None, weight_dtype: str | None = None, min_top1: float | None = None,
-                 graph: str = "step") -> BundleConfig:
+                 graph: str = "step", quant_block: int | None = None) -> BundleConfig:
     """Export ``loaded`` to ``out_dir``: step graph, tokenizer files, config with parity results.
 
     Args:
@@ -68,6 +68,8 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
             agreement >= ``min_top1`` instead of ``parity_tolerance``; None keeps ``dtype``.
         graph: ``"step"`` (our step graph) or ``"fused"`` (onnxruntime-genai's model-builder graph,
             :mod:`mars_export.fused_graph`; batch 1, CPU, float32 or int8).
+        quant_block: with ``weight_dtype``, weights per quantization block along K (None: the dtype's
+            :data:`mars_export.quantize.BLOCK_SIZE`).
 
     Raises:
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
@@ -93,7 +95,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         loaded.tokenizer.save_pretrained(tmp)
         prompts = parity_prompts(loaded.tokenizer)
         if config.weight_dtype in WEIGHT_BITS:
-            parity = quantize_and_check(loaded, tmp, config, prompts, min_top1)
+            parity = quantize_and_check(loaded, tmp, config, prompts, min_top1, quant_block)
         else:
             parity = {**measure_parity(loaded.model, OnnxBackend(tmp, config), config, prompts),
                       "backend": "onnxruntime-cpu", "tolerance": parity_tolerance}

@@ -138,7 +138,7 @@ def _say_requantized(requantized: dict[str, int], weight_dtype: str) -> None:
 
 
 def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, prompts: list[list[int]],
-                       min_top1: float | None = None) -> dict:
+                       min_top1: float | None = None, block_size: int | None = None) -> dict:
     """Quantize the bundle's float32 graph to ``config.weight_dtype`` and measure it; the export's parity step.
 
     int4 of a model read from GGUF blocks imports them (:func:`prepare_gguf_graph`). Measures
@@ -149,6 +149,8 @@ def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
     Args:
         min_top1: lowest top-1 agreement allowed; None = :data:`MIN_TOP1_AGREEMENT` of the dtype,
             or :data:`MIN_TOP1_GGUF_BLOCKS` where every layer holds GGUF blocks as they are.
+        block_size: weights per block of the layers quantized here (None: :data:`BLOCK_SIZE` of the dtype;
+            layers imported from GGUF blocks keep theirs).
 
     Returns:
         the parity record for ``mars_config.json``.
@@ -156,7 +158,7 @@ def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
     Raises:
         ParityError: top-1 agreement below ``min_top1``.
     """
-    reference_config, weights = quantize_bundle_graph(bundle_dir, config, loaded)
+    reference_config, weights = quantize_bundle_graph(bundle_dir, config, loaded, block_size)
     floor = default_top1_floor(weights) if min_top1 is None else min_top1
     backend = OnnxBackend(bundle_dir, config)
     parity = {**measure_parity(loaded.model, backend, config, prompts), "backend": "onnxruntime-cpu",
@@ -168,13 +170,14 @@ def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
     return parity
 
 
-def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig,
-                          loaded: LoadedModel | None = None) -> tuple[BundleConfig, dict]:
+def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig, loaded: LoadedModel | None = None,
+                          block_size: int | None = None) -> tuple[BundleConfig, dict]:
     """Quantize the float32 graph ``config.onnx_file`` of ``bundle_dir`` in place to ``config.weight_dtype``.
 
     The float32 graph is kept as :data:`REFERENCE_FILE` for the agreement measurement; the
     caller removes it. ``loaded``: the model of the graph, whose GGUF blocks int4 imports
-    (:func:`prepare_gguf_graph`); None quantizes every weight.
+    (:func:`prepare_gguf_graph`); None quantizes every weight. ``block_size``: as
+    :func:`quantize_step_graph`.
 
     Returns:
         the config of the float32 reference graph, and :func:`quantize_step_graph`'s summary.
@@ -182,7 +185,7 @@ def quantize_bundle_graph(bundle_dir: Path, config: BundleConfig,
     graph = bundle_dir / config.onnx_file
     reference = graph.rename(bundle_dir / REFERENCE_FILE)
     source, gguf = prepare_gguf_graph(loaded, bundle_dir, config) if loaded is not None else (reference, None)
-    summary = quantize_step_graph(source, graph, config.weight_dtype, gguf=gguf)
+    summary = quantize_step_graph(source, graph, config.weight_dtype, block_size=block_size, gguf=gguf)
     if source != reference:
         source.unlink()
     return replace(config, onnx_file=REFERENCE_FILE, weight_dtype=None), summary

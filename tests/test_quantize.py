@@ -141,6 +141,8 @@ def error_lines(capsys) -> list[str]:
     (["--int4", "--parity-tol", "0.1"], "use --min-top1 instead of --parity-tol"),
     (["--min-top1", "0.9"], "--min-top1 applies to --int8/--int4 exports only"),
     (["--int4", "--min-top1", "1.5"], "--min-top1 must be a fraction in [0, 1]"),
+    (["--quant-block", "64"], "--quant-block applies to --int8/--int4 exports only"),
+    (["--int8", "--quant-block", "48"], "--quant-block must be one of 16, 32, 64, 128, 256 (MatMulNBits), got 48"),
 ])
 def test_bad_precision_flags(tiny_bundle, tmp_path, capsys, args, message):
     ckpt, _ = tiny_bundle("llama", 4)
@@ -148,6 +150,16 @@ def test_bad_precision_flags(tiny_bundle, tmp_path, capsys, args, message):
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and message in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quant_block_sets_the_block_of_every_quantized_weight(tiny_bundle, tmp_path):
+    """--quant-block 64: every MatMulNBits holds blocks of 64 along K, and the config records it."""
+    ckpt, _ = tiny_bundle("llama", 4)
+    bundle = export(str(ckpt), tmp_path / "bundle", 4, 4, "--mask-token", "<mask>", "--int8", "--quant-block", "64")
+    nodes = nbits_nodes(bundle)
+    assert len(nodes) == 2 * 4 + 1
+    assert {onnx.helper.get_attribute_value(a) for n in nodes for a in n.attribute if a.name == "block_size"} == {64}
+    assert load_config(bundle).parity["weights"]["block_size"] == 64
 
 
 def test_agreement_below_floor_fails_and_leaves_nothing(tiny_bundle, tmp_path, capsys):

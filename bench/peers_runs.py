@@ -67,8 +67,12 @@ def spread(values: list[float]) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     """``speeds``: each row that ran in every run, with its decode tok/s per run; ``ratios``: each
-    :data:`RATIOS` comparison at each batch size whose two rows ran in every run, per run."""
+    :data:`RATIOS` comparison at each batch size whose two rows ran in every run, per run; ``left_out``:
+    the rows that ran in some runs only, with how many."""
     keys = sorted(set.intersection(*(set(run) for run in runs)), key=lambda k: (k[2], k[0], k[1]))
+    partial = sorted(set.union(*(set(run) for run in runs)) - set(keys), key=lambda k: (k[2], k[0], k[1]))
+    left_out = [{"engine": e, "variant": v, "batch_size": b, "num_runs": sum((e, v, b) in run for run in runs)}
+                for e, v, b in partial]
     speeds = [{"engine": e, "variant": v, "batch_size": b, **spread([run[e, v, b] for run in runs])}
               for e, v, b in keys]
     ratios = []
@@ -77,7 +81,7 @@ def summarize(runs: list[dict]) -> dict:
             if (*top, batch) in keys and (*bottom, batch) in keys:
                 ratios.append({"ratio": label, "batch_size": batch,
                                **spread([run[(*top, batch)] / run[(*bottom, batch)] for run in runs])})
-    return {"speeds": speeds, "ratios": ratios}
+    return {"speeds": speeds, "ratios": ratios, "left_out": left_out}
 
 
 def markdown(summary: dict, num_runs: int) -> str:
@@ -133,6 +137,9 @@ def main() -> None:
     result = {"runs": [str(r) for r in args.runs], **summary}
     write_results(args.out, args.name, result, csv_rows(result), partial(plot, summary["ratios"]))
     print(markdown(summary, len(runs)))
+    for row in summary["left_out"]:  # a row that failed or was not run in some runs: no per-run ratio for it
+        print(f"note: {row['engine']} {row['variant']} at batch {row['batch_size']} ran in {row['num_runs']} of "
+              f"{len(runs)} runs only; left out", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@
 #              "float32 int8"; "" for none): $BUNDLE-fused and $BUNDLE-fusedint8, exported if missing;
 #              variants "fused ar", "fused int8 ar" ...
 #   OUT        result folder (default bench/results)
-#   ROUNDS     times to run the engines (default 1). With N > 1 the engines run N times, their order
-#              reversed every other round (ours first, then peers first), each round's report in
-#              $OUT/round1 .. $OUT/roundN; bench/peers_runs.py then sums them up in $OUT/peers_runs.*
-#              (each row's decode tok/s and ours / peer within each round, median, min and max over
-#              the rounds): the drift of a shared machine between minutes shows in the spread
-#              instead of deciding a single ratio
+#   ROUNDS     times to run the engines (default 1). With N > 1 the engines run N times, in ENGINES'
+#              order in odd rounds and reversed in even ones, each round's report in $OUT/round1 ..
+#              $OUT/roundN (run logs: NAME.run.roundK.log); bench/peers_runs.py then sums them up in
+#              $OUT/peers_runs.* (each row's decode tok/s and ours / peer within each round, median,
+#              min and max over the rounds): the drift of a shared machine between minutes shows in
+#              the spread instead of deciding a single ratio. Only the engines run now are in the
+#              rounds (no earlier rows join them), and a setup that failed is not retried
 #   ORTGENAI_PINS, OPTIMUM_PINS, LLAMACPP_PINS, LLAMACPP_CMAKE_ARGS, GGUF_PINS  override a peer's pins
 #
 # Each peer gets its own venv with exact pins (their pins conflict with the project's).
@@ -63,9 +64,9 @@ LLAMACPP_CMAKE_ARGS=${LLAMACPP_CMAKE_ARGS:-"-DGGML_NATIVE=ON"}
 LLAMACPP_SRC=$PEER_ENVS/src/llama_cpp_python-$LLAMACPP_VERSION
 GGUF_PINS=${GGUF_PINS:-"torch==2.13.0 transformers==4.57.6 sentencepiece==0.2.3 protobuf==4.25.9 numpy==2.4.6 $LLAMACPP_SRC/vendor/llama.cpp/gguf-py"}
 
-mkdir -p "$LOGS" "$WORK"
-case $ROUNDS in ''|*[!0-9]*|0) echo "error: ROUNDS takes a whole number of rounds >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
-for engine in $ENGINES; do
+case $ROUNDS in ''|*[!0-9]*|0*) echo "error: ROUNDS takes a whole number of rounds >= 1, got '$ROUNDS'" >&2; exit 2 ;; esac
+read -ra ENGINE_LIST <<<"$ENGINES"  # split on blanks, no file-name expansion
+for engine in "${ENGINE_LIST[@]}"; do
     case $engine in ours|transformers|ortgenai|optimum|llamacpp) ;;
         *) echo "error: unknown engine '$engine'; choose from: ours transformers ortgenai llamacpp optimum" >&2; exit 2 ;;
     esac
@@ -76,9 +77,15 @@ done
 for dtype in $FUSED; do
     case $dtype in float32|int8) ;; *) echo "error: FUSED takes float32 and/or int8, got '$dtype'" >&2; exit 2 ;; esac
 done
-for engine in $ENGINES; do  # rows of engines not run now stay; the report refuses them if the settings differ
+mkdir -p "$LOGS" "$WORK"
+if [ "$ROUNDS" -gt 1 ]; then  # rounds compare the engines run now, round by round: no earlier rows join them
+    rm -f "$WORK"/rows-*.json
+fi
+for engine in "${ENGINE_LIST[@]}"; do  # rows of engines not run now stay; the report refuses them if the settings differ
     rm -f "$WORK/rows-$engine.json" "$WORK/rows-$engine"-*.json
 done
+RUN_LOG_TAG=""  # .roundK while rounds run: each round keeps its run logs
+FAILED_SETUPS=" "  # venvs whose install failed in this run: later rounds do not try again
 
 step() {  # step NAME LOG CMD...: run CMD into LOG, note its exit status and seconds in setup.tsv
     local name=$1 log=$2 start=$SECONDS rc=0
@@ -96,8 +103,10 @@ setup_venv() {  # setup_venv NAME PINS...: a venv under $PEER_ENVS with exactly 
     if [ -f "$venv/.pins" ] && [ "$(cat "$venv/.pins")" = "$*" ]; then
         return 0
     fi
+    case $FAILED_SETUPS in *" $name "*) return 1 ;; esac
     [ -x "$venv/bin/python" ] || "$BASE_PYTHON" -m venv "$venv"
-    step "install $name" "$LOGS/$name.install.log" "$venv/bin/pip" install --disable-pip-version-check "$@" || return 1
+    step "install $name" "$LOGS/$name.install.log" "$venv/bin/pip" install --disable-pip-version-check "$@" \
+        || { FAILED_SETUPS="$FAILED_SETUPS$name "; return 1; }
     echo "$*" >"$venv/.pins"
 }
 
@@ -109,10 +118,11 @@ run_engine() {  # run_engine ENGINE PYTHON [--tag TAG] ARGS...: one engine (TAG:
     local engine=$1 python=$2 name=$1 tag=()  # process; a crash becomes a row
     shift 2
     if [ "${1:-}" = --tag ]; then name=$engine-$2 tag=(--tag "$2"); shift 2; fi
-    if step "run $name" "$LOGS/$name.run.log" "$python" bench/peers.py run --engine "$engine" "${tag[@]}" --work "$WORK" "$@"; then
-        grep -E 'tok/s|^error' "$LOGS/$name.run.log" || true
+    local log=$LOGS/$name.run$RUN_LOG_TAG.log
+    if step "run $name" "$log" "$python" bench/peers.py run --engine "$engine" "${tag[@]}" --work "$WORK" "$@"; then
+        grep -E 'tok/s|^error' "$log" || true
     else
-        record "$engine" failed "$LOGS/$name.run.log" "${tag[@]}"
+        record "$engine" failed "$log" "${tag[@]}"
     fi
 }
 
@@ -186,7 +196,7 @@ if [ ! -f "$BUNDLE/mars_config.json" ]; then
 fi
 "$PY" bench/peers.py prompts --work "$WORK" --bundle "$BUNDLE" "$@"
 needs_checkpoint=false  # every peer reads the HF checkpoint; ENGINES=ours alone (the CI smoke run) needs none
-for engine in $ENGINES; do [ "$engine" = ours ] || needs_checkpoint=true; done
+for engine in "${ENGINE_LIST[@]}"; do [ "$engine" = ours ] || needs_checkpoint=true; done
 if $needs_checkpoint && [ ! -f "$CKPT/config.json" ]; then
     mkdir -p "$(dirname "$CKPT")"
     step "write checkpoint" "$LOGS/checkpoint.log" "$PY" bench/peers.py checkpoint --model "$MODEL" --out "$CKPT"
@@ -212,19 +222,19 @@ run_engines() {  # run_engines ENGINE...: each engine in its own process, in thi
 }
 
 if [ "$ROUNDS" -eq 1 ]; then
-    # shellcheck disable=SC2086
-    run_engines $ENGINES
+    run_engines "${ENGINE_LIST[@]}"
     "$PY" bench/peers.py report --work "$WORK" --out "$OUT"
     exit 0
 fi
-reversed=$(printf '%s\n' $ENGINES | tac | tr '\n' ' ')
+reversed=()
+for engine in "${ENGINE_LIST[@]}"; do reversed=("$engine" "${reversed[@]}"); done
 rounds=()
 for round in $(seq "$ROUNDS"); do
-    order=$ENGINES
-    [ $((round % 2)) -eq 1 ] || order=$reversed
-    echo "== round $round of $ROUNDS: $order"
-    # shellcheck disable=SC2086
-    run_engines $order
+    order=("${ENGINE_LIST[@]}")
+    [ $((round % 2)) -eq 1 ] || order=("${reversed[@]}")
+    echo "== round $round of $ROUNDS: ${order[*]}"
+    RUN_LOG_TAG=.round$round
+    run_engines "${order[@]}"
     "$PY" bench/peers.py report --work "$WORK" --out "$OUT/round$round"
     rounds+=("$OUT/round$round")
 done

@@ -230,12 +230,16 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     export(str(ckpt), tmp_path / "bundle-fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")  # $BUNDLE-fused
     export(str(ckpt), tmp_path / "bundle-fusedint8", 4, 4, "--mask-token", "<mask>", "--graph", "fused", "--int8")
     out = tmp_path / "out"
+    stale = tmp_path / "peers" / "work" / "rows-llamacpp.json"  # an earlier run's rows: not part of the rounds
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
     printed = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
                   "2", "--threads", "1", "--taus", "0.9",
                   env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8", "BUNDLE": str(bundle),
                        "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(out), "ROUNDS": "2"})
     assert "== round 1 of 2: ours" in printed and "== round 2 of 2: ours" in printed
     rounds = [assert_results(out / f"round{i}", "peers")["rows"] for i in (1, 2)]
+    assert not stale.exists() and (tmp_path / "peers" / "logs" / "ours.run.round2.log").is_file()
     for rows in rounds:
         fused = ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS]
         assert {row["engine"] for row in rows} == {"ours"}
@@ -264,9 +268,36 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     assert missing.returncode != 0 and "peers.json not found" in missing.stderr
 
 
+@pytest.mark.usefixtures("shared_data")
+def test_bench_peers_rounds_try_a_failed_setup_once(smoke_model, tmp_path):
+    """A peer whose install fails becomes a 'not installable here' row in every round, installed once (a
+    llama.cpp build that failed would otherwise cost its 10-35 minutes again each round)."""
+    peers = tmp_path / "peers"
+    (peers / "ckpt" / "m").mkdir(parents=True)
+    (peers / "ckpt" / "m" / "config.json").write_text("{}")  # the checkpoint the peers read: there already
+    venv_bin = peers / "ortgenai" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text("#!/bin/sh\nexit 1\n")
+    (venv_bin / "pip").write_text(f"#!/bin/sh\necho call >> {tmp_path / 'pip_calls'}\necho 'ERROR: no wheel' >&2\nexit 1\n")
+    for stub in venv_bin.iterdir():
+        stub.chmod(0o755)
+    out = tmp_path / "out"
+    run("bash", "scripts/bench_peers.sh", "--num-prompts", "1", "--max-new-tokens", "4", "--batch-sizes", "1",
+        "--threads", "1", "--taus", "0.9",
+        env={"ENGINES": "ours ortgenai", "QUANTIZED": "", "FUSED": "", "BUNDLE": str(smoke_model[1]), "MODEL": "m",
+             "PEER_ENVS": str(peers), "OUT": str(out), "ROUNDS": "3"})
+    assert (tmp_path / "pip_calls").read_text().splitlines() == ["call"]
+    for i in (1, 2, 3):
+        rows = assert_results(out / f"round{i}", "peers")["rows"]
+        assert [r["status"] for r in rows if r["engine"] == "ortgenai"] == ["not installable here"]
+    assert assert_results(out, "peers_runs")["left_out"] == []
+
+
 @pytest.mark.parametrize("env, message", [
     ({"ROUNDS": "0"}, "ROUNDS takes a whole number of rounds >= 1, got '0'"),
     ({"ROUNDS": "two"}, "ROUNDS takes a whole number of rounds >= 1, got 'two'"),
+    ({"ROUNDS": "00"}, "ROUNDS takes a whole number of rounds >= 1, got '00'"),
+    ({"ENGINES": "*"}, "unknown engine '*'"),  # not expanded to file names
     ({"ENGINES": "ours llama"}, "unknown engine 'llama'; choose from: ours transformers ortgenai llamacpp optimum"),
 ])
 def test_bench_peers_refuses_bad_settings_before_running_anything(tmp_path, env, message):
@@ -274,7 +305,20 @@ def test_bench_peers_refuses_bad_settings_before_running_anything(tmp_path, env,
     done = subprocess.run(["bash", "scripts/bench_peers.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
                           env={**os.environ, "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path / "out"), **env})
     assert done.returncode == 2 and message in done.stderr, done.stderr
-    assert not (tmp_path / "out").exists() and not list((tmp_path / "peers" / "work").iterdir())
+    assert not (tmp_path / "out").exists() and not (tmp_path / "peers").exists()
+
+
+def test_peers_runs_names_the_rows_missing_from_some_runs(monkeypatch):
+    """A row that ran in some runs only (failed once) gets no per-run ratio and is named in left_out."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when it runs as a script
+    runs_script = load_script(ROOT / "bench" / "peers_runs.py")
+    runs = [{("ours", "ar", 1): 50.0, ("ortgenai", "model builder fp32", 1): 40.0},
+            {("ours", "ar", 1): 60.0}]
+    summary = runs_script.summarize(runs)
+    assert [(r["engine"], r["per_run"]) for r in summary["speeds"]] == [("ours", [50.0, 60.0])]
+    assert summary["ratios"] == []
+    assert summary["left_out"] == [{"engine": "ortgenai", "variant": "model builder fp32", "batch_size": 1,
+                                    "num_runs": 1}]
 
 
 def test_bench_peers_like_for_like_ratios():

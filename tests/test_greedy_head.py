@@ -70,6 +70,35 @@ def test_the_int8_kernel_stays_within_the_screening_bound():
         assert error[-1, 0] > 0.6 * bound[-1, 0]  # the activation's rounding, all of one sign: the bound is needed
 
 
+def test_an_all_zero_column_stays_within_its_bound():
+    """A head column of zeros (its logit exactly 0) has a bound of the absolute slack only; with a scale of 1 for
+    its blocks the kernel's float rounding reached 125x that on large rows (a review found the argmax lost)."""
+    rng = np.random.default_rng(6)
+    weight = head_weight(rng)
+    weight[:, 3] = 0
+    packed, scales, dequantized = greedy_head.quantize_columns(weight)
+    per_l1, per_block_max = greedy_head.bound_coefficients(weight, dequantized)
+    assert per_l1[3] < 1e-30 and per_block_max[3] < 1e-30 and not np.any(dequantized[:, 3])  # the slack alone
+    model, _ = head_graph(weight)
+    sess = session(model)
+    for scale in (1, 100, 1e4):
+        x = hidden_rows(rng, 4) * np.float32(scale)
+        logits_out, ids = run_head(sess, x, 4, num_logits=4)
+        exact = x.astype(np.float64) @ weight.astype(np.float64)
+        exact[:, MASK] = -np.inf
+        assert np.array_equal(ids[0][exact.argmax(-1) == 3], np.full((exact.argmax(-1) == 3).sum(), 3))
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=K, N=V, bits=8,
+                            block_size=greedy_head.BLOCK, accuracy_level=4)
+    graph = helper.make_graph([node], "screen", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", V])],
+                              [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
+    screen = session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                              helper.make_opsetid("com.microsoft", 1)]))
+    for m in (1, 4, 256):
+        x = rng.standard_normal((m, K)).astype(np.float32) * 100
+        assert np.abs(screen.run(None, {"x": x})[0][:, 3]).max() <= greedy_head.ABSOLUTE_SLACK
+
+
 def worst_activation(rng: np.random.Generator, column: np.ndarray) -> np.ndarray:
     """float32 [K]: a row whose int8 rounding errors all push its product with ``column`` one way: in each
     block one element at the block's max (127 steps), the others 0.49 of a step above a whole step count,

@@ -102,8 +102,9 @@ class OnnxBackend:
         Returns:
             logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False; with ``greedy_ids`` the ids
             int64 [n, W] instead), and the presents: per layer
-            (key, value) [n, H, S, D], ``past`` itself with the new entries written (a forward that skips the
-            output head returns new arrays instead and leaves ``past`` as it was).
+            (key, value) [n, H, S, D], ``past`` itself with the new entries written (a step-graph prefill
+            forward, ``logits`` False, returns new arrays instead and leaves ``past`` as it was; a fused graph
+            always writes into ``past``).
 
         Raises:
             ValueError: inputs whose shapes disagree, a position outside the past (no room for the window),

@@ -44,19 +44,24 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
+def screening_session(packed: np.ndarray, scales: np.ndarray) -> ort.InferenceSession:
+    """The head's int8 screening alone: MatMulNBits x [m, K] -> [m, V] as add_greedy_head builds it."""
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=K, N=V, bits=8,
+                            block_size=greedy_head.BLOCK, accuracy_level=4)
+    graph = helper.make_graph([node], "screen", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", V])],
+                              [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
+    return session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                            helper.make_opsetid("com.microsoft", 1)]))
+
+
 def test_the_int8_kernel_stays_within_the_screening_bound():
     """|MatMulNBits(x) - x·W| <= the bound of the module docstring, for every row and column."""
     rng = np.random.default_rng(0)
     weight = head_weight(rng)
     packed, scales, dequantized = greedy_head.quantize_columns(weight)
     per_l1, per_block_max = greedy_head.bound_coefficients(weight, dequantized)
-    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=K, N=V, bits=8,
-                            block_size=greedy_head.BLOCK, accuracy_level=4)
-    graph = helper.make_graph([node], "screen", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", V])],
-                              [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
-    screen = session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                              helper.make_opsetid("com.microsoft", 1)]))
+    screen = screening_session(packed, scales)
     for m in (1, 2, 4, 16):  # the kernel takes other paths at other row counts
         x = hidden_rows(rng, m)
         x[-1] = worst_activation(rng, weight[:, 0])
@@ -87,13 +92,7 @@ def test_an_all_zero_column_stays_within_its_bound():
         exact = x.astype(np.float64) @ weight.astype(np.float64)
         exact[:, MASK] = -np.inf
         assert np.array_equal(ids[0][exact.argmax(-1) == 3], np.full((exact.argmax(-1) == 3).sum(), 3))
-    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=K, N=V, bits=8,
-                            block_size=greedy_head.BLOCK, accuracy_level=4)
-    graph = helper.make_graph([node], "screen", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", V])],
-                              [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
-    screen = session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                              helper.make_opsetid("com.microsoft", 1)]))
+    screen = screening_session(packed, scales)
     for m in (1, 4, 256):
         x = rng.standard_normal((m, K)).astype(np.float32) * 100
         assert np.abs(screen.run(None, {"x": x})[0][:, 3]).max() <= greedy_head.ABSOLUTE_SLACK

@@ -69,8 +69,10 @@ def summarize(runs: list[dict]) -> dict:
     """``speeds``: each row that ran in every run, with its decode tok/s per run; ``ratios``: each
     :data:`RATIOS` comparison at each batch size whose two rows ran in every run, per run; ``left_out``:
     the rows that ran in some runs only, with how many."""
-    keys = sorted(set.intersection(*(set(run) for run in runs)), key=lambda k: (k[2], k[0], k[1]))
-    partial = sorted(set.union(*(set(run) for run in runs)) - set(keys), key=lambda k: (k[2], k[0], k[1]))
+    by_batch = lambda k: (k[2], k[0], k[1])  # noqa: E731
+    common = set.intersection(*(set(run) for run in runs))
+    keys = sorted(common, key=by_batch)
+    partial = sorted(set.union(*(set(run) for run in runs)) - common, key=by_batch)
     left_out = [{"engine": e, "variant": v, "batch_size": b, "num_runs": sum((e, v, b) in run for run in runs)}
                 for e, v, b in partial]
     speeds = [{"engine": e, "variant": v, "batch_size": b, **spread([run[e, v, b] for run in runs])}

@@ -80,10 +80,9 @@ done
 mkdir -p "$LOGS" "$WORK"
 if [ "$ROUNDS" -gt 1 ]; then  # rounds compare the engines run now, round by round: no earlier rows join them
     rm -f "$WORK"/rows-*.json
+else  # rows of engines not run now stay; the report refuses them if the settings differ
+    for engine in "${ENGINE_LIST[@]}"; do rm -f "$WORK/rows-$engine.json" "$WORK/rows-$engine"-*.json; done
 fi
-for engine in "${ENGINE_LIST[@]}"; do  # rows of engines not run now stay; the report refuses them if the settings differ
-    rm -f "$WORK/rows-$engine.json" "$WORK/rows-$engine"-*.json
-done
 RUN_LOG_TAG=""  # .roundK while rounds run: each round keeps its run logs
 FAILED_SETUPS=" "  # venvs whose install failed in this run: later rounds do not try again
 

@@ -36,6 +36,8 @@ RATIOS = (
     ("ours int8 ar / llama.cpp Q8_0", ("ours", "int8 ar"), ("llamacpp", "gguf q8_0")),
     ("fused int8 ar / llama.cpp Q8_0", ("ours", "fused int8 ar"), ("llamacpp", "gguf q8_0")),
     ("ours int4 ar / llama.cpp Q4_1", ("ours", "int4 ar"), ("llamacpp", "gguf q4_1")),
+    ("fused int4 ar / llama.cpp Q4_1", ("ours", "fused int4 ar"), ("llamacpp", "gguf q4_1")),
+    ("fused int4 ar / llama.cpp Q8_0", ("ours", "fused int4 ar"), ("llamacpp", "gguf q8_0")),
     ("fused fp32 ar / ours fp32 ar", ("ours", "fused ar"), ("ours", "ar")),
     ("fused int8 ar / ours int8 ar", ("ours", "fused int8 ar"), ("ours", "int8 ar")),
     ("ours fp32 verify + both / ours fp32 ar", ("ours", "verify + both"), ("ours", "ar")),

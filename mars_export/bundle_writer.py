@@ -67,7 +67,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
             float32 graph (:mod:`mars_export.quantize`; CPU parity only), gated on top-1
             agreement >= ``min_top1`` instead of ``parity_tolerance``; None keeps ``dtype``.
         graph: ``"step"`` (our step graph) or ``"fused"`` (onnxruntime-genai's model-builder graph,
-            :mod:`mars_export.fused_graph`; batch 1, CPU, float32 or int8).
+            :mod:`mars_export.fused_graph`; batch 1, CPU, float32, int8 or int4).
         quant_block: with ``weight_dtype``, weights per quantization block along K (None: the dtype's
             :data:`mars_export.quantize.BLOCK_SIZE`).
 

@@ -62,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 0.9 int8, 0.5 int4, 0.8 int4 holding a GGUF file's own blocks)")
     p.add_argument("--graph", default="step", choices=GRAPHS,
                    help="step: our step graph (any batch; CPU, CUDA, TensorRT; default); fused: onnxruntime-genai's "
-                        "model-builder graph of the same weights (GroupQueryAttention; batch 1, CPU, float32 or "
-                        "--int8; needs mars-edge[fused])")
+                        "model-builder graph of the same weights (GroupQueryAttention; batch 1, CPU, float32, "
+                        "--int8 or --int4; needs mars-edge[fused])")
     p.add_argument("--trt", action="store_true", help="also build engine.plan with TensorRT (NVIDIA GPU only)")
     p.add_argument("--trt-max-batch", type=int, default=8, help="largest batch of the TensorRT profile (default 8)")
     p.add_argument("--trt-max-context", type=int, default=None,
@@ -150,10 +150,9 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
     if len(chosen) > 1:
         return f"choose one precision, got {' and '.join(chosen)}"
     quantized = args.int8 or args.int4
-    if args.graph == "fused" and (args.fp16 or args.int4 or args.trt):
-        which = "--fp16" if args.fp16 else "--int4" if args.int4 else "--trt"
-        why = " (the GGUF's own int4 blocks are imported into the step graph only)" if args.int4 else ""
-        return f"--graph fused takes float32 or --int8, on the CPU; {which} needs --graph step{why}"
+    if args.graph == "fused" and (args.fp16 or args.trt):
+        which = "--fp16" if args.fp16 else "--trt"
+        return f"--graph fused takes float32, --int8 or --int4, on the CPU; {which} needs --graph step"
     if quantized and args.trt:
         return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if quantized and args.parity_tol is not None:

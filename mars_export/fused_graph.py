@@ -18,11 +18,12 @@ where the runtime would otherwise feed a second, padding token through the whole
 A float32 fused bundle also gets the greedy head (:mod:`mars_export.greedy_head`): the argmax ids of the
 window's last ``num_greedy`` rows, exact, without reading the float32 output head.
 
-A quantized fused bundle (``--int8``) also gets the MLP's gate and up projections (any MatMuls reading
+A quantized fused bundle (``--int8`` / ``--int4``) also gets the MLP's gate and up projections (any MatMuls reading
 one input; the builder already packs Q, K and V, also for Qwen3) fused into one MatMul and a Split
 (:func:`mars_export.fuse_projections.fuse_shared_input_matmuls`, the step graph's rule): one
 MatMulNBits kernel and one quantization of its input instead of two per layer. Same bits; speed in
-BENCHMARKS.md (it pays in int8, not in float32, where the Split costs what the kernel saves).
+BENCHMARKS.md (it pays in int8, not in float32, where the Split costs what the kernel saves). Its
+weights are quantized from float32, also for a GGUF source (:func:`mars_export.quantize.prepare_gguf_graph`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
     ``fuse_projections``: MatMuls reading one input become one (for a graph that will be quantized).
     ``greedy_mask_token``: add the greedy head (:mod:`mars_export.greedy_head`), which never returns that
-    token; None: none (a graph to be quantized, whose ids must be its own int8 head's argmax).
+    token; None: none (a graph to be quantized, whose ids must be its own quantized head's argmax).
 
     Raises:
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last

@@ -197,10 +197,15 @@ def prepare_gguf_graph(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
     Without an adapter that graph is the bundle's (:data:`REFERENCE_FILE`); with one (``default-mars``)
     the graph of the model re-read from the GGUF file is exported to :data:`BASE_FILE` and the
     adapter becomes side paths.
-    Other sources and dtypes: (the reference graph, None).
+    Other sources and dtypes, and fused graphs (the model builder's packed weights are quantized
+    again, as llama.cpp's own quantizer does with a float32 GGUF): (the reference graph, None).
     """
     reference = bundle_dir / REFERENCE_FILE
     if config.weight_dtype not in GGUF_DTYPES or loaded.gguf_file is None:
+        return reference, None
+    if config.graph == "fused":
+        print(f"{config.weight_dtype}: the fused graph's weights are quantized again from float32 (the GGUF's own "
+              "blocks are imported into --graph step only)", file=sys.stderr)
         return reference, None
     if loaded.adapter_dir is None:
         return reference, prepare_gguf_import(loaded.gguf_file, loaded.model)

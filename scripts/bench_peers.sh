@@ -17,8 +17,8 @@
 #   QUANTIZED  our weight-only quantized bundles run with ours (default "int8 int4"; "" for none):
 #              $BUNDLE-int8 and $BUNDLE-int4, exported from $MODEL if missing; variants "int8 ar" ...
 #   FUSED      our fused-graph bundles (mars-export --graph fused; batch 1) run with ours (default
-#              "float32 int8"; "" for none): $BUNDLE-fused and $BUNDLE-fusedint8, exported if missing;
-#              variants "fused ar", "fused int8 ar" ...
+#              "float32 int8"; also int4; "" for none): $BUNDLE-fused, $BUNDLE-fusedint8 and $BUNDLE-fusedint4,
+#              exported if missing; variants "fused ar", "fused int8 ar", "fused int4 ar" ...
 #   OUT        result folder (default bench/results)
 #   ROUNDS     times to run the engines (default 1). With N > 1 the engines run N times, in ENGINES'
 #              order in odd rounds and reversed in even ones, each round's report in $OUT/round1 ..
@@ -75,7 +75,7 @@ for dtype in $QUANTIZED; do
     case $dtype in int8|int4) ;; *) echo "error: QUANTIZED takes int8 and/or int4, got '$dtype'" >&2; exit 2 ;; esac
 done
 for dtype in $FUSED; do
-    case $dtype in float32|int8) ;; *) echo "error: FUSED takes float32 and/or int8, got '$dtype'" >&2; exit 2 ;; esac
+    case $dtype in float32|int8|int4) ;; *) echo "error: FUSED takes float32, int8 and/or int4, got '$dtype'" >&2; exit 2 ;; esac
 done
 mkdir -p "$LOGS" "$WORK"
 if [ "$ROUNDS" -gt 1 ]; then  # rounds compare the engines run now, round by round: no earlier rows join them
@@ -209,8 +209,8 @@ run_engines() {  # run_engines ENGINE...: each engine in its own process, in thi
             ours) run_engine ours "$PY" --model "$BUNDLE"
                   for dtype in $QUANTIZED; do ours_variant "$dtype" "--$dtype"; done
                   for dtype in $FUSED; do
-                      if [ "$dtype" = int8 ]; then ours_variant fusedint8 --graph fused --int8  # tags: [a-z0-9]+
-                      else ours_variant fused --graph fused; fi
+                      if [ "$dtype" = float32 ]; then ours_variant fused --graph fused
+                      else ours_variant "fused$dtype" --graph fused "--$dtype"; fi  # tags: [a-z0-9]+
                   done ;;
             transformers) run_engine transformers "$PY" --model "$CKPT" ;;
             ortgenai) peer_ortgenai ;;

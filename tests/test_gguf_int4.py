@@ -12,6 +12,7 @@ so verification gives greedy AR's tokens; the re-quantized int8 graph too.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -23,9 +24,9 @@ from tiny_gguf import LAYERS, write_tiny_gguf
 
 from mars_export.gguf_blocks import read_block_weights
 from mars_export.gguf_import import prepare_gguf_import
-from mars_export.model_source import load_gguf_model
+from mars_export.model_source import LoadedModel, load_gguf_model
 from mars_export.onnx_export import export_step_graph
-from mars_export.quantize import ACCURACY_LEVEL, quantize_step_graph
+from mars_export.quantize import ACCURACY_LEVEL, REFERENCE_FILE, prepare_gguf_graph, quantize_step_graph
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
 from runtime.decode.decoder import Decoder
@@ -170,3 +171,21 @@ def test_window_scores_tokens_as_one_at_a_time_steps(tiny_gguf, tmp_path, weight
         engine = Engine(backend, config, EngineConfig(max_batch_size=1))
         results = engine.generate(prompts, DecodeParams(mode="verify", draft=draft, **params))
         assert [r.token_ids for r in results] == greedy, draft
+
+
+
+def test_a_fused_graph_quantizes_the_gguf_weights_again(tiny_gguf, tmp_path, capsys):
+    """--graph fused --int4 of a GGUF source: the model builder packs Q/K/V and the export fuses gate/up, so no
+    import applies; every weight is quantized again from float32 (as llama.cpp's own quantizer makes Q4_1 from a
+    float32 GGUF), said on stderr. The step graph of the same source imports the blocks."""
+    path, model = tiny_gguf
+    loaded = LoadedModel(model=model, tokenizer=None, mask_token="<mask>", mask_token_id=95, source=str(path),
+                         gguf_file=path)
+    config = bundle.BundleConfig(block_size=WINDOW, window=WINDOW, mask_token="<mask>", mask_token_id=95,
+                                 eos_token_ids=(94,), pad_token_id=94, bos_token_id=None, num_layers=LAYERS,
+                                 num_kv_heads=2, head_dim=8, vocab_size=96, max_context=CONTEXT, dtype="float32",
+                                 source_model=str(path), weight_dtype="int4", graph="fused")
+    assert prepare_gguf_graph(loaded, tmp_path, config) == (tmp_path / REFERENCE_FILE, None)
+    assert "int4: the fused graph's weights are quantized again from float32" in capsys.readouterr().err
+    source, gguf = prepare_gguf_graph(loaded, tmp_path, replace(config, graph="step"))
+    assert source == tmp_path / REFERENCE_FILE and gguf is not None and not capsys.readouterr().err

@@ -223,19 +223,21 @@ def test_load_test_against_ray_replicas(smoke_model, tmp_path):
 @pytest.mark.usefixtures("shared_data")
 def test_bench_peers_ours_only(smoke_model, tmp_path):
     """ENGINES=ours: no peer is installed and no checkpoint written; each of ROUNDS=2 rounds makes its report,
-    with every variant of ours, the int8 bundle's and the fused bundle's rows (batch 1 only), and the lossless
+    with every variant of ours, the int8 bundle's and the fused bundles' rows (batch 1 only), and the lossless
     ones equal our AR ids; bench/peers_runs.py sums the two rounds up."""
     ckpt, bundle = smoke_model[0], shutil.copytree(smoke_model[1], tmp_path / "bundle")
     export(str(ckpt), tmp_path / "bundle-int8", 4, 4, "--mask-token", "<mask>", "--int8")  # found as $BUNDLE-int8
     export(str(ckpt), tmp_path / "bundle-fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")  # $BUNDLE-fused
-    export(str(ckpt), tmp_path / "bundle-fusedint8", 4, 4, "--mask-token", "<mask>", "--graph", "fused", "--int8")
+    for dtype in ("int8", "int4"):  # $BUNDLE-fusedint8, $BUNDLE-fusedint4
+        export(str(ckpt), tmp_path / f"bundle-fused{dtype}", 4, 4, "--mask-token", "<mask>", "--graph", "fused",
+               f"--{dtype}")
     out = tmp_path / "out"
     stale = tmp_path / "peers" / "work" / "rows-llamacpp.json"  # an earlier run's rows: not part of the rounds
     stale.parent.mkdir(parents=True)
     stale.write_text("{}")
     printed = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
                   "2", "--threads", "1", "--taus", "0.9",
-                  env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8", "BUNDLE": str(bundle),
+                  env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8 int4", "BUNDLE": str(bundle),
                        "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(out), "ROUNDS": "2"})
     assert "== round 1 of 2: ours" in printed and "== round 2 of 2: ours" in printed
     rounds = [assert_results(out / f"round{i}", "peers")["rows"] for i in (1, 2)]
@@ -248,7 +250,8 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
         assert all(row["error"].startswith("a fused bundle runs one sequence") for row in rows if row["status"] != "ok")
         assert [r["variant"] for r in rows if r["batch_size"] == 1] == \
             ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS,
-             *[f"fused {name}" for name in fused], "fused int8 ar", "fused int8 verify + both", "int8 ar",
+             *[f"fused {name}" for name in fused], "fused int4 ar", "fused int4 verify + both", "fused int8 ar",
+             "fused int8 verify + both", "int8 ar",
              "int8 verify + both"]  # tagged rows files in name order
         lossless = ["ar", *VERIFY_VARIANTS, "fused ar", *[f"fused {name}" for name in VERIFY_VARIANTS]]
         assert all(r["identical_to_ours_ar"] == 2 for r in rows if r["variant"] in lossless and r["status"] == "ok")
@@ -299,9 +302,11 @@ def test_bench_peers_rounds_try_a_failed_setup_once(smoke_model, tmp_path):
     ({"ROUNDS": "00"}, "ROUNDS takes a whole number of rounds >= 1, got '00'"),
     ({"ENGINES": "*"}, "unknown engine '*'"),  # not expanded to file names
     ({"ENGINES": "ours llama"}, "unknown engine 'llama'; choose from: ours transformers ortgenai llamacpp optimum"),
+    ({"QUANTIZED": "int8 fp16"}, "QUANTIZED takes int8 and/or int4, got 'fp16'"),
+    ({"FUSED": "float32 q4"}, "FUSED takes float32, int8 and/or int4, got 'q4'"),
 ])
 def test_bench_peers_refuses_bad_settings_before_running_anything(tmp_path, env, message):
-    """A bad ROUNDS or engine name stops the script with exit status 2 before any engine runs or any report is made."""
+    """A bad ROUNDS, engine name or bundle dtype stops the script with exit status 2 before any engine runs or any report is made."""
     done = subprocess.run(["bash", "scripts/bench_peers.sh"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
                           env={**os.environ, "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(tmp_path / "out"), **env})
     assert done.returncode == 2 and message in done.stderr, done.stderr

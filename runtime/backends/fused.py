@@ -97,8 +97,9 @@ class FusedStep:
             raise ValueError(f"a fused bundle runs one sequence at a time (batch 1), got {batch} rows; "
                              "set the batch size to 1 or export with --graph step")
         if greedy_ids and not self.takes_num_greedy:
-            fix = ("read the logits: an --int8 bundle's argmaxes come from its own int8 output head"
-                   if self.config.weight_dtype else "re-export it with mars-export --graph fused, or read the logits")
+            dtype = self.config.weight_dtype
+            fix = (f"read the logits: an --{dtype} bundle's argmaxes come from its own {dtype} output head"
+                   if dtype != self.config.dtype else "re-export it with mars-export --graph fused, or read the logits")
             raise ValueError(f"this fused graph has no greedy head (num_greedy input); {fix}")
         if not np.array_equal(position_ids[0], np.arange(start, start + window)):
             raise ValueError(f"a fused graph takes consecutive positions from the committed length, got {position_ids[0]}")

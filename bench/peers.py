@@ -565,8 +565,9 @@ def compare_to_reference(rows: list[dict]) -> None:
 
 # Our quantized AR against llama.cpp on the same kind of weights: (variant of ours, variant of llamacpp).
 # Q8_0 is our --int8 scheme (symmetric blocks of 32); Q4_1 (blocks of 32 with a minimum) is what our --int4
-# bundle of the default model imports from its GGUF, and what a fused --int4 bundle quantizes again from
-# float32 (asymmetric blocks of 32), as llama.cpp's quantizer makes its Q4_1 from the F32 GGUF.
+# bundle of the default model imports from its GGUF. A fused --int4 bundle quantizes again from float32 in
+# asymmetric blocks of 32 with integer zero points (coarser than Q4_1's float minimum), so its Q4_1 row is the
+# nearest llama.cpp kind of the same size, not the same weights.
 LIKE_FOR_LIKE = (("int8 ar", "gguf q8_0"), ("fused int8 ar", "gguf q8_0"), ("int4 ar", "gguf q4_1"),
                  ("fused int4 ar", "gguf q4_1"))
 

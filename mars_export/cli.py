@@ -150,11 +150,11 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
     if len(chosen) > 1:
         return f"choose one precision, got {' and '.join(chosen)}"
     quantized = args.int8 or args.int4
+    if quantized and args.trt:
+        return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if args.graph == "fused" and (args.fp16 or args.trt):
         which = "--fp16" if args.fp16 else "--trt"
         return f"--graph fused takes float32, --int8 or --int4, on the CPU; {which} needs --graph step"
-    if quantized and args.trt:
-        return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if quantized and args.parity_tol is not None:
         return (f"{chosen[0]} exports are gated on top-1 agreement, not on max |Δlogit|: "
                 "use --min-top1 instead of --parity-tol")

@@ -141,7 +141,8 @@ def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
                        min_top1: float | None = None, block_size: int | None = None) -> dict:
     """Quantize the bundle's float32 graph to ``config.weight_dtype`` and measure it; the export's parity step.
 
-    int4 of a model read from GGUF blocks imports them (:func:`prepare_gguf_graph`). Measures
+    int4 of a step graph read from GGUF blocks imports them (:func:`prepare_gguf_graph`; a fused graph quantizes
+    again from float32). Measures
     the quantized graph against the float32 PyTorch ``loaded.model`` (max |Δlogit|, top-1
     agreement) and its greedy output against the float32 graph's (:func:`measure_greedy_agreement`),
     then removes the float32 graph.

@@ -138,6 +138,7 @@ def error_lines(capsys) -> list[str]:
     (["--int4", "--int8"], "choose one precision, got --int8 and --int4"),
     (["--fp16", "--int4"], "choose one precision, got --fp16 and --int4"),
     (["--int8", "--trt"], "--int8 is a CPU (onnxruntime) export"),
+    (["--int4", "--trt", "--graph", "fused"], "TensorRT builds its own precisions, drop --trt"),
     (["--int4", "--parity-tol", "0.1"], "use --min-top1 instead of --parity-tol"),
     (["--min-top1", "0.9"], "--min-top1 applies to --int8/--int4 exports only"),
     (["--int4", "--min-top1", "1.5"], "--min-top1 must be a fraction in [0, 1]"),

@@ -336,17 +336,24 @@ def test_bench_peers_like_for_like_ratios():
                 "tokens_per_second": tps, "decode_tokens_per_second": decode}
     rows = [row("ours", "int8 ar", 1, 60.0, 80.0), row("ours", "int8 ar", 4, 150.0, 200.0),
             row("ours", "int4 ar", 1, 45.0), row("ours", "ar", 1, 50.0, 70.0),
+            row("ours", "fused int8 ar", 1, 90.0, 110.0), row("ours", "fused int4 ar", 1, 135.0, 190.0),
             row("llamacpp", "gguf q8_0", 1, 120.0, 100.0), row("llamacpp", "gguf q4_1", 1, 90.0, 95.0),
             row("llamacpp", "gguf q8_0", 4, None, status="not supported"),
             row("llamacpp", "gguf q4_0", 1, None, status="failed")]
     pairs = peers.like_for_like(rows)
     assert pairs == [{"ours": "int8 ar", "llamacpp": "gguf q8_0", "batch_size": 1, "tokens_per_second_ratio": 0.5,
                       "decode_tokens_per_second_ratio": 0.8},
+                     {"ours": "fused int8 ar", "llamacpp": "gguf q8_0", "batch_size": 1,
+                      "tokens_per_second_ratio": 0.75, "decode_tokens_per_second_ratio": 1.1},
                      {"ours": "int4 ar", "llamacpp": "gguf q4_1", "batch_size": 1, "tokens_per_second_ratio": 0.5,
-                      "decode_tokens_per_second_ratio": None}]
+                      "decode_tokens_per_second_ratio": None},
+                     {"ours": "fused int4 ar", "llamacpp": "gguf q4_1", "batch_size": 1,
+                      "tokens_per_second_ratio": 1.5, "decode_tokens_per_second_ratio": 2.0}]
     assert peers.like_for_like_lines(pairs).splitlines() == [
         "- ours int8 ar / llamacpp gguf q8_0, batch 1: 0.50x end-to-end tok/s, 0.80x decode tok/s",
-        "- ours int4 ar / llamacpp gguf q4_1, batch 1: 0.50x end-to-end tok/s, - decode tok/s"]
+        "- ours fused int8 ar / llamacpp gguf q8_0, batch 1: 0.75x end-to-end tok/s, 1.10x decode tok/s",
+        "- ours int4 ar / llamacpp gguf q4_1, batch 1: 0.50x end-to-end tok/s, - decode tok/s",
+        "- ours fused int4 ar / llamacpp gguf q4_1, batch 1: 1.50x end-to-end tok/s, 2.00x decode tok/s"]
     assert peers.like_for_like([r for r in rows if r["engine"] == "ours"]) == []
 
 

@@ -27,7 +27,7 @@ the window, two positions for a one-token window; written in place; I/O binding)
    on a shared machine; at ``--threads 1`` the CPU time is the steadier one).
 2. A greedy step, timed the same way, as a greedy engine (tau >= 1) runs it: the step plus copying the
    logits [B, W, V] out and taking their argmax, or, for a bundle with the greedy head
-   (``mars_export.greedy_head``: float32 fused bundles), the step reading its argmax ids instead.
+   (``mars_export.greedy_head``: float32 bundles), the step reading its argmax ids instead.
 3. Op breakdown at the first B and P, per bundle and W: onnxruntime's profiler over
    ``--steps`` greedy steps: kernel time per op type (ms per step, share of the profiled total)
    and the node count per op type in the graph as onnxruntime optimized it.
@@ -96,11 +96,16 @@ def step_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs
 
 def greedy_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple):
     """As :func:`step_call`, a step as a greedy engine runs it; returns the argmax ids int64 [B, W]: the
-    greedy head's (a fused graph that has it), else the argmax of the step's logits."""
+    greedy head's (a graph that has it), else the argmax of the step's logits."""
     if config.graph == "fused" and bundle.NUM_GREEDY in {i.name for i in session.get_inputs()}:
         ids, positions, _, past = inputs
         step, buffers = FusedStep(session, ort, config), past_with_room(past, int(positions[0, 0]), ids.shape[1])
         return lambda: step(ids, positions, buffers, greedy_ids=True)[0]
+    if bundle.NUM_GREEDY in {i.name for i in session.get_overridable_initializers()}:  # a float32 step graph's
+        ids, positions, mask, past = inputs
+        kv, counts = KVBinding(session, ort), {bundle.NUM_LOGITS: 0, bundle.NUM_GREEDY: ids.shape[1]}
+        return lambda: kv.run_step_with_counts(ids, positions, mask, past, counts, (ids.shape[0], 0, config.vocab_size),
+                                               ids.shape)[1]
     call = step_call(session, config, inputs)
     return lambda: call().argmax(-1)
 

@@ -90,7 +90,10 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
                               greedy_mask_token=None if quantized else config.mask_token_id)
         else:
             graph_model = prepare_fp16_model(loaded.model) if dtype == "float16" else loaded.model
-            export_step_graph(graph_model, tmp / ONNX_FILE, window, config.max_context)
+            # the greedy head: float32 graphs that onnxruntime runs as they are (not quantized, no TensorRT engine)
+            greedy = dtype == "float32" and weight_dtype is None and trt_options is None
+            export_step_graph(graph_model, tmp / ONNX_FILE, window, config.max_context,
+                              greedy_mask_token=config.mask_token_id if greedy else None)
             del graph_model
         loaded.tokenizer.save_pretrained(tmp)
         prompts = parity_prompts(loaded.tokenizer)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from runtime.bundle import GREEDY_IDS, NUM_GREEDY, NUM_LOGITS
+from runtime.bundle import GREEDY_HEAD_PREFIX, GREEDY_IDS, NUM_GREEDY, NUM_LOGITS
 
 BLOCK = 32  # weights per int8 block along K
 RELATIVE_SLACK = 1e-3  # float rounding allowance, relative to |x|_1 · max|W_v|
@@ -78,7 +78,7 @@ def bound_coefficients(weight: np.ndarray, dequantized: np.ndarray) -> tuple[np.
     return up((error + RELATIVE_SLACK * largest) * 1.001), up(block_l1 / 254 * 1.001)
 
 
-def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
+def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = False) -> bool:
     """Give ``graph`` the ``num_greedy`` input and the ``greedy_ids`` output (module docstring), in place.
 
     Returns:
@@ -87,12 +87,16 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
 
     Args:
         graph: a graph whose ``logits`` output is written by a float32 MatMul over a constant [K, V]
-            head, after the ``num_logits`` slice (:func:`mars_export.logits_rows.compute_logits_of_last_rows`
-            ran).
+            head (an initializer, or the ``Transpose`` of a [V, K] one: our step graph's), after the
+            ``num_logits`` slice (:func:`mars_export.logits_rows.compute_logits_of_last_rows` ran).
         mask_token_id: the token the head never returns.
+        has_default: ``num_greedy`` defaults to 0 (an overridable initializer: the step graph, which
+            the C sample and TensorRT run without feeding it); False makes it a required input (the
+            fused graph).
 
-    The candidates' rows are read from the head's transpose [V, K]: the graph's own ``Transpose`` of the
-    head weight where it has one (the model builder's tied embedding), else a new initializer.
+    The candidates' rows are read from the head's transpose [V, K]: the [V, K] initializer the step
+    graph's head transposes, the graph's own ``Transpose`` of the head weight where it has one (the
+    model builder's tied embedding), else a new initializer.
 
     Raises:
         ValueError: no such head (float32 MatMul over a constant), a head not after the ``num_logits``
@@ -100,14 +104,15 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
     """
     outputs = {value.name: value for value in graph.outputs}
     head = outputs["logits"].producer() if "logits" in outputs else None
-    if head is None or head.op_type != "MatMul" or not head.inputs[1].is_initializer():
+    head_weight = _constant_head(head)
+    if head_weight is None:
         raise ValueError("the greedy head needs a float32 MatMul over a constant head writing 'logits'")
     rows_slice = head.inputs[0].producer()
     if rows_slice is None or rows_slice.op_type != "Slice" or NUM_LOGITS not in {v.name for v in graph.inputs}:
         raise ValueError("the greedy head goes after the num_logits slice (mars_export.logits_rows)")
     if NUM_GREEDY in {value.name for value in graph.inputs}:
         raise ValueError(f"the graph already has a {NUM_GREEDY!r} input")
-    weight = head.inputs[1].const_value.numpy()  # [K, V]
+    weight, table = head_weight  # [K, V]; a value holding its transpose [V, K], or None
     k, v = weight.shape
     if weight.dtype != np.float32:
         raise ValueError(f"the greedy head needs a float32 output head, got {weight.dtype}")
@@ -120,7 +125,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
     penalty = np.zeros(v, np.float32)
     penalty[mask_token_id] = EXCLUDED
 
-    prefix = "/mars_edge/greedy_head"
+    prefix = GREEDY_HEAD_PREFIX
     nodes: list[ir.Node] = []
 
     def const(name: str, array: np.ndarray) -> ir.Value:
@@ -136,6 +141,10 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
 
     count = ir.Value(name=NUM_GREEDY, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     graph.inputs.append(count)
+    if has_default:
+        count.const_value = ir.tensor(np.array(0, np.int64), name=NUM_GREEDY)
+        graph.register_initializer(count)
+    graph.opset_imports.setdefault("com.microsoft", 1)  # MatMulNBits
     hidden = rows_slice.inputs[0]  # [n, W, K]
     window = op("Shape", [hidden], start=1, end=2)
     start = op("Max", [op("Sub", [window, op("Reshape", [count, const("one", np.array([1], np.int64))])]),
@@ -159,7 +168,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
     any_row = op("ReduceMax", [op("Cast", [is_candidate], to=ir.DataType.UINT8), const("axis_rows", np.array([0], np.int64))],
                  keepdims=0)  # [V]
     candidates = op("Reshape", [op("NonZero", [any_row]), const("flat_ids", np.array([-1], np.int64))])  # [C] ascending
-    table = _transpose_of(head.inputs[1]) or const("rows_weight", np.ascontiguousarray(weight.T))
+    table = table or _transpose_of(head.inputs[1]) or const("rows_weight", np.ascontiguousarray(weight.T))
     candidate_rows = op("Gather", [table, candidates], axis=0)  # [C, K]
     logits = op("ReduceSum", [op("Mul", [op("Unsqueeze", [x, const("axis_mid", np.array([1], np.int64))]), candidate_rows]),
                               const("axis_k", np.array([2], np.int64))], keepdims=0)  # [nG, C]
@@ -171,6 +180,22 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int) -> bool:
     graph.extend(nodes)
     graph.outputs.append(out)
     return True
+
+
+def _constant_head(head: ir.Node | None) -> tuple[np.ndarray, ir.Value | None] | None:
+    """The weight [K, V] of ``head`` when it is a MatMul over a constant, with the value of its transpose
+    [V, K] where the graph has one (``MatMul(h, Transpose(W))``: the [V, K] initializer W); else None."""
+    if head is None or head.op_type != "MatMul":
+        return None
+    weight = head.inputs[1]
+    if weight.is_initializer():
+        return weight.const_value.numpy(), None
+    transpose = weight.producer()
+    if (transpose is not None and transpose.op_type == "Transpose" and transpose.inputs[0].is_initializer()
+            and list(transpose.attributes.get_ints("perm", [1, 0])) == [1, 0]):
+        table = transpose.inputs[0]
+        return table.const_value.numpy().T, table
+    return None
 
 
 def _transpose_of(weight: ir.Value) -> ir.Value | None:

@@ -20,6 +20,7 @@ from torch.export import Dim
 from transformers import PreTrainedModel
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
+from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
 from mars_export.step_module import StepModule, step_graph_model
 from runtime import bundle
@@ -28,13 +29,16 @@ OPSET = 18
 _EXAMPLE_BATCH, _EXAMPLE_PAST = 2, 5
 
 
-def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_context: int) -> None:
+def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_context: int,
+                      greedy_mask_token: int | None = None) -> None:
     """Write the step graph of ``model`` to ``path`` (``window``: the bundle's W, the example length).
 
     Weights go to external data next to ``path`` only when the graph is over 2 GB. The
     projections that share an input (Q/K/V, gate/up) are fused into one MatMul each
     (:mod:`mars_export.fuse_projections`); the output head runs on the window's last
-    ``num_logits`` rows (:mod:`mars_export.logits_rows`).
+    ``num_logits`` rows (:mod:`mars_export.logits_rows`). ``greedy_mask_token``: add the greedy head
+    (:mod:`mars_export.greedy_head`, ``num_greedy`` defaulting to 0), which never returns that token;
+    None: none (fp16, graphs to be quantized, and graphs for TensorRT, whose parser has no ``MatMulNBits``).
 
     Raises:
         RuntimeError: the exporter failed (the message names the torch.export step).
@@ -61,6 +65,8 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
             opset_version=OPSET, optimize=True)
     fuse_shared_input_matmuls(program.model.graph)
     compute_logits_of_last_rows(program.model.graph)  # the num_logits input: prefill skips the output head
+    if greedy_mask_token is not None:
+        add_greedy_head(program.model.graph, greedy_mask_token, has_default=True)
     program.save(str(path), external_data=_size_bytes(model) > 2 * 1024**3)
 
 

@@ -33,7 +33,7 @@ from mars_export.model_source import LoadedModel, load_gguf_model
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import ParityError, measure_parity
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import LOGITS, BundleConfig
+from runtime.bundle import LOGITS, BundleConfig, strip_greedy_head
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
@@ -76,7 +76,8 @@ AGREEMENT_TOKENS = 64
 def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head: bool = True,
                         block_size: int | None = None, is_symmetric: bool | None = None,
                         accuracy_level: int | None = ACCURACY_LEVEL, gguf: GgufImport | None = None) -> dict:
-    """Write ``src`` (a float32 step graph) to ``dst`` with weight-only quantized MatMuls.
+    """Write ``src`` (a float32 step graph) to ``dst`` with weight-only quantized MatMuls, without the greedy head
+    ``src`` may have (:func:`runtime.bundle.strip_greedy_head`: the quantized head's argmax gives the ids).
 
     Args:
         weight_dtype: ``"int8"`` or ``"int4"`` (MatMulNBits with bits 8 or 4).
@@ -103,6 +104,7 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
     block_size = BLOCK_SIZE[weight_dtype] if block_size is None else block_size
     is_symmetric = IS_SYMMETRIC[weight_dtype] if is_symmetric is None else is_symmetric
     model = onnx.load(str(src))
+    strip_greedy_head(model)  # a quantized graph's ids are its own quantized head's argmax
     head = _output_head(model.graph)
     if include_lm_head and head is not None:
         _untie(model.graph, head)

@@ -51,6 +51,7 @@ ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
 NUM_LOGITS = "num_logits"  # optional: logits of the window's last rows only (mars_export.logits_rows)
 NUM_GREEDY, GREEDY_IDS = "num_greedy", "greedy_ids"  # optional: argmax ids of the last rows (mars_export.greedy_head)
+GREEDY_HEAD_PREFIX = "/mars_edge/greedy_head"  # the names of the greedy head's nodes and initializers begin so
 DTYPES = ("float32", "float16")
 # Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.
 WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
@@ -143,6 +144,32 @@ def output_names(num_layers: int) -> list[str]:
     """All step-graph output names, in graph order."""
     kv = [name for i in range(num_layers) for name in present_names(i)]
     return [LOGITS, *kv]
+
+
+def has_greedy_head(config: "BundleConfig") -> bool:
+    """Whether the bundle's graph has the greedy head (mars_export.greedy_head: onnxruntime's 8-bit MatMulNBits,
+    which TensorRT does not parse): the export measured it (``parity.greedy_head_agreement``)."""
+    return "greedy_head_agreement" in (config.parity or {})
+
+
+def strip_greedy_head(model) -> None:
+    """Remove the greedy head (mars_export.greedy_head) from ``model`` (an onnx ModelProto), in place: its nodes
+    and initializers (named from :data:`GREEDY_HEAD_PREFIX`), the ``num_greedy`` input and the
+    ``greedy_ids`` output; the graph is then the step graph as ``mars-export --trt`` writes it (for TensorRT,
+    :func:`runtime.trt_build.graph_for_tensorrt`; for weight-only quantizing, :mod:`mars_export.quantize`)."""
+    graph, prefix = model.graph, GREEDY_HEAD_PREFIX + "/"
+    nodes = [node for node in graph.node if not node.name.startswith(prefix)]
+    initializers = [t for t in graph.initializer if not t.name.startswith(prefix) and t.name != NUM_GREEDY]
+    inputs = [value for value in graph.input if value.name != NUM_GREEDY]
+    outputs = [value for value in graph.output if value.name != GREEDY_IDS]
+    for field, kept in ((graph.node, nodes), (graph.initializer, initializers), (graph.input, inputs),
+                        (graph.output, outputs)):
+        del field[:]
+        field.extend(kept)
+    if not any(node.domain == "com.microsoft" for node in graph.node):
+        opsets = [opset for opset in model.opset_import if opset.domain != "com.microsoft"]
+        del model.opset_import[:]
+        model.opset_import.extend(opsets)
 
 
 def fused_io_names(num_layers: int) -> tuple[set[str], set[str]]:

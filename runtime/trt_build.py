@@ -22,7 +22,10 @@ built with TF32 off, so it meets the fp32 export's parity tolerance.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -133,15 +136,44 @@ def require_tensorrt():
     return tensorrt
 
 
+@contextlib.contextmanager
+def graph_for_tensorrt(onnx_path: Path, config: BundleConfig):
+    """The path of the step graph TensorRT parses: ``onnx_path``, or, where the graph has the greedy head
+    (:func:`runtime.bundle.has_greedy_head`: float32 CPU exports; onnxruntime's 8-bit ``MatMulNBits``, which
+    TensorRT's parser does not take), a copy without it (:func:`runtime.bundle.strip_greedy_head`) beside ``onnx_path``, so
+    that external data resolves, removed on exit.
+
+    Raises:
+        RuntimeError: the graph has the head and the ``onnx`` package is missing (the fix named).
+    """
+    if not bundle.has_greedy_head(config):
+        yield onnx_path
+        return
+    try:
+        import onnx
+    except ImportError as e:
+        raise RuntimeError(f"{onnx_path} has the greedy head (onnxruntime's MatMulNBits), which TensorRT does not "
+                           "parse; leaving it out needs the onnx package: pip install 'onnx>=1.18,<2'") from e
+    model = onnx.load(str(onnx_path), load_external_data=False)  # weights in external data stay where they are
+    bundle.strip_greedy_head(model)
+    fd, name = tempfile.mkstemp(prefix=".tensorrt-", suffix=".onnx", dir=onnx_path.parent)
+    os.close(fd)
+    try:
+        onnx.save(model, name)
+        yield Path(name)
+    finally:
+        os.unlink(name)
+
+
 def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleConfig,
                  options: TrtBuildOptions) -> None:
-    """Parse ``onnx_path``, build a strongly typed engine with one profile (TF32 off for
-    float32 graphs), write ``engine_path``.
+    """Parse ``onnx_path`` (without the greedy head, :func:`graph_for_tensorrt`), build a strongly typed engine
+    with one profile (TF32 off for float32 graphs), write ``engine_path``.
 
     Raises:
         ValueError: a fused bundle, or bad profile contexts (:func:`profile_shapes`), before TensorRT is loaded.
-        RuntimeError: TensorRT missing, the parser rejected the graph (its errors are
-            listed), or the build failed (no GPU, out of memory, unsupported layer).
+        RuntimeError: TensorRT missing, onnx missing for a graph with the greedy head, the parser rejected the
+            graph (its errors are listed), or the build failed (no GPU, out of memory, unsupported layer).
     """
     shapes = profile_shapes(config, options)
     trt = require_tensorrt()
@@ -150,9 +182,10 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleC
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # ignored (always on) in TensorRT 11
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):  # reads external data beside the file too
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+    with graph_for_tensorrt(Path(onnx_path), config) as path:
+        if not parser.parse_from_file(str(path)):  # reads external data beside the file too
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
     builder_config = builder.create_builder_config()
     if config.dtype == "float32":
         # TF32 (on by default) rounds float32 matmul inputs to 10-bit mantissas, past the fp32 parity

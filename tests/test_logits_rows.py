@@ -11,7 +11,7 @@ from support import export
 from mars_export import onnx_export
 from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import LOGITS, NUM_LOGITS, load_config, step_feeds
+from runtime.bundle import LOGITS, NUM_GREEDY, NUM_LOGITS, load_config, step_feeds
 from runtime.decode.batch import scratch_past, window_mask
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -37,7 +37,7 @@ def test_num_logits_gives_the_last_rows_bit_for_bit_and_defaults_to_all(tiny_bun
     bundle_dir = tiny_bundle(arch, 4)[1]
     config = load_config(bundle_dir)
     session = ort.InferenceSession(str(bundle_dir / config.onnx_file), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_overridable_initializers()] == [NUM_LOGITS]  # not feeding it is allowed
+    assert [i.name for i in session.get_overridable_initializers()] == [NUM_LOGITS, NUM_GREEDY]  # not feeding them is allowed
     feeds = window_feeds(config)
     full, *kv = session.run(None, feeds)
     assert full.shape == (2, T, config.vocab_size)
@@ -65,6 +65,7 @@ def test_bundles_exported_before_num_logits_still_prefill_and_decode_alike(tiny_
     drops them; the tokens are those of the new graph."""
     ckpt, new = tiny_bundle("llama", 4)
     monkeypatch.setattr(onnx_export, "compute_logits_of_last_rows", lambda graph: None)
+    monkeypatch.setattr(onnx_export, "add_greedy_head", lambda *args, **kwargs: None)  # it came later still
     old = export(str(ckpt), tmp_path / "old", 4, 4, "--mask-token", "<mask>")
     config = load_config(old)
     backend = OnnxBackend(old, config)

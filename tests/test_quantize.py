@@ -18,7 +18,7 @@ from mars_export import cli as export_cli
 from mars_export import quantize
 from runtime import generate
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import load_config
+from runtime.bundle import has_greedy_head, load_config
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 
@@ -72,6 +72,7 @@ def test_config_records_precision_and_parity(quantized_bundle, arch, weight_dtyp
     _, bundle = quantized_bundle(arch, weight_dtype)
     config = load_config(bundle)
     assert config.dtype == "float32" and config.weight_dtype == weight_dtype
+    assert not has_greedy_head(config)  # its ids are its own quantized head's argmax
     parity = config.parity
     assert parity["min_top1_agreement"] == quantize.MIN_TOP1_AGREEMENT[weight_dtype]
     assert parity["min_top1_agreement"] <= parity["top1_agreement"] <= 1.0

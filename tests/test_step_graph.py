@@ -88,7 +88,7 @@ def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
     past_readers = [(n.op_type, i) for n in graph.node for i in n.input if i in past_inputs and n.op_type != "Shape"]
     assert sorted(past_readers) == sorted(("ScatterND", i) for i in past_inputs)  # written in place, never copied
     outputs = {o.name for o in graph.output}
-    assert {n.output[0] for n in graph.node if n.op_type == "ScatterND"} == outputs - {bundle.LOGITS}
+    assert {n.output[0] for n in graph.node if n.op_type == "ScatterND"} == outputs - {bundle.LOGITS, bundle.GREEDY_IDS}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")

@@ -192,6 +192,18 @@ def test_fp32_engine_is_built_without_tf32(engine_bundle, standin):
     assert standin.plan_header(engine_bundle / "engine.plan")["strongly_typed"] is True
 
 
+def test_the_engine_is_built_from_the_graph_without_the_greedy_head(tiny_bundle, engine_bundle, standin):
+    """A float32 CPU export carries the greedy head (onnxruntime's MatMulNBits, which TensorRT does not parse):
+    TensorRT parses the step graph without it, and the copy written for it is gone."""
+    _, original = tiny_bundle("qwen2", 4)
+    assert bundle_io.has_greedy_head(load_config(original))
+    engine = standin.Runtime(None).deserialize_cuda_engine((engine_bundle / "engine.plan").read_bytes())
+    assert bundle_io.NUM_GREEDY not in engine.names and bundle_io.GREEDY_IDS not in engine.names
+    assert [o.name for o in engine.session.get_outputs()] == bundle_io.output_names(load_config(original).num_layers)
+    assert sorted(p.name for p in engine_bundle.iterdir()) == sorted([*(p.name for p in original.iterdir()),
+                                                                      "engine.plan"])
+
+
 def test_engine_dtypes_and_kv_dtype_are_checked(engine_bundle, standin):
     """Nothing is converted silently: a past of another dtype, a cache of another dtype and an
     engine whose tensors differ from the bundle's dtype are refused by name."""
@@ -353,7 +365,7 @@ def test_engine_of_an_older_step_graph_is_refused(tiny_bundle, tmp_path, standin
     _, original = tiny_bundle("qwen2", 4)
     bundle = shutil.copytree(original, tmp_path / "bundle")
     model = onnx.load(str(bundle / "model.onnx"))
-    for value in model.graph.output[1:]:  # present.{i}.*: declare the old shape [batch, H, window, D]
+    for value in model.graph.output[1:1 + 2 * load_config(bundle).num_layers]:  # present.{i}.*: the old shape [batch, H, window, D]
         value.type.tensor_type.shape.dim[2].dim_param = "window"
     onnx.save(model, str(bundle / "model.onnx"))
     assert trt_build.main([str(bundle), "--max-batch", "2", "--max-context", "64", "--opt-context", "32"]) == 0

@@ -31,6 +31,7 @@ class KVBinding:
 
     def __init__(self, session, ort):
         self.session, self.ort = session, ort
+        self.cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()  # where run_step_with_counts' outputs lie
         self._local = threading.local()
 
     @property
@@ -62,11 +63,14 @@ class KVBinding:
         self._local.bound = []  # until every layer is bound: a failure below must not leave a half binding "current"
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
+        values = []
         for layer, pair in enumerate(past):
             for name_in, name_out, buffer in zip(past_names(layer), present_names(layer), pair):
                 value = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
                 binding.bind_ortvalue_input(name_in, value)
                 binding.bind_ortvalue_output(name_out, value)
+                values.append(value)
+        self._local.values = values  # past_names order, layer by layer: run_with_counts feeds them
         self._local.bound = buffers  # held, so no other array can take their memory while bound
         return binding
 
@@ -95,6 +99,42 @@ class KVBinding:
         self.binding.bind_output(LOGITS, "cpu", 0, np.float32, out.shape, out.ctypes.data)
         self.session.run_with_iobinding(self.binding)  # no get_outputs: it would wrap every present too
         return out
+
+    def run_step_with_counts(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                             past: list[tuple[np.ndarray, np.ndarray]], counts: dict[str, int],
+                             logits_shape: tuple[int, int, int], ids_shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """As :meth:`run_step`, also feeding ``counts`` (``num_logits``, ``num_greedy``: inputs with a default,
+        which an I/O binding cannot bind) and reading the ``greedy_ids`` output (mars_export.greedy_head).
+
+        onnxruntime's ``run_with_ortvaluevector`` takes the feeds by name, as ``run`` does, and writes into
+        preallocated outputs, as a binding does: ``past`` is both the past and the present, written in place.
+
+        Returns:
+            the logits float32 ``logits_shape`` and the ids int64 ``ids_shape``.
+        """
+        self.bind_kv(past)  # checks the buffers and keeps their OrtValues
+        layers = len(past)
+        small = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
+                 POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
+                 ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_),
+                 **{name: np.array(count, np.int64) for name, count in counts.items()}}
+        out, ids = np.empty(logits_shape, np.float32), np.empty(ids_shape, np.int64)
+        feeds, fetches = self._vector(small.values()), self._vector((out, ids))
+        for value in self._local.values:
+            feeds.push_back(value._ortvalue)
+            fetches.push_back(value._ortvalue)
+        kv_in = [name for layer in range(layers) for name in past_names(layer)]
+        kv_out = [name for layer in range(layers) for name in present_names(layer)]
+        self.session.run_with_ortvaluevector(self.ort.RunOptions(), [*small, *kv_in], feeds, [LOGITS, GREEDY_IDS, *kv_out],
+                                             fetches, [self.cpu] * (2 + len(kv_out)))
+        return out, ids
+
+    def _vector(self, arrays):
+        """An OrtValueVector of ``arrays`` (CPU numpy, held by the caller until the run ends)."""
+        vector = self.ort.capi.onnxruntime_pybind11_state.OrtValueVector()
+        for array in arrays:
+            vector.push_back(self.ort.OrtValue.ortvalue_from_numpy(array)._ortvalue)
+        return vector
 
     def run_with_ids(self, logits_shape: tuple[int, int, int], ids_shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """As :meth:`run`, also binding the ``greedy_ids`` output (mars_export.greedy_head); returns the logits float32

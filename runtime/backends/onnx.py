@@ -66,10 +66,12 @@ class OnnxBackend:
         self.fused = FusedStep(self.session, ort, config) if config.graph == "fused" else None
         # Exports since 2026-12-02 take num_logits (step graph: an input with a default; fused: required):
         # prefill forwards skip the output head.
-        self.takes_num_logits = self.fused.takes_num_logits if self.fused else bundle.NUM_LOGITS in {
-            i.name for i in self.session.get_overridable_initializers()}
-        # float32 fused graphs since the fourteenth session: the argmax tokens without the float32 output head
-        self.takes_num_greedy = bool(self.fused and self.fused.takes_num_greedy)
+        defaults = {i.name for i in self.session.get_overridable_initializers()}
+        self.takes_num_logits = self.fused.takes_num_logits if self.fused else bundle.NUM_LOGITS in defaults
+        # the argmax tokens without the float32 output head (mars_export.greedy_head): float32 fused graphs since the
+        # fourteenth session, float32 step graphs since the seventeenth (not on GPUs: 8-bit MatMulNBits is a CPU kernel)
+        self.takes_num_greedy = (self.fused.takes_num_greedy if self.fused
+                                 else provider == "cpu" and bundle.NUM_GREEDY in defaults)
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
         self.kv = KVBinding(self.session, ort)
@@ -97,7 +99,8 @@ class OnnxBackend:
             logits: False when no logits are read (prefill): a graph with the ``num_logits``
                 input (``takes_num_logits``) then skips the output head.
             greedy_ids: return each row's argmax token, the mask token excluded, instead of its logits
-                (graphs with the greedy head only, ``takes_num_greedy``: mars_export.greedy_head).
+                (graphs with the greedy head only, ``takes_num_greedy``: mars_export.greedy_head; the float32
+                output head is skipped).
 
         Returns:
             logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False; with ``greedy_ids`` the ids
@@ -117,9 +120,14 @@ class OnnxBackend:
         """
         if self.fused:
             return self.fused(input_ids, position_ids, past, logits, greedy_ids)
-        if greedy_ids:
-            raise ValueError("a step graph has no greedy head (num_greedy input); read the logits")
+        if greedy_ids and not self.takes_num_greedy:
+            raise ValueError("this step graph has no greedy head (num_greedy input) on this provider; read the logits")
         bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
+        if greedy_ids:
+            counts = {bundle.NUM_LOGITS: 0, bundle.NUM_GREEDY: input_ids.shape[1]}
+            _, ids = self.kv.run_step_with_counts(input_ids, position_ids, attention_mask, past, counts,
+                                                  (input_ids.shape[0], 0, self.vocab_size), input_ids.shape)
+            return ids, past
         if not logits and self.takes_num_logits:
             # onnxruntime's I/O binding cannot bind num_logits (an input with a default), so a forward that skips the
             # output head (prefill) runs unbound: its presents are new arrays, which the cache's commit copies from.
@@ -180,7 +188,7 @@ def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceS
         first_line = str(e).strip().splitlines()[0][:300]
         if "MatMulNBits" in str(e) and "4b" in str(e):  # onnxruntime < 1.22 runs 4-bit MatMulNBits only
             raise BundleError(f"cannot load {path} with onnxruntime {ort.__version__}: it holds 8-bit MatMulNBits "
-                              "(an --int8 export, or the greedy head of a float32 fused bundle), which onnxruntime "
+                              "(an --int8 export, or the greedy head of a float32 bundle), which onnxruntime "
                               "runs from 1.22 on; pip install -U 'onnxruntime>=1.22'") from e
         raise BundleError(f"cannot load {path}: the ONNX file is corrupt or truncated ({first_line}); "
                           "re-export the bundle with mars-export") from e
@@ -200,6 +208,8 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
             raise BundleError(f"{path} is not the fused graph of a {config.num_layers}-layer model (inputs "
                               f"{got_in[:3]}...); re-export the bundle with mars-export --graph fused")
         return
+    if bundle.NUM_GREEDY in {i.name for i in session.get_overridable_initializers()}:
+        got_out = [name for name in got_out if name != bundle.GREEDY_IDS]  # the greedy head's (mars_export.greedy_head)
     if got_in != bundle.input_names(config.num_layers) or got_out != bundle.output_names(config.num_layers):
         raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
                           f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "

@@ -27,10 +27,13 @@ row's argmax. The greedy head finds it in two passes:
 On 948 positions of GSM8K, HumanEval and chat text run through the default model, a row had a median of
 4 candidates (99th percentile 95, most 288).
 
-Graph I/O added (:func:`add_greedy_head`)::
+Graph I/O added (:func:`add_greedy_head`; float32 fused graphs, and float32 step graphs exported for
+onnxruntime, whose ``num_greedy`` defaults to 0)::
 
     num_greedy   int64 []     the greedy head runs on the window's last min(num_greedy, W) rows; 0: none
     greedy_ids   int64 [n, G] G = min(num_greedy, W): each row's argmax token id, the mask token excluded
+
+At batch n > 1 the candidates are the union over the n·G rows, each rescored against every row.
 
 The full ``logits`` output stays, on ``num_logits`` rows (:mod:`mars_export.logits_rows`): the runtime feeds
 0 there in a step that reads ids only, and 0 to ``num_greedy`` in one that reads logits.

@@ -4,7 +4,9 @@ Both graphs a bundle may hold (:mod:`runtime.bundle`) output each layer's KV wit
 shapes: the step graph scatters the window's entries into the past, the fused graph's
 GroupQueryAttention writes them after the committed ones. Bound to the past's own buffer, each
 present is that buffer, so a step writes W entries per layer into the cache and copies nothing
-(onnxruntime's CPU scatter skips its copy when its output is its input).
+(onnxruntime's CPU scatter skips its copy when its output is its input). A step that feeds an input
+with a default (``num_logits``, ``num_greedy``: a binding cannot bind one) runs through onnxruntime's
+``run_with_ortvaluevector`` with the same buffers as preallocated outputs (:meth:`KVBinding.run_step_with_counts`).
 """
 
 from __future__ import annotations
@@ -102,32 +104,28 @@ class KVBinding:
 
     def run_step_with_counts(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
                              past: list[tuple[np.ndarray, np.ndarray]], counts: dict[str, int],
-                             logits_shape: tuple[int, int, int], ids_shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+                             outputs: dict[str, np.ndarray]) -> None:
         """As :meth:`run_step`, also feeding ``counts`` (``num_logits``, ``num_greedy``: inputs with a default,
-        which an I/O binding cannot bind) and reading the ``greedy_ids`` output (mars_export.greedy_head).
+        which an I/O binding cannot bind), each of ``outputs`` (name -> a preallocated array of the output's
+        shape: ``logits``, ``greedy_ids``) written in place, and the presents into ``past``.
 
         onnxruntime's ``run_with_ortvaluevector`` takes the feeds by name, as ``run`` does, and writes into
         preallocated outputs, as a binding does: ``past`` is both the past and the present, written in place.
-
-        Returns:
-            the logits float32 ``logits_shape`` and the ids int64 ``ids_shape``.
         """
         self.bind_kv(past)  # checks the buffers and keeps their OrtValues
-        layers = len(past)
-        small = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
+        feeds = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),  # held until the run
                  POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
                  ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_),
                  **{name: np.array(count, np.int64) for name, count in counts.items()}}
-        out, ids = np.empty(logits_shape, np.float32), np.empty(ids_shape, np.int64)
-        feeds, fetches = self._vector(small.values()), self._vector((out, ids))
+        feed_values, fetch_values = self._vector(feeds.values()), self._vector(outputs.values())
         for value in self._local.values:
-            feeds.push_back(value._ortvalue)
-            fetches.push_back(value._ortvalue)
-        kv_in = [name for layer in range(layers) for name in past_names(layer)]
-        kv_out = [name for layer in range(layers) for name in present_names(layer)]
-        self.session.run_with_ortvaluevector(self.ort.RunOptions(), [*small, *kv_in], feeds, [LOGITS, GREEDY_IDS, *kv_out],
-                                             fetches, [self.cpu] * (2 + len(kv_out)))
-        return out, ids
+            feed_values.push_back(value._ortvalue)
+            fetch_values.push_back(value._ortvalue)
+        layers = range(len(past))
+        kv_in = [name for layer in layers for name in past_names(layer)]
+        kv_out = [name for layer in layers for name in present_names(layer)]
+        self.session.run_with_ortvaluevector(self.ort.RunOptions(), [*feeds, *kv_in], feed_values, [*outputs, *kv_out],
+                                             fetch_values, [self.cpu] * (len(outputs) + len(kv_out)))
 
     def _vector(self, arrays):
         """An OrtValueVector of ``arrays`` (CPU numpy, held by the caller until the run ends)."""

@@ -105,9 +105,8 @@ class OnnxBackend:
         Returns:
             logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False; with ``greedy_ids`` the ids
             int64 [n, W] instead), and the presents: per layer
-            (key, value) [n, H, S, D], ``past`` itself with the new entries written (a step-graph prefill
-            forward, ``logits`` False, returns new arrays instead and leaves ``past`` as it was; a fused graph
-            always writes into ``past``).
+            (key, value) [n, H, S, D], ``past`` itself with the new entries written (step graphs without
+            ``num_logits``, exported before 2026-12-02, compute a prefill's logits and drop them).
 
         Raises:
             ValueError: inputs whose shapes disagree, a position outside the past (no room for the window),
@@ -123,17 +122,14 @@ class OnnxBackend:
         if greedy_ids and not self.takes_num_greedy:
             raise ValueError("this step graph has no greedy head (num_greedy input) on this provider; read the logits")
         bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
-        if greedy_ids:
-            counts = {bundle.NUM_LOGITS: 0, bundle.NUM_GREEDY: input_ids.shape[1]}
-            _, ids = self.kv.run_step_with_counts(input_ids, position_ids, attention_mask, past, counts,
-                                                  (input_ids.shape[0], 0, self.vocab_size), input_ids.shape)
-            return ids, past
-        if not logits and self.takes_num_logits:
-            # onnxruntime's I/O binding cannot bind num_logits (an input with a default), so a forward that skips the
-            # output head (prefill) runs unbound: its presents are new arrays, which the cache's commit copies from.
-            feeds = {**bundle.step_feeds(input_ids, position_ids, attention_mask, past), bundle.NUM_LOGITS: np.array(0, np.int64)}
-            rows, *kv = self.session.run(None, feeds)
-            return rows, list(zip(kv[0::2], kv[1::2]))
+        if greedy_ids or not logits and self.takes_num_logits:  # the output head skipped: num_logits 0
+            n, window = input_ids.shape
+            counts, outputs = {bundle.NUM_LOGITS: 0}, {bundle.LOGITS: np.empty((n, 0, self.vocab_size), np.float32)}
+            if greedy_ids:
+                counts[bundle.NUM_GREEDY] = window
+                outputs[bundle.GREEDY_IDS] = np.empty((n, window), np.int64)  # [n, W]
+            self.kv.run_step_with_counts(input_ids, position_ids, attention_mask, past, counts, outputs)
+            return outputs[bundle.GREEDY_IDS if greedy_ids else bundle.LOGITS], past
         out = self.kv.run_step(input_ids, position_ids, attention_mask, past, self.vocab_size)  # [n, W, V]
         return (out if logits else out[:, :0]), past
 

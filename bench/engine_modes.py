@@ -49,12 +49,13 @@ def load_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
 
 
 class GraphClock:
-    """Seconds spent inside a session's ``run`` and ``run_with_iobinding`` (the graph's forwards), counted on
+    """Seconds spent inside a session's ``run``, ``run_with_iobinding`` and ``run_with_ortvaluevector`` (the
+    graph's forwards; the last is how the engine calls a step graph with the greedy head), counted on
     ``seconds`` from here on; the session's methods are wrapped in place."""
 
     def __init__(self, session):
         self.seconds = 0.0
-        for name in ("run", "run_with_iobinding"):
+        for name in ("run", "run_with_iobinding", "run_with_ortvaluevector"):
             setattr(session, name, self._timed(getattr(session, name)))
 
     def _timed(self, call):

@@ -21,7 +21,8 @@ floor for each weight format the exporter can write:
   does not model: give it the float32 bundle, whose shapes are the model's.
 
 The shapes are the bundle's: every constant weight [K, N] of its MatMul (or MatMulNBits) nodes,
-fused projections and the output head (tied or not) included. Per format, one graph holds
+fused projections and the output head (tied or not) included, the greedy head's int8 screening
+of the output head not (a logits step does not run it). Per format, one graph holds
 **all** of them, each with its own random weights (values do not change a kernel's speed) and
 fed by one input x_K [M, K] per distinct K, so that, as in a real step, the weights stream from
 memory instead of staying in cache. Its median wall time over ``--repeats`` runs at
@@ -60,7 +61,8 @@ QUANT_OP = "MatMulNBits"
 
 def weight_shapes(onnx_path: Path) -> collections.Counter:
     """(K, N) -> how many MatMul / MatMulNBits nodes of the graph multiply by a constant weight of that shape
-    (a weight may be an initializer or the Transpose of one, as a tied output head is).
+    (a weight may be an initializer or the Transpose of one, as a tied output head is). The greedy head's
+    nodes (its int8 screening of the output head) are not counted: a logits step does not run them.
 
     Raises:
         ValueError: the graph has no such node.
@@ -75,6 +77,8 @@ def weight_shapes(onnx_path: Path) -> collections.Counter:
             dims[node.output[0]] = dims[node.input[0]][::-1]
     shapes = collections.Counter()
     for node in graph.node:
+        if node.name.startswith(bundle.GREEDY_HEAD_PREFIX + "/"):
+            continue
         if node.op_type == "MatMul" and len(dims.get(node.input[1], ())) == 2:
             shapes[dims[node.input[1]]] += 1
         elif node.op_type == QUANT_OP:

@@ -152,14 +152,13 @@ def test_greedy_steps_read_the_greedy_heads_ids_and_get_the_tokens_of_the_logits
     assert with_head == greedy(backend, config, prompts, **params)
 
 
-def test_greedy_ids_need_the_greedy_head(fused_bundles, tiny_bundle):
-    """Asking a graph without the head (a quantized fused graph, a step graph) for ids is an error naming the fix."""
+def test_greedy_ids_need_the_greedy_head(fused_bundles):
+    """Asking a fused graph without the head (quantized, or exported before it) for ids is an error naming the fix
+    (a step graph without it: tests/test_step_greedy_head.py)."""
     _, bundles = fused_bundles
-    step_bundle = tiny_bundle("llama", 4)[1]
     for bundle, match in ((bundles["int8"], "no greedy head .*; read the logits: an --int8 bundle's argmaxes"),
                           (bundles["int4"], "no greedy head .*; read the logits: an --int4 bundle's argmaxes"),
-                          (bundles["untiled"], "no greedy head .*; re-export it with mars-export --graph fused"),
-                          (step_bundle, "step graph has no greedy head")):
+                          (bundles["untiled"], "no greedy head .*; re-export it with mars-export --graph fused")):
         config = load_config(bundle)
         backend = OnnxBackend(bundle, config)
         assert not backend.takes_num_greedy

@@ -82,8 +82,9 @@ def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
 
 
 def test_an_onnxruntime_without_8_bit_matmulnbits_is_named_with_the_version_to_install(bundle, capsys, monkeypatch):
-    """onnxruntime 1.21 (the declared floor) refuses 8-bit MatMulNBits (int8 exports, the greedy head of float32
-    fused bundles) with this message at load; the error names the version that runs it, not a corrupt file."""
+    """onnxruntime before 1.22 (the declared floor; a Jetson wheel installed by hand may be older) refuses 8-bit
+    MatMulNBits (int8 exports, the greedy head of float32 bundles) with this message at load; the error names
+    the version that runs it, not a corrupt file."""
     import onnxruntime as ort
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 

@@ -80,6 +80,7 @@ def resolved(tmp_path_factory) -> dict:
         python, arch = TARGETS[target]
         return resolve(python, arch, requirements(extras), tmp_path_factory.mktemp(f"{target}-{'-'.join(extras)}"))
 
+    tmp_path_factory.getbasetemp()  # made once here: made lazily by the first mktemp, the threads would race to make it
     with ThreadPoolExecutor(WORKERS) as pool:
         return dict(zip(JOBS, pool.map(run, JOBS)))
 

@@ -68,17 +68,17 @@ def weight_shapes(onnx_path: Path) -> collections.Counter:
         ValueError: the graph has no such node.
     """
     try:
-        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+        model = onnx.load(str(onnx_path), load_external_data=False)
     except (OSError, DecodeError) as e:
         raise ValueError(f"cannot read {onnx_path} ({e}); is the bundle complete?") from e
+    bundle.strip_greedy_head(model)
+    graph = model.graph
     dims = {t.name: tuple(t.dims) for t in graph.initializer}
     for node in graph.node:  # a transposed constant is a constant (onnxruntime folds it)
         if node.op_type == "Transpose" and len(dims.get(node.input[0], ())) == 2:
             dims[node.output[0]] = dims[node.input[0]][::-1]
     shapes = collections.Counter()
     for node in graph.node:
-        if node.name.startswith(bundle.GREEDY_HEAD_PREFIX + "/"):
-            continue
         if node.op_type == "MatMul" and len(dims.get(node.input[1], ())) == 2:
             shapes[dims[node.input[1]]] += 1
         elif node.op_type == QUANT_OP:

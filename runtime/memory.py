@@ -20,8 +20,8 @@ What is NOT counted: activations and the logits buffer (n · W · V · 4 bytes p
 step; bundles exported before 2026-12-02, without ``num_logits``, also prefill_chunk · V · 4
 per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
 runtime's workspace, TensorRT's device copy of a host-array past (the parity check only), on
-onnxruntime a cache the backend's I/O binding still holds after its engine let it go (until a step binds another), the CUDA context,
-the OS. Jetson memory is shared by CPU and GPU, so measure what your
+onnxruntime a cache the backend's I/O binding still holds after its engine let it go (until a
+step binds another), the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so measure what your
 image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
 """
 

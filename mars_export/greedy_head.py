@@ -97,9 +97,10 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
             the C sample and TensorRT run without feeding it); False makes it a required input (the
             fused graph).
 
-    The candidates' rows are read from the head's transpose [V, K]: the [V, K] initializer the step
-    graph's head transposes, the graph's own ``Transpose`` of the head weight where it has one (the
-    model builder's tied embedding), else a new initializer.
+    The candidates' rows are read from the head's transpose [V, K] where the graph has one: the [V, K]
+    initializer the step graph's tied head transposes, or the graph's own ``Transpose`` of the head weight
+    (the model builder's tied embedding); else (an untied head, a [K, V] initializer) the candidates' columns
+    are gathered from the head and transposed ([K, C] -> [C, K]): the export stores no second copy of the head.
 
     Raises:
         ValueError: no such head (float32 MatMul over a constant), a head not after the ``num_logits``
@@ -171,8 +172,11 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     any_row = op("ReduceMax", [op("Cast", [is_candidate], to=ir.DataType.UINT8), const("axis_rows", np.array([0], np.int64))],
                  keepdims=0)  # [V]
     candidates = op("Reshape", [op("NonZero", [any_row]), const("flat_ids", np.array([-1], np.int64))])  # [C] ascending
-    table = table or _transpose_of(head.inputs[1]) or const("rows_weight", np.ascontiguousarray(weight.T))
-    candidate_rows = op("Gather", [table, candidates], axis=0)  # [C, K]
+    table = table or _transpose_of(head.inputs[1])
+    if table is not None:
+        candidate_rows = op("Gather", [table, candidates], axis=0)  # [C, K]
+    else:  # the candidates' columns of the [K, V] head itself, not a second copy of the head
+        candidate_rows = op("Transpose", [op("Gather", [head.inputs[1], candidates], axis=1)], perm=[1, 0])  # [C, K]
     logits = op("ReduceSum", [op("Mul", [op("Unsqueeze", [x, const("axis_mid", np.array([1], np.int64))]), candidate_rows]),
                               const("axis_k", np.array([2], np.int64))], keepdims=0)  # [nG, C]
     best = op("ArgMax", [logits], axis=1, keepdims=0)  # [nG]: the first maximum, the lowest id

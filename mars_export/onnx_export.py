@@ -33,7 +33,7 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
                       greedy_mask_token: int | None = None) -> None:
     """Write the step graph of ``model`` to ``path`` (``window``: the bundle's W, the example length).
 
-    Weights go to external data next to ``path`` only when the graph is over 2 GB. The
+    Weights go to external data next to ``path`` only when the graph's initializers are over 2 GiB. The
     projections that share an input (Q/K/V, gate/up) are fused into one MatMul each
     (:mod:`mars_export.fuse_projections`); the output head runs on the window's last
     ``num_logits`` rows (:mod:`mars_export.logits_rows`). ``greedy_mask_token``: add the greedy head
@@ -67,7 +67,7 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     compute_logits_of_last_rows(program.model.graph)  # the num_logits input: prefill skips the output head
     if greedy_mask_token is not None:
         add_greedy_head(program.model.graph, greedy_mask_token, has_default=True)
-    program.save(str(path), external_data=_size_bytes(model) > 2 * 1024**3)
+    program.save(str(path), external_data=_initializer_bytes(program.model.graph) > 2 * 1024**3)
 
 
 @contextlib.contextmanager
@@ -91,5 +91,6 @@ def _example_inputs(vocab: int, num_layers: int, num_kv_heads: int, head_dim: in
     return input_ids, position_ids, mask, past
 
 
-def _size_bytes(model: PreTrainedModel) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+def _initializer_bytes(graph) -> int:
+    """The bytes of ``graph``'s (an onnx_ir Graph) initializers: the weights as saved, the greedy head's included."""
+    return sum(value.const_value.nbytes for value in graph.initializers.values() if value.const_value is not None)

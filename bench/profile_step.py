@@ -103,14 +103,8 @@ def greedy_call(session: ort.InferenceSession, config: bundle.BundleConfig, inpu
         return lambda: step(ids, positions, buffers, greedy_ids=True)[0]
     if bundle.NUM_GREEDY in {i.name for i in session.get_overridable_initializers()}:  # a float32 step graph's
         ids, positions, mask, past = inputs
-        kv, counts = KVBinding(session, ort), {bundle.NUM_LOGITS: 0, bundle.NUM_GREEDY: ids.shape[1]}
-
-        def call() -> np.ndarray:
-            outputs = {bundle.LOGITS: np.empty((ids.shape[0], 0, config.vocab_size), np.float32),
-                       bundle.GREEDY_IDS: np.empty(ids.shape, np.int64)}
-            kv.run_step_with_counts(ids, positions, mask, past, counts, outputs)
-            return outputs[bundle.GREEDY_IDS]
-        return call
+        kv = KVBinding(session, ort)
+        return lambda: kv.run_step_without_head(ids, positions, mask, past, config.vocab_size, greedy_ids=True)
     call = step_call(session, config, inputs)
     return lambda: call().argmax(-1)
 

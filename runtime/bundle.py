@@ -52,6 +52,11 @@ LOGITS = "logits"
 NUM_LOGITS = "num_logits"  # optional: logits of the window's last rows only (mars_export.logits_rows)
 NUM_GREEDY, GREEDY_IDS = "num_greedy", "greedy_ids"  # optional: argmax ids of the last rows (mars_export.greedy_head)
 GREEDY_HEAD_PREFIX = "/mars_edge/greedy_head"  # the names of the greedy head's nodes and initializers begin so
+# The most rows (batch x window) a forward asks the greedy head for. Its rescoring takes the union of the rows'
+# candidates against every row, so it grows with the rows: on the default model (2-core EPYC, P 128) the greedy
+# step with the head / reading the logits was 0.88-0.96x at 1-8 rows, 1.03-1.07x at 16, 1.21x at 32, 1.32x at 64
+# (BENCHMARKS.md, nineteenth session). Above it the engine reads the logits.
+GREEDY_HEAD_MAX_ROWS = 8
 DTYPES = ("float32", "float16")
 # Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.
 WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
@@ -148,7 +153,12 @@ def output_names(num_layers: int) -> list[str]:
 
 def has_greedy_head(config: "BundleConfig") -> bool:
     """Whether the bundle's graph has the greedy head (mars_export.greedy_head: onnxruntime's 8-bit MatMulNBits,
-    which TensorRT does not parse): the export measured it (``parity.greedy_head_agreement``)."""
+    which TensorRT does not parse): the export measured it (``parity.greedy_head_agreement``).
+
+    The export's record, read where the graph is not loaded (:func:`runtime.trt_build.graph_for_tensorrt` decides
+    from it whether the onnx package is needed to strip the head). A backend that has the graph loaded asks the
+    graph itself (``num_greedy`` among its inputs); the two agree on every export, and a graph stripped by
+    :func:`strip_greedy_head` gets a config without the key (:mod:`mars_export.quantize`)."""
     return "greedy_head_agreement" in (config.parity or {})
 
 

@@ -94,3 +94,25 @@ def test_a_step_graph_without_the_head_refuses_greedy_ids(step_bundle, monkeypat
     cache.reserve(4)
     with pytest.raises(ValueError, match="no greedy head"):
         run_batch(backend, cache, [[1, 2, 3, 4]], config.pad_token_id, greedy_ids=True)
+
+
+def test_the_engine_asks_for_ids_up_to_the_row_cap_and_reads_logits_above_it(step_bundle, monkeypatch):
+    """The greedy head's rescoring grows with the forward's rows (batch x window): above
+    ``GREEDY_HEAD_MAX_ROWS`` the engine reads the logits, which a big batch of AR rows gets faster."""
+    _, config, backend = step_bundle
+    asked = []
+    step = backend.step
+
+    def spy(input_ids, *args, logits=True, greedy_ids=False):
+        if logits:  # a forward that reads its rows (prefill chunks read nothing)
+            asked.append((input_ids.size, greedy_ids))
+        return step(input_ids, *args, logits=logits, greedy_ids=greedy_ids)
+    monkeypatch.setattr(backend, "step", spy)
+    for batch in (1, 3):
+        engine = Engine(backend, config, EngineConfig(max_batch_size=batch, max_seq_len=96))
+        ids = [engine.add_request(p, DecodeParams(mode="verify", draft="both", max_new_tokens=12)) for p in PROMPTS[:batch]]
+        done = set()
+        while len(done) < len(ids):
+            done.update(out.request_id for out in engine.step() if out.finished)
+    assert {greedy for rows, greedy in asked if rows <= bundle.GREEDY_HEAD_MAX_ROWS} == {True}
+    assert {greedy for rows, greedy in asked if rows > bundle.GREEDY_HEAD_MAX_ROWS} == {False}

@@ -6,7 +6,7 @@ GroupQueryAttention writes them after the committed ones. Bound to the past's ow
 present is that buffer, so a step writes W entries per layer into the cache and copies nothing
 (onnxruntime's CPU scatter skips its copy when its output is its input). A step that feeds an input
 with a default (``num_logits``, ``num_greedy``: a binding cannot bind one) runs through onnxruntime's
-``run_with_ortvaluevector`` with the same buffers as preallocated outputs (:meth:`KVBinding.run_step_with_counts`).
+``run_with_ortvaluevector`` with the same buffers as preallocated outputs (:meth:`KVBinding.run_step_without_head`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import threading
 
 import numpy as np
 
-from runtime.bundle import ATTENTION_MASK, GREEDY_IDS, INPUT_IDS, LOGITS, POSITION_IDS, past_names, present_names
+from runtime.bundle import (ATTENTION_MASK, GREEDY_IDS, INPUT_IDS, LOGITS, NUM_GREEDY, NUM_LOGITS, POSITION_IDS, past_names,
+                            present_names)
 
 
 class KVBinding:
@@ -33,7 +34,7 @@ class KVBinding:
 
     def __init__(self, session, ort):
         self.session, self.ort = session, ort
-        self.cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()  # where run_step_with_counts' outputs lie
+        self.cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()  # where run_step_without_head's outputs lie
         self._local = threading.local()
 
     @property
@@ -72,7 +73,7 @@ class KVBinding:
                 binding.bind_ortvalue_input(name_in, value)
                 binding.bind_ortvalue_output(name_out, value)
                 values.append(value)
-        self._local.values = values  # past_names order, layer by layer: run_with_counts feeds them
+        self._local.values = values  # past_names order, layer by layer: run_step_without_head feeds them
         self._local.bound = buffers  # held, so no other array can take their memory while bound
         return binding
 
@@ -86,12 +87,12 @@ class KVBinding:
 
         Returns:
             logits float32 [n, W, V].
+
+        Raises:
+            ValueError: ``past`` is not C-contiguous and writeable (:meth:`bind_kv`).
         """
         binding = self.bind_kv(past)
-        feeds = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),  # held until the run
-                 POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
-                 ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_)}
-        for name, array in feeds.items():
+        for name, array in _window_feeds(input_ids, position_ids, attention_mask).items():
             binding.bind_cpu_input(name, array)
         return self.run((*input_ids.shape, vocab_size))
 
@@ -102,20 +103,30 @@ class KVBinding:
         self.session.run_with_iobinding(self.binding)  # no get_outputs: it would wrap every present too
         return out
 
-    def run_step_with_counts(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                             past: list[tuple[np.ndarray, np.ndarray]], counts: dict[str, int],
-                             outputs: dict[str, np.ndarray]) -> None:
-        """As :meth:`run_step`, also feeding ``counts`` (``num_logits``, ``num_greedy``: inputs with a default,
-        which an I/O binding cannot bind), each of ``outputs`` (name -> a preallocated array of the output's
-        shape: ``logits``, ``greedy_ids``) written in place, and the presents into ``past``.
+    def run_step_without_head(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                              past: list[tuple[np.ndarray, np.ndarray]], vocab_size: int,
+                              greedy_ids: bool) -> np.ndarray:
+        """As :meth:`run_step`, the float32 output head skipped: ``num_logits`` 0 (a prefill forward, or a greedy
+        step), and with ``greedy_ids`` ``num_greedy`` W (the greedy head's ids of every row,
+        mars_export.greedy_head). For step graphs that take ``num_logits`` (and ``num_greedy``): inputs with a
+        default, which an I/O binding cannot bind, so the run goes through onnxruntime's
+        ``run_with_ortvaluevector``, which takes feeds by name and writes into preallocated outputs: ``past``
+        is both the past and the present, written in place, as with the binding.
 
-        onnxruntime's ``run_with_ortvaluevector`` takes the feeds by name, as ``run`` does, and writes into
-        preallocated outputs, as a binding does: ``past`` is both the past and the present, written in place.
+        Returns:
+            with ``greedy_ids`` each row's argmax token int64 [n, W] (the mask token excluded), else the empty
+            logits float32 [n, 0, V].
+
+        Raises:
+            ValueError: ``past`` is not C-contiguous and writeable (:meth:`bind_kv`).
         """
-        self.bind_kv(past)  # checks the buffers and keeps their OrtValues
-        feeds = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),  # held until the run
-                 POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
-                 ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_),
+        n, window = input_ids.shape
+        counts, outputs = {NUM_LOGITS: 0}, {LOGITS: np.empty((n, 0, vocab_size), np.float32)}
+        if greedy_ids:
+            counts[NUM_GREEDY] = window
+            outputs[GREEDY_IDS] = np.empty((n, window), np.int64)
+        self.bind_kv(past)  # checks the buffers and keeps their OrtValues (self._local.values)
+        feeds = {**_window_feeds(input_ids, position_ids, attention_mask),  # held until the run
                  **{name: np.array(count, np.int64) for name, count in counts.items()}}
         feed_values, fetch_values = self._vector(feeds.values()), self._vector(outputs.values())
         for value in self._local.values:
@@ -126,6 +137,7 @@ class KVBinding:
         kv_out = [name for layer in layers for name in present_names(layer)]
         self.session.run_with_ortvaluevector(self.ort.RunOptions(), [*feeds, *kv_in], feed_values, [*outputs, *kv_out],
                                              fetch_values, [self.cpu] * (len(outputs) + len(kv_out)))
+        return outputs[GREEDY_IDS if greedy_ids else LOGITS]
 
     def _vector(self, arrays):
         """An OrtValueVector of ``arrays`` (CPU numpy, held by the caller until the run ends)."""
@@ -140,6 +152,13 @@ class KVBinding:
         ids = np.empty(ids_shape, np.int64)
         self.binding.bind_output(GREEDY_IDS, "cpu", 0, np.int64, ids.shape, ids.ctypes.data)
         return self.run(logits_shape), ids
+
+
+def _window_feeds(input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's window inputs by name, as onnxruntime takes them: int64 ids and positions, a bool mask."""
+    return {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
+            POSITION_IDS: np.ascontiguousarray(position_ids, np.int64),
+            ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.bool_)}
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

@@ -123,13 +123,9 @@ class OnnxBackend:
             raise ValueError("this step graph has no greedy head (num_greedy input) on this provider; read the logits")
         bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
         if greedy_ids or not logits and self.takes_num_logits:  # the output head skipped: num_logits 0
-            n, window = input_ids.shape
-            counts, outputs = {bundle.NUM_LOGITS: 0}, {bundle.LOGITS: np.empty((n, 0, self.vocab_size), np.float32)}
-            if greedy_ids:
-                counts[bundle.NUM_GREEDY] = window
-                outputs[bundle.GREEDY_IDS] = np.empty((n, window), np.int64)  # [n, W]
-            self.kv.run_step_with_counts(input_ids, position_ids, attention_mask, past, counts, outputs)
-            return outputs[bundle.GREEDY_IDS if greedy_ids else bundle.LOGITS], past
+            out = self.kv.run_step_without_head(input_ids, position_ids, attention_mask, past, self.vocab_size,
+                                                greedy_ids)
+            return out, past
         out = self.kv.run_step(input_ids, position_ids, attention_mask, past, self.vocab_size)  # [n, W, V]
         return (out if logits else out[:, :0]), past
 

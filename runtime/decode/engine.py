@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.bundle import BundleConfig
+from runtime.bundle import GREEDY_HEAD_MAX_ROWS, BundleConfig
 from runtime.decode.acceptance import Accepted, accept, max_accept
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
@@ -295,15 +295,17 @@ class Engine:
 
     def _run(self, plan: StepPlan) -> tuple[np.ndarray, list, bool]:
         """One batch forward of the plan's rows (other slots idle). Returns the logits [n, w, V], the mask
-        token's logit suppressed, or, where the backend has the greedy head and every row reads argmaxes
-        only (:meth:`_reads_ids_only`), each position's argmax id [n, w] (the float32 output head skipped);
+        token's logit suppressed, or, where the backend has the greedy head, the forward has at most
+        ``GREEDY_HEAD_MAX_ROWS`` rows n·w and every row reads argmaxes only (:meth:`_reads_ids_only`), each
+        position's argmax id [n, w] (the float32 output head skipped);
         the presents; and whether the outputs are ids."""
         rows: list[list[int] | None] = [None] * plan.num_rows
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
         self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
-        are_ids = getattr(self.backend, "takes_num_greedy", False) and all(map(self._reads_ids_only, plan.rows))
+        are_ids = (getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
+                   and all(map(self._reads_ids_only, plan.rows)))
         outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id, greedy_ids=are_ids)
         if not are_ids:  # the greedy head excludes the mask token itself
             outputs[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated

@@ -97,10 +97,12 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
             the C sample and TensorRT run without feeding it); False makes it a required input (the
             fused graph).
 
-    The candidates' rows are read from the head's transpose [V, K] where the graph has one: the [V, K]
-    initializer the step graph's tied head transposes, or the graph's own ``Transpose`` of the head weight
-    (the model builder's tied embedding); else (an untied head, a [K, V] initializer) the candidates' columns
-    are gathered from the head and transposed ([K, C] -> [C, K]): the export stores no second copy of the head.
+    The candidates' rows are read from the head's transpose [V, K]: the [V, K] initializer the step graph's
+    tied head transposes, or the graph's own ``Transpose`` of the head weight (the model builder's tied
+    embedding); an untied head (a [K, V] initializer read by the head alone) is stored as [V, K] and read by
+    the head through a ``Transpose``, the form of a tied one (:func:`_store_transposed`): one copy in the
+    file, and a row gather (onnxruntime gathers the columns of a [K, V] weight element by element, 7-65x
+    slower at K 4096).
 
     Raises:
         ValueError: no such head (float32 MatMul over a constant), a head not after the ``num_logits``
@@ -172,11 +174,8 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     any_row = op("ReduceMax", [op("Cast", [is_candidate], to=ir.DataType.UINT8), const("axis_rows", np.array([0], np.int64))],
                  keepdims=0)  # [V]
     candidates = op("Reshape", [op("NonZero", [any_row]), const("flat_ids", np.array([-1], np.int64))])  # [C] ascending
-    table = table or _transpose_of(head.inputs[1])
-    if table is not None:
-        candidate_rows = op("Gather", [table, candidates], axis=0)  # [C, K]
-    else:  # the candidates' columns of the [K, V] head itself, not a second copy of the head
-        candidate_rows = op("Transpose", [op("Gather", [head.inputs[1], candidates], axis=1)], perm=[1, 0])  # [C, K]
+    table = table or _transpose_of(head.inputs[1]) or _store_transposed(graph, head, weight)
+    candidate_rows = op("Gather", [table, candidates], axis=0)  # [C, K]
     logits = op("ReduceSum", [op("Mul", [op("Unsqueeze", [x, const("axis_mid", np.array([1], np.int64))]), candidate_rows]),
                               const("axis_k", np.array([2], np.int64))], keepdims=0)  # [nG, C]
     best = op("ArgMax", [logits], axis=1, keepdims=0)  # [nG]: the first maximum, the lowest id
@@ -203,6 +202,22 @@ def _constant_head(head: ir.Node | None) -> tuple[np.ndarray, ir.Value | None] |
         table = transpose.inputs[0]
         return table.const_value.numpy().T, table
     return None
+
+
+def _store_transposed(graph: ir.Graph, head: ir.Node, weight: np.ndarray) -> ir.Value:
+    """Store the head's [K, V] initializer as its transpose [V, K], the head reading it through a ``Transpose``
+    (onnxruntime folds it into the MatMul at load, as for a tied head); returns the [V, K] value. Where another
+    node also reads the [K, V] weight, it stays and the [V, K] copy is added beside it."""
+    original = head.inputs[1]
+    table = ir.Value(name=f"{original.name}.rows", const_value=ir.tensor(np.ascontiguousarray(weight.T)))
+    graph.register_initializer(table)
+    transpose = ir.node("Transpose", [table], attributes={"perm": [1, 0]})
+    transpose.name = "/mars_edge/head_transpose"  # outside GREEDY_HEAD_PREFIX: the head's, kept when the greedy head is stripped
+    graph.insert_before(head, transpose)
+    head.replace_input_with(1, transpose.outputs[0])
+    if not original.uses():
+        graph.initializers.pop(original.name)
+    return table
 
 
 def _transpose_of(weight: ir.Value) -> ir.Value | None:

@@ -33,7 +33,8 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
                       greedy_mask_token: int | None = None) -> None:
     """Write the step graph of ``model`` to ``path`` (``window``: the bundle's W, the example length).
 
-    Weights go to external data next to ``path`` only when the graph's initializers are over 2 GiB. The
+    Weights go to external data next to ``path`` (``path`` + ``.data``) when the graph's initializers are over
+    torch's threshold for it (1.5 GiB, ``ONNXProgram.save``). The
     projections that share an input (Q/K/V, gate/up) are fused into one MatMul each
     (:mod:`mars_export.fuse_projections`); the output head runs on the window's last
     ``num_logits`` rows (:mod:`mars_export.logits_rows`). ``greedy_mask_token``: add the greedy head
@@ -67,7 +68,7 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     compute_logits_of_last_rows(program.model.graph)  # the num_logits input: prefill skips the output head
     if greedy_mask_token is not None:
         add_greedy_head(program.model.graph, greedy_mask_token, has_default=True)
-    program.save(str(path), external_data=_initializer_bytes(program.model.graph) > 2 * 1024**3)
+    program.save(str(path))  # external data above torch's threshold (1.5 GiB of initializers, the greedy head's included)
 
 
 @contextlib.contextmanager
@@ -90,7 +91,3 @@ def _example_inputs(vocab: int, num_layers: int, num_kv_heads: int, head_dim: in
              torch.zeros(b, num_kv_heads, p + window, head_dim, dtype=dtype)) for _ in range(num_layers)]
     return input_ids, position_ids, mask, past
 
-
-def _initializer_bytes(graph) -> int:
-    """The bytes of ``graph``'s (an onnx_ir Graph) initializers: the weights as saved, the greedy head's included."""
-    return sum(value.const_value.nbytes for value in graph.initializers.values() if value.const_value is not None)

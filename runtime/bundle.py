@@ -54,8 +54,8 @@ NUM_GREEDY, GREEDY_IDS = "num_greedy", "greedy_ids"  # optional: argmax ids of t
 GREEDY_HEAD_PREFIX = "/mars_edge/greedy_head"  # the names of the greedy head's nodes and initializers begin so
 # The most rows (batch x window) a forward asks the greedy head for. Its rescoring takes the union of the rows'
 # candidates against every row, so it grows with the rows: on the default model (2-core EPYC, P 128) the greedy
-# step with the head / reading the logits was 0.88-0.96x at 1-8 rows, 1.03-1.07x at 16, 1.21x at 32, 1.32x at 64
-# (BENCHMARKS.md, nineteenth session). Above it the engine reads the logits.
+# step with the head / reading the logits was 0.87-0.99x at 1-8 rows in two runs, 1.03-1.07x at 16, 1.21x at 32,
+# 1.32x at 64 (BENCHMARKS.md, nineteenth session). Above it the engine reads the logits.
 GREEDY_HEAD_MAX_ROWS = 8
 DTYPES = ("float32", "float16")
 # Weight storage: the dtype itself, or weight-only int8/int4 (MatMulNBits) over float32 activations.

@@ -203,8 +203,9 @@ def tied_head_graph(weight: np.ndarray) -> onnx.ModelProto:
 
 
 def test_the_head_is_stored_once_tied_or_untied_and_both_give_the_same_ids():
-    """The rescoring reads the candidates from the head's own weight: an untied [K, V] head gets no float32 copy
-    (a 7B model's head is 2.2 GB), a tied one reads the embedding's [V, K] rows; both give the same ids."""
+    """The rescoring reads the candidates' rows from the head's own weight: an untied [K, V] head is stored as
+    [V, K] behind a Transpose (no second float32 copy: a 7B model's head is 2.2 GB), a tied one reads the
+    embedding's [V, K] rows; both give the same ids and the same logits."""
     rng = np.random.default_rng(5)
     weight = head_weight(rng)
     untied, _ = head_graph(weight)
@@ -213,4 +214,20 @@ def test_the_head_is_stored_once_tied_or_untied_and_both_give_the_same_ids():
         floats = [numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT]
         assert sum(a.size for a in floats if a.size >= K * V) == K * V  # the head itself, once
     x = hidden_rows(rng, 8)
-    assert np.array_equal(run_head(session(untied), x, 8)[1], run_head(session(tied), x, 8)[1])
+    (untied_logits, untied_ids), (tied_logits, tied_ids) = (run_head(session(m), x, 8, 8) for m in (untied, tied))
+    assert np.array_equal(untied_ids, tied_ids) and np.array_equal(untied_logits, tied_logits)
+    assert np.allclose(untied_logits[0], x @ weight, rtol=1e-5, atol=1e-4)  # the head still computes x · W
+
+
+def test_an_untied_head_without_the_greedy_head_still_computes_the_logits():
+    """Stripping the greedy head (TensorRT builds, quantizing) keeps the untied head's [V, K] weight and its
+    Transpose: the head's own nodes, not the greedy head's."""
+    from runtime.bundle import strip_greedy_head
+    rng = np.random.default_rng(6)
+    weight = head_weight(rng, v=500)
+    model, _ = head_graph(weight)
+    strip_greedy_head(model)
+    assert {o.name for o in model.graph.output} == {"logits"}
+    x = hidden_rows(rng, 4)
+    logits = session(model).run(None, {"hidden": x[None], "num_logits": np.array(4, np.int64)})[0]
+    assert np.allclose(logits[0], x @ weight, rtol=1e-5, atol=1e-4)

@@ -85,7 +85,7 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         if done.returncode != 0:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"]
             raise RuntimeError(f"onnxruntime-genai's model builder failed: {lines[-1][:300]}")
-        # the builder keeps the weights apart: loaded into memory, saved as one file, as ours, below 2 GB
+        # the builder keeps the weights apart: loaded into memory, saved as one file below protobuf's 2 GiB
         model = ir.from_proto(onnx.load(str(out / BUILDER_FILE)))
         if fuse_projections:
             fuse_shared_input_matmuls(model.graph)

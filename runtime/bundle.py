@@ -69,7 +69,8 @@ class BundleError(ValueError):
 
 
 def external_data_file(onnx_file: str) -> str:
-    """The file holding an ONNX graph's weights when they are saved apart from it (graphs over 2 GB)."""
+    """The file holding an ONNX graph's weights when they are saved apart from it (step exports over 1.5 GiB of
+    weights, torch's threshold; fused and quantized graphs over 2 GiB, protobuf's limit)."""
     return onnx_file + ".data"
 
 

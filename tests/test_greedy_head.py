@@ -231,3 +231,39 @@ def test_an_untied_head_without_the_greedy_head_still_computes_the_logits():
     x = hidden_rows(rng, 4)
     logits = session(model).run(None, {"hidden": x[None], "num_logits": np.array(4, np.int64)})[0]
     assert np.allclose(logits[0], x @ weight, rtol=1e-5, atol=1e-4)
+
+
+def test_an_untied_head_is_read_through_a_transpose_and_gathered_as_rows():
+    """The form, not only the results: onnxruntime gathers the columns of a [K, V] weight element by element
+    (slower than the output head it saves at 1 row), so the rescoring gathers rows of the [V, K] initializer
+    the head reads through ``/mars_edge/head_transpose``."""
+    weight = head_weight(np.random.default_rng(7), v=500)
+    model, _ = head_graph(weight)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    initializers = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    head = producers["logits"]
+    transpose = producers[head.input[1]]
+    assert transpose.name == "/mars_edge/head_transpose" and initializers[transpose.input[0]].shape == (500, K)
+    gathers = [node for node in model.graph.node if node.op_type == "Gather" and node.input[0] in initializers]
+    assert [(g.input[0], helper.get_attribute_value(g.attribute[0])) for g in gathers] == [(transpose.input[0], 0)]
+
+
+def test_a_head_weight_read_by_another_node_stays_beside_its_transposed_copy():
+    rng = np.random.default_rng(8)
+    weight = head_weight(rng, v=300)
+    nodes = [helper.make_node("MatMul", ["hidden", "head"], ["logits"]),
+             helper.make_node("MatMul", ["hidden", "head"], ["other"])]
+    graph = helper.make_graph(nodes, "shared", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "w", K])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "w", 300]),
+                               helper.make_tensor_value_info("other", TensorProto.FLOAT, [1, "w", 300])],
+                              [numpy_helper.from_array(weight, "head")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    compute_logits_of_last_rows(model.graph, has_default=False)
+    assert greedy_head.add_greedy_head(model.graph, MASK)
+    proto = ir.to_proto(model)
+    assert "head" in {t.name for t in proto.graph.initializer}
+    x = hidden_rows(rng, 4)
+    logits, other, ids = session(proto).run(["logits", "other", "greedy_ids"], {
+        "hidden": x[None], "num_logits": np.array(4, np.int64), "num_greedy": np.array(4, np.int64)})
+    assert np.allclose(logits[0], x @ weight, rtol=1e-5, atol=1e-4) and np.array_equal(logits, other)
+    assert ids.shape == (1, 4)

@@ -605,20 +605,35 @@ def like_for_like_lines(pairs: list[dict]) -> str:
 
 
 def report(args) -> None:
-    """Merge DIR/rows-*.json into peers.json/csv/png under --out; print a Markdown table and the ratios to llama.cpp."""
+    """Merge DIR/rows-*.json into peers.json/csv/png under --out; print a Markdown table and the ratios to llama.cpp.
+
+    Rows files made with other settings than prompts.json (an earlier run's other engines) are left out, named on
+    stderr and in the meta's ``left_out``.
+
+    Raises:
+        SystemExit: no rows file matches the settings, or the engines consumed different prompt token counts.
+    """
     settings = json.loads((args.work / "prompts.json").read_text())
-    parts = [json.loads(path.read_text()) for path in rows_files(args.work)]
-    stale = [p["engine"] for p in parts if p["info"].get("settings", run_key(settings)) != run_key(settings)]
-    if stale:
-        raise SystemExit(f"error: rows of {stale} in {args.work} come from other settings than prompts.json; "
-                         "rerun those engines (ENGINES=... scripts/bench_peers.sh with the same arguments)")
+    parts, stale = [], []  # the rows files made with these settings; the names of the others
+    for path in rows_files(args.work):
+        part = json.loads(path.read_text())
+        if part["info"].get("settings", run_key(settings)) == run_key(settings):
+            parts.append(part)
+        else:
+            stale.append(path.name)
+    if stale:  # an earlier run's rows (other prompts, tokens, threads): never mixed into this table
+        print(f"note: {', '.join(stale)} in {args.work} come from other settings than prompts.json and are left out; "
+              "rerun those engines (ENGINES=... scripts/bench_peers.sh with the same arguments) to include them",
+              file=sys.stderr)
+    if not parts:
+        raise SystemExit(f"error: no rows in {args.work} come from the settings of prompts.json; run the engines first")
     rows = [r for p in parts for r in p["rows"]]
     counts = {tuple(r["prompt_tokens"]) for r in rows if r["status"] == OK}
     if len(counts) > 1:
         raise SystemExit(f"error: engines consumed different prompt token counts: {sorted(counts)}")
     compare_to_reference(rows)
     pairs = like_for_like(rows)
-    meta = {"machine": machine_info(), "engines": {p["engine"]: p["info"] for p in parts},
+    meta = {"machine": machine_info(), "engines": {p["engine"]: p["info"] for p in parts}, "left_out": stale,
             "setup_steps": read_setup_steps(args.work / "setup.tsv"),
             "prompts": [{"id": p["id"], "num_tokens": len(p["ids"])} for p in settings["prompts"]],
             **{k: settings[k] for k in ("bundle", "source_model", "max_new_tokens", "batch_sizes", "threads")}}

@@ -12,7 +12,8 @@
 #   BUNDLE     our bundle (default bundles/default-mars-b4, exported here if missing)
 #   MODEL      model spec the bundle was exported from (default default-mars)
 #   ENGINES    engines to run (default "ours transformers ortgenai llamacpp optimum"); the rows of
-#              the others stay in $PEER_ENVS/work and join the report if their settings match;
+#              the others stay in $PEER_ENVS/work and join the report if their settings match
+#              (rows of other settings are left out, named on stderr and in peers.json's meta);
 #              ENGINES=ours installs nothing and writes no checkpoint (the CI smoke test runs it)
 #   QUANTIZED  our weight-only quantized bundles run with ours (default "int8 int4"; "" for none):
 #              $BUNDLE-int8 and $BUNDLE-int4, exported from $MODEL if missing; variants "int8 ar" ...

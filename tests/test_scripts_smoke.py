@@ -357,6 +357,32 @@ def test_bench_peers_like_for_like_ratios():
     assert peers.like_for_like([r for r in rows if r["engine"] == "ours"]) == []
 
 
+def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
+    """Rows files an earlier run left in the work folder with other settings (here: other prompts) are left out of
+    the report, named on stderr and in peers.json; the rows made with prompts.json's settings are reported."""
+    import argparse
+    peers = load_script(ROOT / "bench" / "peers.py")
+    prompts = [{"id": "gsm8k-0", "task": "gsm8k", "ids": [5, 6, 7]}]
+    settings = {"bundle": "b", "source_model": "m", "max_new_tokens": 4, "batch_sizes": [1], "threads": 1,
+                "taus": [0.9], "eos_ids": [2], "pad_id": 2, "prompts": prompts}
+    (tmp_path / "prompts.json").write_text(json.dumps(settings))
+
+    def rows_file(engine, variant, key):
+        row = {"engine": engine, "variant": variant, "batch_size": 1, "status": "ok", "error": "", "num_prompts": 1,
+               "num_tokens": 3, "seconds": 0.1, "ttft_seconds_mean": 0.01, "decode_tokens_per_second": 30.0,
+               "tokens_per_second": 30.0, "num_forwards": 3, "tpf": 1.0, "prompt_tokens": [3], "outputs": [[8, 9, 2]]}
+        peers.write_rows(tmp_path, engine, [row], {"settings": key})
+    rows_file("ours", "ar", peers.run_key(settings))
+    rows_file("ortgenai", "model builder fp32", peers.run_key({**settings, "prompts": [{**prompts[0], "id": "other"}]}))
+    peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
+    result = json.loads((tmp_path / "out" / "peers.json").read_text())
+    assert [r["engine"] for r in result["rows"]] == ["ours"] and result["meta"]["left_out"] == ["rows-ortgenai.json"]
+    assert "rows-ortgenai.json" in capsys.readouterr().err
+    (tmp_path / "rows-ours.json").unlink()
+    with pytest.raises(SystemExit, match="no rows .* come from the settings of prompts.json"):
+        peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
+
+
 def test_bench_peers_quantize_gguf_needs_the_f32_file(tmp_path):
     """quantize-gguf stops before loading llama.cpp when its F32 input is missing, naming the file and the fix."""
     done = subprocess.run([sys.executable, "bench/peers.py", "quantize-gguf", "--type", "q4_1", "--input",

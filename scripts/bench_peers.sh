@@ -81,7 +81,7 @@ done
 mkdir -p "$LOGS" "$WORK"
 if [ "$ROUNDS" -gt 1 ]; then  # rounds compare the engines run now, round by round: no earlier rows join them
     rm -f "$WORK"/rows-*.json
-else  # rows of engines not run now stay; the report refuses them if the settings differ
+else  # rows of engines not run now stay; the report leaves them out if the settings differ
     for engine in "${ENGINE_LIST[@]}"; do rm -f "$WORK/rows-$engine.json" "$WORK/rows-$engine"-*.json; done
 fi
 RUN_LOG_TAG=""  # .roundK while rounds run: each round keeps its run logs

@@ -513,10 +513,13 @@ def run_key(settings: dict) -> dict:
 
 
 def record_status(args) -> None:
-    """Write a single status row for an engine that could not be installed or run (key line of its log)."""
+    """Write a single status row for an engine that could not be installed or run (key line of its log), under the
+    settings of the work folder's prompts.json where there is one (so a later run with other settings leaves it out)."""
     error = key_error_line(Path(args.log).read_text(errors="replace")) if args.log else args.error
     name = rows_name(args.engine, args.tag)
-    write_rows(args.work, name, [status_row(args.engine, args.tag or "", None, args.status, error)], {})
+    prompts = args.work / "prompts.json"
+    info = {"settings": run_key(json.loads(prompts.read_text()))} if prompts.exists() else {}
+    write_rows(args.work, name, [status_row(args.engine, args.tag or "", None, args.status, error)], info)
     print(f"{name}: {args.status}: {error}")
 
 

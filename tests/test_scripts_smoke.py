@@ -358,8 +358,9 @@ def test_bench_peers_like_for_like_ratios():
 
 
 def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
-    """Rows files an earlier run left in the work folder with other settings (here: other prompts) are left out of
-    the report, named on stderr and in peers.json; the rows made with prompts.json's settings are reported."""
+    """Rows files an earlier run left in the work folder with other settings (here: other prompts), its status rows
+    included, are left out of the report, named on stderr and in peers.json; the rows made with prompts.json's
+    settings are reported."""
     import argparse
     peers = load_script(ROOT / "bench" / "peers.py")
     prompts = [{"id": "gsm8k-0", "task": "gsm8k", "ids": [5, 6, 7]}]
@@ -372,12 +373,18 @@ def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
                "num_tokens": 3, "seconds": 0.1, "ttft_seconds_mean": 0.01, "decode_tokens_per_second": 30.0,
                "tokens_per_second": 30.0, "num_forwards": 3, "tpf": 1.0, "prompt_tokens": [3], "outputs": [[8, 9, 2]]}
         peers.write_rows(tmp_path, engine, [row], {"settings": key})
+    other = {**settings, "prompts": [{**prompts[0], "id": "other"}]}
+    (tmp_path / "prompts.json").write_text(json.dumps(other))  # an earlier run's: its status rows carry its settings
+    peers.record_status(argparse.Namespace(engine="optimum", tag=None, status="not installable here", log=None,
+                                           error="no wheel", work=tmp_path))
+    (tmp_path / "prompts.json").write_text(json.dumps(settings))
     rows_file("ours", "ar", peers.run_key(settings))
-    rows_file("ortgenai", "model builder fp32", peers.run_key({**settings, "prompts": [{**prompts[0], "id": "other"}]}))
+    rows_file("ortgenai", "model builder fp32", peers.run_key(other))
     peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
     result = json.loads((tmp_path / "out" / "peers.json").read_text())
-    assert [r["engine"] for r in result["rows"]] == ["ours"] and result["meta"]["left_out"] == ["rows-ortgenai.json"]
-    assert "rows-ortgenai.json" in capsys.readouterr().err
+    assert [r["engine"] for r in result["rows"]] == ["ours"]
+    assert result["meta"]["left_out"] == ["rows-ortgenai.json", "rows-optimum.json"]
+    assert "rows-ortgenai.json, rows-optimum.json" in capsys.readouterr().err
     (tmp_path / "rows-ours.json").unlink()
     with pytest.raises(SystemExit, match="no rows .* come from the settings of prompts.json"):
         peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))

@@ -378,14 +378,17 @@ def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
     peers.record_status(argparse.Namespace(engine="optimum", tag=None, status="not installable here", log=None,
                                            error="no wheel", work=tmp_path))
     (tmp_path / "prompts.json").write_text(json.dumps(settings))
+    peers.record_status(argparse.Namespace(engine="transformers", tag=None, status="failed", log=None, error="boom",
+                                           work=tmp_path))  # this run's failure: reported
     rows_file("ours", "ar", peers.run_key(settings))
     rows_file("ortgenai", "model builder fp32", peers.run_key(other))
     peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
     result = json.loads((tmp_path / "out" / "peers.json").read_text())
-    assert [r["engine"] for r in result["rows"]] == ["ours"]
+    assert [(r["engine"], r["status"]) for r in result["rows"]] == [("ours", "ok"), ("transformers", "failed")]
     assert result["meta"]["left_out"] == ["rows-ortgenai.json", "rows-optimum.json"]
     assert "rows-ortgenai.json, rows-optimum.json" in capsys.readouterr().err
-    (tmp_path / "rows-ours.json").unlink()
+    for name in ("ours", "transformers"):
+        (tmp_path / f"rows-{name}.json").unlink()
     with pytest.raises(SystemExit, match="no rows .* come from the settings of prompts.json"):
         peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
 

@@ -493,7 +493,7 @@ RUNNERS = {"ours": run_ours, "transformers": run_transformers, "ortgenai": run_o
 
 def run_engine(args) -> None:
     """Run one engine in this process; write DIR/rows-ENGINE.json, or rows-ENGINE-TAG.json with --tag."""
-    settings = json.loads((args.work / "prompts.json").read_text())
+    settings = read_settings(args.work)
     start, load_before = time.perf_counter(), os.getloadavg()
     try:
         rows, found = RUNNERS[args.engine](settings, args.model)
@@ -504,6 +504,11 @@ def run_engine(args) -> None:
                                               "seconds": time.perf_counter() - start, "settings": run_key(settings),
                                               "load_average_before_after": [load_before, os.getloadavg()],
                                               "packages": installed_packages()})
+
+
+def read_settings(work: Path) -> dict:
+    """The run's settings and prompt ids, as ``prompts`` wrote them to DIR/prompts.json."""
+    return json.loads((work / "prompts.json").read_text())
 
 
 def run_key(settings: dict) -> dict:
@@ -517,8 +522,7 @@ def record_status(args) -> None:
     settings of the work folder's prompts.json where there is one (so a later run with other settings leaves it out)."""
     error = key_error_line(Path(args.log).read_text(errors="replace")) if args.log else args.error
     name = rows_name(args.engine, args.tag)
-    prompts = args.work / "prompts.json"
-    info = {"settings": run_key(json.loads(prompts.read_text()))} if prompts.exists() else {}
+    info = {"settings": run_key(read_settings(args.work))} if (args.work / "prompts.json").exists() else {}
     write_rows(args.work, name, [status_row(args.engine, args.tag or "", None, args.status, error)], info)
     print(f"{name}: {args.status}: {error}")
 
@@ -616,11 +620,12 @@ def report(args) -> None:
     Raises:
         SystemExit: no rows file matches the settings, or the engines consumed different prompt token counts.
     """
-    settings = json.loads((args.work / "prompts.json").read_text())
+    settings = read_settings(args.work)
+    key = run_key(settings)
     parts, stale = [], []  # the rows files made with these settings; the names of the others
     for path in rows_files(args.work):
         part = json.loads(path.read_text())
-        if part["info"].get("settings", run_key(settings)) == run_key(settings):
+        if part["info"].get("settings", key) == key:
             parts.append(part)
         else:
             stale.append(path.name)

@@ -21,8 +21,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support import export, load_script
 from test_trt import GPU_MISSING
@@ -421,11 +423,19 @@ def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
     assert "| op type | nodes | ms/step | share |" in stdout and "unprofiled step" in stdout
 
 
-def test_profile_step_runs_a_fused_bundle_as_its_backend_does(smoke_model, tmp_path):
+@pytest.fixture(scope="module")
+def smoke_fused(smoke_model, tmp_path_factory) -> Path:
+    """The tiny Llama's fused bundle (the model builder's graph), B = W = 4."""
+    ckpt, _ = smoke_model
+    return export(str(ckpt), tmp_path_factory.mktemp("smoke-fused") / "fused", 4, 4, "--mask-token", "<mask>",
+                  "--graph", "fused")
+
+
+def test_profile_step_runs_a_fused_bundle_as_its_backend_does(smoke_model, smoke_fused, tmp_path):
     """A fused bundle beside the step graph of the same model: its step over the same past (P = 0 included)
     and its op breakdown (GroupQueryAttention, the greedy head); more than one row is refused naming --batches 1."""
-    ckpt, bundle = smoke_model
-    fused = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
+    _, bundle = smoke_model
+    fused = smoke_fused
     python("bench/profile_step.py", bundle, fused, "--pasts", "6", "0", "--windows", "1", "3", "--steps", "2",
            "--rounds", "1", "--threads", "1", "--out", tmp_path, "--name", "p")
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
@@ -439,6 +449,60 @@ def test_profile_step_runs_a_fused_bundle_as_its_backend_does(smoke_model, tmp_p
     refused = subprocess.run([sys.executable, "bench/profile_step.py", fused, "--batches", "2"], cwd=ROOT,
                              capture_output=True, text=True, timeout=TIMEOUT_S)
     assert refused.returncode != 0 and "fused bundle: it runs batch 1; pass --batches 1" in refused.stderr
+
+
+@pytest.mark.parametrize("part, removed_ops", [("attention", {"GroupQueryAttention"}),
+                                                ("norms", {"SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"}),
+                                                ("activation", {"Sigmoid"})])
+def test_step_ablation_removes_a_part_and_the_graph_still_runs(smoke_fused, smoke_model, part, removed_ops, monkeypatch):
+    """Each part leaves every layer (2 layers: 2 attentions, 4 skip-norms and the first norm, 2 SiLUs replaced), the nodes that only
+    fed it go too, and the graph keeps its I/O and runs a step; a step graph has no attention of that form (an error
+    naming fused bundles)."""
+    import onnx
+    import onnxruntime as ort
+    from runtime import bundle as bundle_module
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    ablation = load_script(ROOT / "bench" / "step_ablation.py")
+    model = onnx.load(str(smoke_fused / bundle_module.ONNX_FILE))
+    before = [n.op_type for n in model.graph.node]
+    assert removed_ops & set(before)
+    io = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
+    replaced = ablation.ablate(model, part, head_dim=bundle_module.load_config(smoke_fused).head_dim)
+    assert replaced == {"attention": 2, "norms": 5, "activation": 2}[part]  # norms: 4 skip-norms and the first plain one
+    after = [n.op_type for n in model.graph.node]
+    assert not removed_ops & set(after) and len(after) < len(before) + 6 * replaced
+    for kernel in ("MatMul", "MatMulNBits"):  # every weight is still read
+        assert after.count(kernel) == before.count(kernel)
+    assert ([i.name for i in model.graph.input], [o.name for o in model.graph.output]) == io
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    config = bundle_module.load_config(smoke_fused)
+    feeds = {"input_ids": np.array([[5, 6]], np.int64), "attention_mask": np.ones((1, 2), np.int64),
+             bundle_module.NUM_LOGITS: np.array(2, np.int64), bundle_module.NUM_GREEDY: np.array(0, np.int64)}
+    feeds.update({i.name: np.zeros((1, config.num_kv_heads, 4, config.head_dim), np.float32)
+                  for i in session.get_inputs() if i.name.startswith("past_key_values.")})
+    assert session.run([bundle_module.LOGITS], feeds)[0].shape == (1, 2, config.vocab_size)
+    step_graph = onnx.load(str(smoke_model[1] / bundle_module.ONNX_FILE))
+    with pytest.raises(ValueError, match="no attention of the model builder's form.*fused bundle"):
+        ablation.ablate(step_graph, "attention", head_dim=config.head_dim)
+
+
+def test_step_ablation_times_each_part_against_the_whole_step(smoke_fused, smoke_model, tmp_path):
+    """Every variant at every (P, W), each part's cost = the whole step's time - the variant's; a step-graph bundle
+    is refused with one line naming fused bundles and bench/profile_step.py."""
+    stdout = python("bench/step_ablation.py", smoke_fused, "--pasts", "6", "0", "--windows", "1", "2", "--steps", "1",
+                    "--rounds", "1", "--threads", "1", "--out", tmp_path, "--name", "a")
+    rows = assert_results(tmp_path, "a")["rows"]
+    variants = ["whole", "attention", "norms", "activation", "all"]
+    assert [(r["past"], r["window"], r["variant"]) for r in rows] == \
+        [(p, w, v) for p in (6, 0) for w in (1, 2) for v in variants]
+    for point in range(4):
+        whole, *others = rows[point * 5:point * 5 + 5]
+        assert whole["step_ms"] > 0 and whole["part_ms"] == 0
+        assert all(r["part_ms"] == pytest.approx(whole["step_ms"] - r["step_ms"]) for r in others)
+    assert "| P | W | variant |" in stdout and not list(Path(tempfile.gettempdir()).glob("mars-ablation-*"))
+    refused = subprocess.run([sys.executable, "bench/step_ablation.py", smoke_model[1]], cwd=ROOT, capture_output=True,
+                             text=True, timeout=TIMEOUT_S)
+    assert refused.returncode == 1 and "give it a fused bundle" in refused.stderr and "profile_step.py" in refused.stderr
 
 
 def test_demo_on_another_bundle(smoke_model):

@@ -11,7 +11,9 @@ This script measures a part's cost without it: each part is removed from every l
 builder's graph of a fused bundle (``mars-export --graph fused``), and the step with the part removed
 is timed against the whole step, interleaved, as ``bench/profile_step.py`` times bundles (the engine's
 step: the KV cache bound as past and present, written in place). A part's cost is the whole step's
-time minus the step's time without it. The variants compute wrong numbers: they exist only to be timed
+time minus the step's time without it, taken within each round (``--rounds`` rounds of ``--steps``
+steps of every variant in turn) and given as the median over rounds with the rounds' range: on a
+shared machine a part of under ~1 ms can come out negative in a round. The variants compute wrong numbers: they exist only to be timed
 (written to a temporary folder, deleted at the end). Parts (:func:`ablate`):
 
 - ``attention``: every ``GroupQueryAttention`` (rotary, the KV write, scores, softmax, p·v) gives the
@@ -26,7 +28,7 @@ time minus the step's time without it. The variants compute wrong numbers: they 
   kernels and the graph's glue.
 
 Writes {name}.json (command, machine, bundle, rows), {name}.csv (one row per variant, P and W: step and
-CPU ms, the part's ms and share of the whole step) and {name}.png (per P and W, the whole step split into
+CPU ms, the part's ms with the rounds' range, and its share of the whole step) and {name}.png (per P and W, the whole step split into
 the parts and the rest) to --out, and prints a Markdown table.
 """
 
@@ -155,6 +157,21 @@ def variant_bundle(source: Path, parts: tuple[str, ...], folder: Path) -> Path:
     return target
 
 
+def paired(rounds: list[dict], name: str) -> dict:
+    """Variant ``name``'s figures over ``rounds`` (per round, name -> {"step_ms", "cpu_ms"}: one interleaved
+    sample each): median step and CPU ms, and its part's cost as the median over rounds of the whole step's time
+    minus the variant's in the same round (slow drift of the machine's speed cancels), with the rounds' least
+    and greatest difference."""
+    def differences(kind):
+        return [r[WHOLE][kind] - r[name][kind] for r in rounds]
+    step = differences("step_ms")
+    whole_ms = float(np.median([r[WHOLE]["step_ms"] for r in rounds]))
+    return {"step_ms": float(np.median([r[name]["step_ms"] for r in rounds])),
+            "cpu_ms": float(np.median([r[name]["cpu_ms"] for r in rounds])),
+            "part_ms": float(np.median(step)), "part_ms_min": min(step), "part_ms_max": max(step),
+            "part_share": float(np.median(step)) / whole_ms, "part_cpu_ms": float(np.median(differences("cpu_ms")))}
+
+
 def run(args) -> dict:
     """All measurements: {"meta", "rows"}, one row per (variant, P, W)."""
     config = bundle.load_config(args.bundle)
@@ -176,15 +193,11 @@ def run(args) -> dict:
         for past, window in itertools.product(args.pasts, args.windows):
             inputs = decode_inputs(step_config, window, 1, past, rng)
             calls = {name: step_call(session, config, inputs) for name, session in sessions.items()}
-            times = interleaved_times(calls, args.steps, args.rounds)
-            whole = times[WHOLE]
-            for name, timing in times.items():
-                part_ms = whole["step_ms"] - timing["step_ms"] if name != WHOLE else 0.0
-                rows.append({"variant": name, "past": past, "window": window, **timing, "part_ms": part_ms,
-                             "part_share": part_ms / whole["step_ms"],
-                             "part_cpu_ms": whole["cpu_ms"] - timing["cpu_ms"] if name != WHOLE else 0.0})
-            print(f"P={past} W={window}: whole step {whole['step_ms']:.2f} ms; " + ", ".join(
-                f"{r['variant']} {r['part_ms']:.2f} ms ({r['part_share']:.0%})" for r in rows[-len(times) + 1:]),
+            rounds = [interleaved_times(calls, args.steps, 1) for _ in range(args.rounds)]  # one sample each
+            for name in calls:
+                rows.append({"variant": name, "past": past, "window": window, **paired(rounds, name)})
+            print(f"P={past} W={window}: whole step {rows[-len(calls)]['step_ms']:.2f} ms; " + ", ".join(
+                f"{r['variant']} {r['part_ms']:.2f} ms ({r['part_share']:.0%})" for r in rows[-len(calls) + 1:]),
                 flush=True)
             del calls, inputs
         del sessions
@@ -195,11 +208,13 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """Per P and W: the whole step, then each variant's time and what its part costs."""
-    lines = ["| P | W | variant | step ms | CPU ms | part removed costs, ms | share of the whole step |",
+    """Per P and W: the whole step, then each variant's time and what its part costs (median of the rounds' paired
+    differences, and their range: a part whose range spans 0 is within the machine's noise)."""
+    lines = ["| P | W | variant | step ms | CPU ms | part removed costs, ms (rounds' range) | share of the whole step |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        cost = " | " if r["variant"] == WHOLE else f"{r['part_ms']:.2f} | {r['part_share']:.0%}"
+        cost = " | " if r["variant"] == WHOLE else \
+            f"{r['part_ms']:.2f} ({r['part_ms_min']:.2f} to {r['part_ms_max']:.2f}) | {r['part_share']:.0%}"
         lines.append(f"| {r['past']} | {r['window']} | {r['variant']} | {r['step_ms']:.2f} | {r['cpu_ms']:.2f} | {cost} |")
     return "\n".join(lines)
 

@@ -13,8 +13,9 @@ is timed against the whole step, interleaved, as ``bench/profile_step.py`` times
 step: the KV cache bound as past and present, written in place). A part's cost is the whole step's
 time minus the step's time without it, taken within each round (``--rounds`` rounds of ``--steps``
 steps of every variant in turn) and given as the median over rounds with the rounds' range: on a
-shared machine a part of under ~1 ms can come out negative in a round. The variants compute wrong numbers: they exist only to be timed
-(written to a temporary folder, deleted at the end). Parts (:func:`ablate`):
+shared machine a part of under ~1 ms can come out negative in a round. The variants compute wrong
+numbers: they exist only to be timed (written to a temporary folder, deleted at the end). Parts
+(:func:`ablate`):
 
 - ``attention``: every ``GroupQueryAttention`` (rotary, the KV write, scores, softmax, p·v) gives the
   first H·D columns of its query input instead (a Slice), and its presents are its pasts (an
@@ -179,6 +180,7 @@ def run(args) -> dict:
         raise bundle.BundleError(f"{args.bundle} holds a step graph; this script removes parts of the model builder's "
                                  "graph: give it a fused bundle (mars-export --graph fused), or profile a step graph "
                                  "with bench/profile_step.py")
+    machine = machine_info()  # before the run: its load average is the machine's, not this script's
     variants = [(part,) for part in args.parts] + ([tuple(args.parts)] if len(args.parts) > 1 else [])
     rng = np.random.default_rng(0)
     rows = []
@@ -203,7 +205,7 @@ def run(args) -> dict:
         del sessions
     meta = {"command": "python bench/step_ablation.py " + " ".join(sys.argv[1:]), "bundle": str(args.bundle),
             "weight_dtype": config.weight_dtype, "threads": args.threads, "steps": args.steps, "rounds": args.rounds,
-            "machine": machine_info(), "loadavg_end": os.getloadavg()}
+            "machine": machine, "loadavg_end": os.getloadavg()}
     return {"meta": meta, "rows": rows}
 
 

@@ -116,9 +116,12 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     Scores, mask and softmax run in float32 (in fp16, q·k over D = 64..128 can pass 65504
     and a softmax over S keys loses the small terms); the weights go back to the model
     dtype (in [0, 1]) for p·v. Query head h uses KV head h // G, as ``repeat_kv`` would.
-    No MatMul here runs one row: MLAS gives those its matrix-vector kernel, whose sums differ
-    from the general kernel's, so a one-token step would get other bits than a window; with one
-    query head per KV head (G = 1) every query row is therefore scored twice.
+    MLAS gives a one-row MatMul its matrix-vector kernel, whose sums differ from the general
+    kernel's, so every row must take the same kind whatever W is. The scores never run one row
+    (G·W rows per KV head; with one query head per KV head, G = 1, every query row is scored
+    twice); p·v always does: each row [1, S] is its own product with the values, read where they
+    lie (the general kernel packs the values [S, D] for every (row of B, KV head), which at batch
+    16 made the step 1.12x as long at P 1024 and 2048, BENCHMARKS.md).
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -140,8 +143,8 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     scores = scores.view(batch, num_kv_heads, -1, window, capacity)  # [B, Hkv, G, W, S]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, S]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
-    weights = weights.view(batch, num_kv_heads, -1, capacity)  # [B, Hkv, G·W, S]
-    out = weights @ cache_value  # [B, Hkv, G·W, D]
+    weights = weights.view(batch, num_kv_heads, -1, 1, capacity)  # [B, Hkv, G·W, 1, S]
+    out = (weights @ cache_value[:, :, None]).squeeze(3)  # [B, Hkv, G·W, D]: one product per row
     if group == 1:
         out = out[:, :, :window]  # the first copy of each row
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]

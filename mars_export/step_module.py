@@ -19,9 +19,10 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
   commit has nothing left to copy.
 - Attention (:func:`step_attention`, through transformers' ``AttentionInterface``): the query heads of
   one KV head are stacked along the query axis, [B, Hkv, G·W, D], so the KV heads are never repeated;
-  scores and p·v are one MatMul each over the S cached keys and values. A key sits at the same index
-  whether it is fed in a window or was committed by an earlier step, so the softmax sum and p·v add the
-  same terms in the same lanes and blocks: a token scored inside a window gets the bits of the same token
+  the scores are one MatMul over the S cached keys, p·v one product per query row over the S cached values
+  (:func:`step_attention` says why). A key sits at the same index whether it is fed in a window or was
+  committed by an earlier step, so the softmax sum and p·v add the same terms in the same lanes and
+  blocks: a token scored inside a window gets the bits of the same token
   fed one step at a time (onnxruntime CPU). Otherwise 1-ulp differences appear, which int8 activations
   (MatMulNBits ``accuracy_level`` 4) grow into logit differences above 1, so verification left greedy AR.
 - RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with

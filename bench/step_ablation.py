@@ -19,8 +19,10 @@ numbers: they exist only to be timed (written to a temporary folder, deleted at 
 
 - ``attention``: every ``GroupQueryAttention`` (rotary, the KV write, scores, softmax, p·v) gives the
   first H·D columns of its query input instead (a Slice), and its presents are its pasts (an
-  Identity, which copies nothing where the runtime binds both to one buffer); the one-token
-  window's Tile and Slice stay.
+  Identity, which copies nothing where the runtime binds both to one buffer). Where its query,
+  key and value come packed in one input, the one-token window's Tile and Slice stay; where they
+  come apart (Qwen3, whose builder graph normalizes the query and key heads), the key and value
+  paths that only fed the attention go with it (the key norm among them).
 - ``norms``: every ``SkipSimplifiedLayerNormalization`` becomes the Add of its input and skip (for
   both its output and its sum output), every ``SimplifiedLayerNormalization`` an Identity.
 - ``activation``: the MLP's SiLU (SiLU(gate) x up becomes gate x up: a Sigmoid and a Mul go); the
@@ -28,9 +30,14 @@ numbers: they exist only to be timed (written to a temporary folder, deleted at 
 - ``all`` (added when several parts are given): those parts together; what is left is the weight
   kernels and the graph's glue.
 
+Every weight is still read in every variant (:func:`ablate` refuses a removal that would drop a weight
+MatMul). The script holds a session of the whole step and one of each variant at once, and writes the variants'
+graphs to a temporary folder: four copies of the bundle's graph on disk (4 x 267 MB for the default model's int8
+bundle) and five sessions of it in memory.
+
 Writes {name}.json (command, machine, bundle, rows), {name}.csv (one row per variant, P and W: step and
-CPU ms, the part's ms with the rounds' range, and its share of the whole step) and {name}.png (per P and W, the whole step split into
-the parts and the rest) to --out, and prints a Markdown table.
+CPU ms, the part's ms with the rounds' range, and its share of the whole step) and {name}.png (per P and W,
+each part's cost with the rounds' range) to --out, and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -66,7 +73,8 @@ def ablate(model: onnx.ModelProto, part: str, head_dim: int) -> int:
     (the nodes that only fed it are dropped); returns how many nodes were replaced. ``head_dim``: D.
 
     Raises:
-        ValueError: ``part`` is unknown, or the graph has none of it (not a model builder graph).
+        ValueError: ``part`` is unknown, the graph has none of it (not a model builder graph), or removing it
+            would leave a weight MatMul unread (its output fed only the part).
     """
     graph = model.graph
     replace_node = {"attention": partial(_without_attention, head_dim=head_dim), "norms": _without_norm,
@@ -82,9 +90,19 @@ def ablate(model: onnx.ModelProto, part: str, head_dim: int) -> int:
     if not replaced:
         raise ValueError(f"the graph has no {part} of the model builder's form; is it a fused bundle's graph "
                          "(mars-export --graph fused)?")
+    kept = _needed(nodes, {o.name for o in graph.output})
+    lost = _weight_kernels(graph.node) - _weight_kernels(kept)
+    if lost:
+        raise ValueError(f"removing the {part} would leave {len(lost)} weight MatMuls unread (e.g. {sorted(lost)[0]}): "
+                         "a variant must read every weight; this graph's form is not one this script knows")
     del graph.node[:]
-    graph.node.extend(_needed(nodes, {o.name for o in graph.output}))
+    graph.node.extend(kept)
     return replaced
+
+
+def _weight_kernels(nodes) -> set[str]:
+    """Names (else first outputs) of the MatMul-like nodes among ``nodes``."""
+    return {n.name or n.output[0] for n in nodes if n.op_type in ("MatMul", "MatMulNBits", "Gemm", "FusedMatMul")}
 
 
 def _int64(name: str, value: int) -> onnx.NodeProto:
@@ -165,11 +183,14 @@ def paired(rounds: list[dict], name: str) -> dict:
     and greatest difference."""
     def differences(kind):
         return [r[WHOLE][kind] - r[name][kind] for r in rounds]
+    times = {"step_ms": float(np.median([r[name]["step_ms"] for r in rounds])),
+             "cpu_ms": float(np.median([r[name]["cpu_ms"] for r in rounds]))}
+    if name == WHOLE:  # nothing removed: no part cost (empty in the CSV)
+        return {**times, "part_ms": None, "part_ms_min": None, "part_ms_max": None, "part_share": None,
+                "part_cpu_ms": None}
     step = differences("step_ms")
     whole_ms = float(np.median([r[WHOLE]["step_ms"] for r in rounds]))
-    return {"step_ms": float(np.median([r[name]["step_ms"] for r in rounds])),
-            "cpu_ms": float(np.median([r[name]["cpu_ms"] for r in rounds])),
-            "part_ms": float(np.median(step)), "part_ms_min": min(step), "part_ms_max": max(step),
+    return {**times, "part_ms": float(np.median(step)), "part_ms_min": min(step), "part_ms_max": max(step),
             "part_share": float(np.median(step)) / whole_ms, "part_cpu_ms": float(np.median(differences("cpu_ms")))}
 
 
@@ -180,6 +201,10 @@ def run(args) -> dict:
         raise bundle.BundleError(f"{args.bundle} holds a step graph; this script removes parts of the model builder's "
                                  "graph: give it a fused bundle (mars-export --graph fused), or profile a step graph "
                                  "with bench/profile_step.py")
+    furthest = max(args.pasts) + max(max(args.windows), 2)  # a fused step writes max(W, 2) positions
+    if furthest > config.max_context:
+        raise bundle.BundleError(f"--pasts {max(args.pasts)} with --windows {max(args.windows)} reaches position "
+                                 f"{furthest - 1}, beyond the model's context of {config.max_context}; pass smaller pasts")
     machine = machine_info()  # before the run: its load average is the machine's, not this script's
     variants = [(part,) for part in args.parts] + ([tuple(args.parts)] if len(args.parts) > 1 else [])
     rng = np.random.default_rng(0)
@@ -195,7 +220,9 @@ def run(args) -> dict:
         for past, window in itertools.product(args.pasts, args.windows):
             inputs = decode_inputs(step_config, window, 1, past, rng)
             calls = {name: step_call(session, config, inputs) for name, session in sessions.items()}
-            rounds = [interleaved_times(calls, args.steps, 1) for _ in range(args.rounds)]  # one sample each
+            order = list(calls)  # each round starts one variant later: no variant always runs first
+            rounds = [interleaved_times({n: calls[n] for n in order[i % len(order):] + order[:i % len(order)]},
+                                        args.steps, 1) for i in range(args.rounds)]  # one sample each
             for name in calls:
                 rows.append({"variant": name, "past": past, "window": window, **paired(rounds, name)})
             print(f"P={past} W={window}: whole step {rows[-len(calls)]['step_ms']:.2f} ms; " + ", ".join(
@@ -222,26 +249,27 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """One stacked bar per (P, W): the single parts' costs and the rest of the whole step."""
+    """Per (P, W), each removal's cost: the median of the rounds, and their range as an error bar (a bar whose range
+    crosses 0 is within the noise)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if r["variant"] != WHOLE]
     points = list(dict.fromkeys((r["past"], r["window"]) for r in rows))
-    parts = [v for v in dict.fromkeys(r["variant"] for r in rows) if v in PARTS]
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(points)), 4.5))
-    for i, point in enumerate(points):
-        at = {r["variant"]: r for r in rows if (r["past"], r["window"]) == point}
-        bottom = 0.0
-        for j, part in enumerate(parts):
-            height = max(at[part]["part_ms"], 0.0)  # a part within the noise may time below zero
-            ax.bar(i, height, bottom=bottom, color=f"C{j}", label=part if i == 0 else None)
-            bottom += height
-        ax.bar(i, max(at[WHOLE]["step_ms"] - bottom, 0.0), bottom=bottom, color="0.75",
-               label="the rest (weight kernels, glue)" if i == 0 else None)
-    ax.set_xticks(range(len(points)), [f"P {p}, W {w}" for p, w in points])
-    ax.set(ylabel="ms per step", title=f"decode step by removal, {result['meta']['threads']} thread(s)")
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(5, 1.8 * len(points)), 4.5))
+    for j, variant in enumerate(variants):
+        at = [next(r for r in rows if r["variant"] == variant and (r["past"], r["window"]) == p) for p in points]
+        ax.bar([i + j * width for i in range(len(points))], [r["part_ms"] for r in at], width, color=f"C{j}",
+               label=variant, yerr=[[r["part_ms"] - r["part_ms_min"] for r in at],
+                                    [r["part_ms_max"] - r["part_ms"] for r in at]], capsize=2)
+    ax.axhline(0, color="k", linewidth=0.5)
+    ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(points))],
+                  [f"P {p}, W {w}" for p, w in points])
+    ax.set(ylabel="ms per step", title=f"what removing each part saves, {result['meta']['threads']} thread(s) "
+                                       "(median; bars: the rounds' range)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -143,11 +143,11 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     scores = grouped @ _float(cache_key).transpose(2, 3)  # [B, Hkv, G·W, S]
     scores = scores.view(batch, num_kv_heads, -1, window, capacity)  # [B, Hkv, G, W, S]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, S]
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)
-    weights = weights.view(batch, num_kv_heads, -1, 1, capacity)  # [B, Hkv, G·W, 1, S]
-    out = (weights @ cache_value[:, :, None]).squeeze(3)  # [B, Hkv, G·W, D]: one product per row
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G (2 if G = 1), W, S]
     if group == 1:
-        out = out[:, :, :window]  # the first copy of each row
+        weights = weights[:, :, :1]  # the first copy of each row: p·v runs one row anyway
+    weights = weights.reshape(batch, num_kv_heads, group * window, 1, capacity)  # [B, Hkv, G·W, 1, S]
+    out = (weights @ cache_value[:, :, None]).squeeze(3)  # [B, Hkv, G·W, D]: one product per row
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]
     return out.transpose(1, 2), None  # [B, W, H, D]
 

@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -473,6 +472,8 @@ def test_step_ablation_removes_a_part_and_the_graph_still_runs(smoke_fused, smok
     assert not removed_ops & set(after) and len(after) < len(before) + 6 * replaced
     for kernel in ("MatMul", "MatMulNBits"):  # every weight is still read
         assert after.count(kernel) == before.count(kernel)
+    read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    assert all(out in read for n in model.graph.node for out in n.output if out)  # no node left that feeds nothing
     assert ([i.name for i in model.graph.input], [o.name for o in model.graph.output]) == io
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     config = bundle_module.load_config(smoke_fused)
@@ -484,6 +485,27 @@ def test_step_ablation_removes_a_part_and_the_graph_still_runs(smoke_fused, smok
     step_graph = onnx.load(str(smoke_model[1] / bundle_module.ONNX_FILE))
     with pytest.raises(ValueError, match="no attention of the model builder's form.*fused bundle"):
         ablation.ablate(step_graph, "attention", head_dim=config.head_dim)
+
+
+def test_step_ablation_refuses_a_removal_that_leaves_a_weight_unread(monkeypatch):
+    """An attention fed by its own K and V projections (separate MatMuls): removing it would leave them unread, so
+    the variant would not read every weight; ablate says so and leaves the graph as it was."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    ablation = load_script(ROOT / "bench" / "step_ablation.py")
+    weights = [numpy_helper.from_array(np.ones((8, 8), np.float32), f"w{p}") for p in "qkv"]
+    nodes = [helper.make_node("MatMul", ["x", f"w{p}"], [p], name=f"{p}_proj") for p in "qkv"]
+    nodes.append(helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens", "total", "cos",
+                                                          "sin"], ["out", "present_k", "present_v"],
+                                  domain="com.microsoft", num_heads=2, kv_num_heads=2))
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "past_k", "past_v", "cos", "sin")]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in ("seqlens", "total")]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_k", "present_v")]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, weights))
+    with pytest.raises(ValueError, match="would leave 2 weight MatMuls unread"):
+        ablation.ablate(model, "attention", head_dim=4)
+    assert [n.op_type for n in model.graph.node] == ["MatMul"] * 3 + ["GroupQueryAttention"]
 
 
 def test_step_ablation_pairs_the_whole_step_and_a_variant_within_each_round(monkeypatch):
@@ -502,21 +524,28 @@ def test_step_ablation_times_each_part_against_the_whole_step(smoke_fused, smoke
     """Every variant at every (P, W), each part's cost = the whole step's time - the variant's (in each round; one here);
     a step-graph bundle
     is refused with one line naming fused bundles and bench/profile_step.py."""
-    stdout = python("bench/step_ablation.py", smoke_fused, "--pasts", "6", "0", "--windows", "1", "2", "--steps", "1",
-                    "--rounds", "1", "--threads", "1", "--out", tmp_path, "--name", "a")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    stdout = run(sys.executable, "bench/step_ablation.py", smoke_fused, "--pasts", "6", "0", "--windows", "1", "2",
+                 "--steps", "1", "--rounds", "1", "--threads", "1", "--out", tmp_path, "--name", "a",
+                 env={"TMPDIR": str(scratch)})
     rows = assert_results(tmp_path, "a")["rows"]
     variants = ["whole", "attention", "norms", "activation", "all"]
     assert [(r["past"], r["window"], r["variant"]) for r in rows] == \
         [(p, w, v) for p in (6, 0) for w in (1, 2) for v in variants]
     for point in range(4):
         whole, *others = rows[point * 5:point * 5 + 5]
-        assert whole["step_ms"] > 0 and whole["part_ms"] == whole["part_ms_min"] == whole["part_ms_max"] == 0
+        assert whole["step_ms"] > 0 and whole["part_ms"] is whole["part_ms_min"] is whole["part_share"] is None
         for r in others:  # one round: the paired difference is the difference of the medians
             assert r["part_ms_min"] == r["part_ms"] == pytest.approx(whole["step_ms"] - r["step_ms"]) == r["part_ms_max"]
-    assert "| P | W | variant |" in stdout and not list(Path(tempfile.gettempdir()).glob("mars-ablation-*"))
+    assert "| P | W | variant |" in stdout and not list(scratch.glob("mars-ablation-*"))  # the variants are gone
     refused = subprocess.run([sys.executable, "bench/step_ablation.py", smoke_model[1]], cwd=ROOT, capture_output=True,
                              text=True, timeout=TIMEOUT_S)
     assert refused.returncode == 1 and "give it a fused bundle" in refused.stderr and "profile_step.py" in refused.stderr
+    too_far = subprocess.run([sys.executable, "bench/step_ablation.py", smoke_fused, "--pasts", "2047"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "TMPDIR": str(scratch)})
+    assert too_far.returncode == 1 and "beyond the model's context of 2048" in too_far.stderr
+    assert "built the variant" not in too_far.stdout  # refused before any variant was built
 
 
 def test_demo_on_another_bundle(smoke_model):

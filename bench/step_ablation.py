@@ -48,6 +48,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -176,6 +177,13 @@ def variant_bundle(source: Path, parts: tuple[str, ...], folder: Path) -> Path:
     return target
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """The order ``names`` take turns in round ``round_index``: each round starts one later, so that no variant
+    always runs first (right after the machine's idle gap, or after the same neighbour)."""
+    start = round_index % len(names)
+    return names[start:] + names[:start]
+
+
 def paired(rounds: list[dict], name: str) -> dict:
     """Variant ``name``'s figures over ``rounds`` (per round, name -> {"step_ms", "cpu_ms"}: one interleaved
     sample each): median step and CPU ms, and its part's cost as the median over rounds of the whole step's time
@@ -206,6 +214,7 @@ def run(args) -> dict:
         raise bundle.BundleError(f"--pasts {max(args.pasts)} with --windows {max(args.windows)} reaches position "
                                  f"{furthest - 1}, beyond the model's context of {config.max_context}; pass smaller pasts")
     machine = machine_info()  # before the run: its load average is the machine's, not this script's
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     variants = [(part,) for part in args.parts] + ([tuple(args.parts)] if len(args.parts) > 1 else [])
     rng = np.random.default_rng(0)
     rows = []
@@ -220,9 +229,8 @@ def run(args) -> dict:
         for past, window in itertools.product(args.pasts, args.windows):
             inputs = decode_inputs(step_config, window, 1, past, rng)
             calls = {name: step_call(session, config, inputs) for name, session in sessions.items()}
-            order = list(calls)  # each round starts one variant later: no variant always runs first
-            rounds = [interleaved_times({n: calls[n] for n in order[i % len(order):] + order[:i % len(order)]},
-                                        args.steps, 1) for i in range(args.rounds)]  # one sample each
+            rounds = [interleaved_times({n: calls[n] for n in rotated(list(calls), i)}, args.steps, 1)
+                      for i in range(args.rounds)]  # one sample of every variant per round
             for name in calls:
                 rows.append({"variant": name, "past": past, "window": window, **paired(rounds, name)})
             print(f"P={past} W={window}: whole step {rows[-len(calls)]['step_ms']:.2f} ms; " + ", ".join(
@@ -231,6 +239,7 @@ def run(args) -> dict:
             del calls, inputs
         del sessions
     meta = {"command": "python bench/step_ablation.py " + " ".join(sys.argv[1:]), "bundle": str(args.bundle),
+            "started_utc": started, "ended_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "weight_dtype": config.weight_dtype, "threads": args.threads, "steps": args.steps, "rounds": args.rounds,
             "machine": machine, "loadavg_end": os.getloadavg()}
     return {"meta": meta, "rows": rows}
@@ -268,8 +277,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(0, color="k", linewidth=0.5)
     ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(points))],
                   [f"P {p}, W {w}" for p, w in points])
-    ax.set(ylabel="ms per step", title=f"what removing each part saves, {result['meta']['threads']} thread(s) "
-                                       "(median; bars: the rounds' range)")
+    ax.set(ylabel="ms per step", title=f"what removing each part saves, {result['meta']['threads']} thread(s)\n"
+                                       "(median of the rounds; bars: their range)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

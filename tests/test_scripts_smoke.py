@@ -510,11 +510,13 @@ def test_step_ablation_refuses_a_removal_that_leaves_a_weight_unread(monkeypatch
 
 def test_step_ablation_pairs_the_whole_step_and_a_variant_within_each_round(monkeypatch):
     """A part's cost is the median over rounds of (whole - variant) in the same round, with the rounds' range: a round
-    where the machine ran slower for both does not make the part look dearer."""
+    where the machine ran slower for both does not make the part look dearer; each round starts one variant later."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     ablation = load_script(ROOT / "bench" / "step_ablation.py")
     rounds = [{"whole": {"step_ms": w, "cpu_ms": 2 * w}, "norms": {"step_ms": v, "cpu_ms": 2 * v}}
               for w, v in ((10.0, 9.0), (20.0, 18.5), (11.0, 10.5))]
+    assert [ablation.rotated(["whole", "norms", "all"], i) for i in range(4)] == [
+        ["whole", "norms", "all"], ["norms", "all", "whole"], ["all", "whole", "norms"], ["whole", "norms", "all"]]
     got = ablation.paired(rounds, "norms")
     assert got["part_ms"] == 1.0 and (got["part_ms_min"], got["part_ms_max"]) == (0.5, 1.5)
     assert got["step_ms"] == 10.5 and got["part_share"] == 1.0 / 11.0 and got["part_cpu_ms"] == 2.0
@@ -529,7 +531,9 @@ def test_step_ablation_times_each_part_against_the_whole_step(smoke_fused, smoke
     stdout = run(sys.executable, "bench/step_ablation.py", smoke_fused, "--pasts", "6", "0", "--windows", "1", "2",
                  "--steps", "1", "--rounds", "1", "--threads", "1", "--out", tmp_path, "--name", "a",
                  env={"TMPDIR": str(scratch)})
-    rows = assert_results(tmp_path, "a")["rows"]
+    result = assert_results(tmp_path, "a")
+    rows = result["rows"]
+    assert result["meta"]["started_utc"] <= result["meta"]["ended_utc"]
     variants = ["whole", "attention", "norms", "activation", "all"]
     assert [(r["past"], r["window"], r["variant"]) for r in rows] == \
         [(p, w, v) for p in (6, 0) for w in (1, 2) for v in variants]

@@ -23,31 +23,33 @@ from runtime import bundle
 B, H, HKV, W, P, S, D = 2, 6, 2, 3, 5, 12, 8  # batch, query heads, KV heads, window, committed, capacity, head dim
 
 
-def random_attention_inputs(dtype=torch.float32):
+def random_attention_inputs(dtype=torch.float32, num_kv_heads=HKV, window=W):
     torch.manual_seed(0)
-    query = torch.randn(B, H, W, D, dtype=dtype)
-    new_key, new_value = torch.randn(B, HKV, W, D, dtype=dtype), torch.randn(B, HKV, W, D, dtype=dtype)
-    past = [(torch.randn(B, HKV, S, D, dtype=dtype), torch.randn(B, HKV, S, D, dtype=dtype))]  # stale after P
-    mask = torch.rand(B, 1, W, S) < 0.6  # holes anywhere, as batching and verification make them
-    mask[0, 0, 1] = False  # one fully masked query row: must stay finite
-    mask[:, :, :, P:P + W] |= torch.eye(W, dtype=torch.bool)  # every other query sees itself (at its position)
+    query = torch.randn(B, H, window, D, dtype=dtype)
+    new_key = torch.randn(B, num_kv_heads, window, D, dtype=dtype)
+    new_value = torch.randn(B, num_kv_heads, window, D, dtype=dtype)
+    past = [tuple(torch.randn(B, num_kv_heads, S, D, dtype=dtype) for _ in range(2))]  # stale after P
+    mask = torch.rand(B, 1, window, S) < 0.6  # holes anywhere, as batching and verification make them
+    mask[0, 0, min(1, window - 1)] = False  # one fully masked query row: must stay finite
+    mask[:, :, :, P:P + window] |= torch.eye(window, dtype=torch.bool)  # every other query sees itself (at its position)
     bias = torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)  # [B, 1, W, S]
     return query, new_key, new_value, past, bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_grouped_attention_equals_repeated_kv_attention(dtype):
+@pytest.mark.parametrize("num_kv_heads, window", [(HKV, W), (HKV, 1), (H, W), (H, 1)])  # G = 3, and G = 1 (rows doubled)
+def test_grouped_attention_equals_repeated_kv_attention(dtype, num_kv_heads, window):
     """Grouped attention over the cache with the window written at its positions = transformers' eager attention
     (KV heads repeated) over that cache; the present is the past with the new entries there, nothing else changed."""
-    query, key, value, past, bias = random_attention_inputs(dtype)
-    layer = types.SimpleNamespace(layer_idx=0, num_key_value_groups=H // HKV, training=False)
-    step_kv = StepKV(past=past, positions=torch.arange(P, P + W).expand(B, W))
+    query, key, value, past, bias = random_attention_inputs(dtype, num_kv_heads, window)
+    layer = types.SimpleNamespace(layer_idx=0, num_key_value_groups=H // num_kv_heads, training=False)
+    step_kv = StepKV(past=past, positions=torch.arange(P, P + window).expand(B, window))
     out, _ = step_attention(layer, query, key, value, bias, scaling=D**-0.5, step_kv=step_kv)
     full_key, full_value = past[0][0].clone(), past[0][1].clone()  # [B, Hkv, S, D]
-    full_key[:, :, P:P + W], full_value[:, :, P:P + W] = key, value
+    full_key[:, :, P:P + window], full_value[:, :, P:P + window] = key, value
     expected, _ = eager_attention_forward(layer, query.float(), full_key.float(), full_value.float(), bias.float(),
                                           scaling=D**-0.5)
-    assert out.shape == (B, W, H, D) and out.dtype == dtype and torch.isfinite(out).all()
+    assert out.shape == (B, window, H, D) and out.dtype == dtype and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 5e-3, rtol=0)
     assert torch.equal(step_kv.present[0][0], full_key) and torch.equal(step_kv.present[0][1], full_value)
 

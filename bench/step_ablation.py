@@ -66,7 +66,6 @@ PARTS = ("attention", "norms", "activation")
 WHOLE = "whole"
 ALL = "all"
 PREFIX = "/step_ablation"
-MAX_INLINE_BYTES = 2**31 - 1  # protobuf's limit for one file; a larger graph keeps its weights beside it
 
 
 def ablate(model: onnx.ModelProto, part: str, head_dim: int) -> int:
@@ -172,7 +171,7 @@ def variant_bundle(source: Path, parts: tuple[str, ...], folder: Path) -> Path:
         ablate(model, part, config.head_dim)
     target = folder / "-".join(parts)
     shutil.copytree(source, target, ignore=shutil.ignore_patterns(config.onnx_file, bundle.external_data_file(config.onnx_file)))
-    onnx.save(model, str(target / config.onnx_file), save_as_external_data=model.ByteSize() > MAX_INLINE_BYTES,
+    onnx.save(model, str(target / config.onnx_file), save_as_external_data=model.ByteSize() > bundle.MAX_INLINE_BYTES,
               location=bundle.external_data_file(config.onnx_file))
     return target
 

@@ -44,11 +44,10 @@ from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.fused import ONE_TOKEN_WINDOW_KEY, TILED  # model metadata: tile_one_token_windows ran
-from runtime.bundle import external_data_file
+from runtime.bundle import MAX_INLINE_BYTES, external_data_file
 
 BUILDER = "onnxruntime_genai.models.builder"
 BUILDER_FILE = "model.onnx"
-MAX_INLINE_BYTES = 2 * 1024**3 - 1  # protobuf's limit for one file
 
 
 def require_builder() -> None:

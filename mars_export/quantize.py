@@ -33,7 +33,7 @@ from mars_export.model_source import LoadedModel, load_gguf_model
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import ParityError, measure_parity
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import LOGITS, BundleConfig, strip_greedy_head
+from runtime.bundle import LOGITS, MAX_INLINE_BYTES, BundleConfig, strip_greedy_head
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
@@ -122,7 +122,7 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
     num_quantized = sum(node.op_type == QUANT_OP for node in model.graph.node)
     if num_quantized == 0:
         raise ValueError(f"{src} has no MatMul with a constant weight: nothing to quantize")
-    onnx.save(model, str(dst), save_as_external_data=model.ByteSize() > 2 * 1024**3 - 1)
+    onnx.save(model, str(dst), save_as_external_data=model.ByteSize() > MAX_INLINE_BYTES)
     summary = {"weight_dtype": weight_dtype, "block_size": block_size, "is_symmetric": is_symmetric,
                "accuracy_level": accuracy_level, "lm_head_quantized": include_lm_head and head is not None,
                "num_quantized": num_quantized}

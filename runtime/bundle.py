@@ -68,6 +68,9 @@ class BundleError(ValueError):
     """A bundle is missing a file, malformed, or of another format version."""
 
 
+MAX_INLINE_BYTES = 2 * 1024**3 - 1  # protobuf's limit for one file: a larger graph keeps its weights apart
+
+
 def external_data_file(onnx_file: str) -> str:
     """The file holding an ONNX graph's weights when they are saved apart from it (step exports over 1.5 GiB of
     weights, torch's threshold; fused and quantized graphs over 2 GiB, protobuf's limit)."""

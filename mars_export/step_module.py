@@ -117,12 +117,12 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     Scores, mask and softmax run in float32 (in fp16, q·k over D = 64..128 can pass 65504
     and a softmax over S keys loses the small terms); the weights go back to the model
     dtype (in [0, 1]) for p·v. Query head h uses KV head h // G, as ``repeat_kv`` would.
-    MLAS gives a one-row MatMul its matrix-vector kernel, whose sums differ from the general
-    kernel's, so every row must take the same kind whatever W is. The scores never run one row
-    (G·W rows per KV head; with one query head per KV head, G = 1, every query row is scored
-    twice); p·v always does: each row [1, S] is its own product with the values, read where they
-    lie (the general kernel packs the values [S, D] for every (row of B, KV head), which at batch
-    16 made the step 1.12x as long at P 1024 and 2048, BENCHMARKS.md).
+    MLAS gives a one-row (or one-column) MatMul its matrix-vector kernel, whose sums differ from
+    the general kernel's, so every row must take the same kind whatever W is: here every query
+    row is its own product, both with the keys (scores [S, D] x [D, 1]: the column-vector case,
+    the keys read where they lie, where the general kernel transposed them into a packed copy
+    for every (row of B, KV head); at batch 16, P 1024, the scores took 1.6x as long,
+    BENCHMARKS.md) and with the values (p·v [1, S] x [S, D], the values read where they lie).
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -137,15 +137,13 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     batch, num_heads, window, head_dim = query.shape
     num_kv_heads, capacity = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
-    grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
-    if group == 1:  # one query row per KV head at W = 1: score each row twice, so that no MatMul runs one row
-        grouped = torch.cat([grouped, grouped], dim=2)  # [B, Hkv, 2·W, D]
-    scores = grouped @ _float(cache_key).transpose(2, 3)  # [B, Hkv, G·W, S]
-    scores = scores.view(batch, num_kv_heads, -1, window, capacity)  # [B, Hkv, G, W, S]
+    # scaled before the reshape: a scale right before the MatMul, onnxruntime folds into it (alpha), and MLAS's
+    # matrix-vector kernels take alpha 1 only
+    grouped = (_float(query) * scaling).reshape(batch, num_kv_heads, group * window, head_dim, 1)  # [B, Hkv, G·W, D, 1]
+    keys = _float(cache_key)[:, :, None]  # [B, Hkv, 1, S, D]
+    scores = (keys @ grouped).view(batch, num_kv_heads, group, window, capacity)  # [B, Hkv, G, W, S]: one product per row
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, S]
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G (2 if G = 1), W, S]
-    if group == 1:
-        weights = weights[:, :, :1]  # the first copy of each row: p·v runs one row anyway
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G, W, S]
     weights = weights.reshape(batch, num_kv_heads, group * window, 1, capacity)  # [B, Hkv, G·W, 1, S]
     out = (weights @ cache_value[:, :, None]).squeeze(3)  # [B, Hkv, G·W, D]: one product per row
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]

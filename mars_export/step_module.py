@@ -121,7 +121,7 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     the general kernel's, so every row must take the same kind whatever W is: here every query
     row is its own product, both with the keys (scores [S, D] x [D, 1]: the column-vector case,
     the keys read where they lie, where the general kernel transposed them into a packed copy
-    for every (row of B, KV head); at batch 16, P 1024, the scores took 1.6x as long,
+    for every (row of B, KV head), which made the batch-16 step 1.2-1.3x as long at P 1024-2048,
     BENCHMARKS.md) and with the values (p·v [1, S] x [S, D], the values read where they lie).
 
     Raises:

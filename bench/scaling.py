@@ -2,7 +2,7 @@
 
     python bench/scaling.py [BUNDLE] [--contexts 128 256 512 1024 2048] [--batch-sizes 1 4 16] [--window W ...]
                             [--prompt-lengths 128 256 512 1024] [--prefill-batch 4] [--threads N] [--repeats 10]
-                            [--warmup 2] [--max-seconds 6] [--max-kv-gib 4] [--stream-mib 1024]
+                            [--warmup 2] [--max-seconds 6] [--rounds 1] [--max-kv-gib 4] [--stream-mib 1024]
                             [--out bench/results] [--name scaling]
 
 Dimension letters: B batch, W decode window (--window), P past length, T prompt
@@ -18,8 +18,11 @@ decimal GB (1e9) and bandwidth in GB/s.
    rewrites the same entries). The engine's cache is usually longer (its capacity doubles as a
    sequence grows: S from P + W up to about 2(P + W)) and the step graph attends over all S
    positions, so this is a step's least time at that P. ``--warmup`` runs, then timed runs until
-   ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. Points whose past KV (P
-   positions) exceeds ``--max-kv-gib`` are skipped and listed. Batch 1 is also run at 1 thread.
+   ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. With ``--rounds R`` the points
+   take turns R times, and the step-time ratios between points (each W against the smallest, each P
+   against the next smaller, with the bytes ratio beside it) are taken within each round: median and
+   range over the rounds, so that a drift of the machine's speed between points cancels. Points whose
+   past KV (P positions) exceeds ``--max-kv-gib`` are skipped and listed. Batch 1 is also run at 1 thread.
 2. Bandwidth: the least a step must move = weights read whole (all initializers except those
    only gathered, e.g. an untied token-embedding table) + past KV read (B·2·L·H·P·D·itemsize)
    + new KV written (B·2·L·H·W·D·itemsize); logits (B·W·V·4) are not counted. Divided by the
@@ -31,7 +34,7 @@ decimal GB (1e9) and bandwidth in GB/s.
    output head skipped (as the engine prefills) and on every row, and (step graphs)
    ``--prefill-batch`` prompts in one forward [n, T] (batched prefill), the calls taking turns.
 
-Writes {name}.json (machine, bundle config, STREAM, weights, rows), {name}.csv (all rows,
+Writes {name}.json (machine, bundle config, STREAM, weights, rows, ratios), {name}.csv (all rows,
 column ``kind`` = decode | prefill) and {name}.png to --out, and prints Markdown tables.
 """
 
@@ -185,25 +188,80 @@ def decode_inputs(config: bundle.BundleConfig, window: int, batch: int, past: in
 
 
 def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng) -> list[dict]:
-    """One row per (W, B, P), W in ``args.window``: step time (bandwidth columns added later)."""
-    rows = []
-    for window, batch, past in ((w, b, p) for w in args.window for b in batch_sizes for p in contexts):
+    """One row per (W, B, P), W in ``args.window``: step time (bandwidth columns added later).
+
+    The points take turns over ``args.rounds`` rounds (each round times every point once, from inputs made afresh,
+    starting one point later than the last round: :func:`rotated`), so that a drift of the machine's speed falls on
+    every point alike. A row's ``median_ms`` is the median of its rounds' medians (``round_median_ms``); p10 / p90
+    the medians of its rounds', min / max over all its runs. One round: the point's own figures."""
+    rows, todo = {}, []
+    for point in ((w, b, p) for w in args.window for b in batch_sizes for p in contexts):
+        window, batch, past = point
         row = {"kind": "decode", "threads": threads, "batch_size": batch, "past": past, "window": window,
                "kv_mib": kv_bytes(config, batch, past) / 2**20}
         if config.graph == "fused" and batch > 1:
-            rows.append({**row, "status": "not supported: a fused bundle runs batch 1"})
-            continue
-        if kv_bytes(config, batch, past) > args.max_kv_gib * GIB:
-            rows.append({**row, "status": f"skipped: KV {row['kv_mib']:.0f} MiB > {args.max_kv_gib} GiB"})
-            print(f"skip B={batch} P={past}: {rows[-1]['status']}", flush=True)
-            continue
-        inputs = decode_inputs(config, window, batch, past, rng)
-        timing = time_calls(partial(backend.step, *inputs), args.warmup, args.repeats, args.max_seconds, 3)
-        del inputs
-        rows.append({**row, "status": "ok", **timing})
-        print(f"decode threads={threads} W={window} B={batch} P={past}: {timing['median_ms']:.1f} ms "
-              f"(p10 {timing['p10_ms']:.1f}, p90 {timing['p90_ms']:.1f}, {timing['num_runs']} runs)", flush=True)
-    return rows
+            row["status"] = "not supported: a fused bundle runs batch 1"
+        elif kv_bytes(config, batch, past) > args.max_kv_gib * GIB:
+            row["status"] = f"skipped: KV {row['kv_mib']:.0f} MiB > {args.max_kv_gib} GiB"
+            print(f"skip B={batch} P={past}: {row['status']}", flush=True)
+        else:
+            todo.append(point)
+        rows[point] = row
+    timings = {point: [] for point in todo}
+    for round_index in range(args.rounds):
+        for point in rotated(todo, round_index):
+            window, batch, past = point
+            inputs = decode_inputs(config, window, batch, past, rng)
+            timing = time_calls(partial(backend.step, *inputs), args.warmup, args.repeats, args.max_seconds, 3)
+            del inputs
+            timings[point].append(timing)
+            print(f"decode threads={threads} W={window} B={batch} P={past} round {round_index + 1}: "
+                  f"{timing['median_ms']:.1f} ms (p10 {timing['p10_ms']:.1f}, p90 {timing['p90_ms']:.1f}, "
+                  f"{timing['num_runs']} runs)", flush=True)
+    for point, rounds in timings.items():
+        rows[point].update({"status": "ok", **over_rounds(rounds)})
+    return list(rows.values())
+
+
+def rotated(items: list, round_index: int) -> list:
+    """The order ``items`` take turns in round ``round_index``: each round starts one later, so that none always
+    runs first (right after the machine's idle gap, or after the same neighbour)."""
+    start = round_index % len(items) if items else 0
+    return items[start:] + items[:start]
+
+
+def over_rounds(rounds: list[dict]) -> dict:
+    """One point's :func:`summary` per round -> its figures over the rounds (see :func:`decode_sweep`)."""
+    if len(rounds) == 1:
+        return {**rounds[0], "round_median_ms": [rounds[0]["median_ms"]]}
+    return {"median_ms": float(np.median([r["median_ms"] for r in rounds])),
+            "p10_ms": float(np.median([r["p10_ms"] for r in rounds])),
+            "p90_ms": float(np.median([r["p90_ms"] for r in rounds])),
+            "min_ms": min(r["min_ms"] for r in rounds), "max_ms": max(r["max_ms"] for r in rounds),
+            "num_runs": sum(r["num_runs"] for r in rounds), "round_median_ms": [r["median_ms"] for r in rounds]}
+
+
+def within_round_ratios(rows: list[dict]) -> list[dict]:
+    """Step-time ratios between decode points, taken within each round, so that the machine's drift between rounds
+    cancels: each window against the smallest window at the same (threads, B, P) (``against`` = "window"), and each
+    past against the next smaller past at the same (threads, W, B) (``against`` = "past", with the bytes-per-step
+    ratio beside it). Median and range over the rounds. Needs :func:`add_bandwidth` done (``bytes_per_step``)."""
+    done = {(r["threads"], r["window"], r["batch_size"], r["past"]): r for r in rows
+            if r["kind"] == "decode" and r["status"] == "ok"}
+    ratios = []
+    for (threads, window, batch, past), row in sorted(done.items()):
+        windows = sorted(w for t, w, b, p in done if (t, b, p) == (threads, batch, past))
+        pasts = sorted(p for t, w, b, p in done if (t, w, b) == (threads, window, batch) and p < past)
+        bases = ([("window", done[threads, windows[0], batch, past])] if window != windows[0] else [])
+        bases += [("past", done[threads, window, batch, pasts[-1]])] if pasts else []
+        for against, base in bases:
+            per_round = [a / b for a, b in zip(row["round_median_ms"], base["round_median_ms"])]
+            ratios.append({"threads": threads, "batch_size": batch, "past": past, "window": window, "against": against,
+                           "base_window": base["window"], "base_past": base["past"],
+                           "time_ratio": float(np.median(per_round)), "time_ratio_min": min(per_round),
+                           "time_ratio_max": max(per_round), "bytes_ratio": row["bytes_per_step"] / base["bytes_per_step"],
+                           "num_rounds": len(per_round)})
+    return ratios
 
 
 def add_bandwidth(row: dict, config, weights: dict, stream: dict) -> None:
@@ -353,7 +411,7 @@ def run(args) -> dict:
         if row["kind"] == "decode":
             add_bandwidth(row, config, meta["weights"], stream[row["threads"]])
     meta["machine"]["loadavg_end"] = os.getloadavg()
-    return {"meta": meta, "rows": rows}
+    return {"meta": meta, "rows": rows, "ratios": within_round_ratios(rows)}
 
 
 def markdown(result: dict) -> str:
@@ -380,7 +438,7 @@ def markdown(result: dict) -> str:
               for r in rows if r["kind"] == "prefill"]
     lines += ["", "| STREAM threads | copy GB/s | triad GB/s |", "|---|---|---|"]
     lines += [f"| {s['threads']} | {s['copy_gbs']:.1f} | {s['triad_gbs']:.1f} |" for s in meta["stream"]]
-    return "\n".join(lines + [threads_table(rows)])
+    return "\n".join(lines + [threads_table(rows), ratios_table(result["ratios"])])
 
 
 def threads_table(rows: list[dict]) -> str:
@@ -394,6 +452,18 @@ def threads_table(rows: list[dict]) -> str:
     for window, past in sorted({(w, p) for t, w, p in step if t == 1 and (most, w, p) in step}):
         one, many = step[1, window, past], step[most, window, past]
         lines.append(f"| {window} | {past} | {one:.1f} | {many:.1f} | {one / many:.2f}× |")
+    return "\n".join(lines)
+
+
+def ratios_table(ratios: list[dict]) -> str:
+    """The within-round step-time ratios (:func:`within_round_ratios`), median and range over the rounds."""
+    if not ratios:
+        return ""
+    lines = ["", f"Step-time ratios within each round ({ratios[0]['num_rounds']} round(s)): median (min–max)", "",
+             "| threads | B | W | P | against | time ratio | bytes ratio |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['threads']} | {r['batch_size']} | {r['window']} | {r['past']} | W {r['base_window']}, "
+              f"P {r['base_past']} | {r['time_ratio']:.3f} ({r['time_ratio_min']:.3f}–{r['time_ratio_max']:.3f}) | "
+              f"{r['bytes_ratio']:.3f} |" for r in ratios]
     return "\n".join(lines)
 
 
@@ -441,6 +511,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per point (at most)")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point")
     p.add_argument("--max-seconds", type=float, default=6.0, help="stop timing a point after this (min 3 steps)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="decode points take turns over this many rounds; ratios between points are taken within rounds")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per T (at most; min 1)")
     p.add_argument("--also-chunked", action="store_true", help="dynamic-window graphs: also time chunked prefill")
     p.add_argument("--prefill-batch", type=int, default=4,
@@ -454,8 +526,9 @@ def main() -> None:
     for name in ("contexts", "batch_sizes", "prompt_lengths", "window"):
         if getattr(args, name) is not None and min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_batch < 1:
-        p.error("--threads must be in 1..256 and --repeats, --prefill-repeats, --prefill-batch at least 1")
+    if (not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_batch < 1
+            or args.rounds < 1):
+        p.error("--threads must be in 1..256 and --repeats, --prefill-repeats, --prefill-batch, --rounds at least 1")
     try:
         result = run(args)
     except bundle.BundleError as e:

@@ -60,7 +60,7 @@ from onnx import helper, numpy_helper
 from profile_step import interleaved_times, make_session, step_call  # bench/ is on the path when this file runs as a script
 from results_files import write_results
 from runtime import bundle
-from scaling import decode_inputs, machine_info
+from scaling import decode_inputs, machine_info, rotated
 
 PARTS = ("attention", "norms", "activation")
 WHOLE = "whole"
@@ -174,13 +174,6 @@ def variant_bundle(source: Path, parts: tuple[str, ...], folder: Path) -> Path:
     onnx.save(model, str(target / config.onnx_file), save_as_external_data=model.ByteSize() > bundle.MAX_INLINE_BYTES,
               location=bundle.external_data_file(config.onnx_file))
     return target
-
-
-def rotated(names: list[str], round_index: int) -> list[str]:
-    """The order ``names`` take turns in round ``round_index``: each round starts one later, so that no variant
-    always runs first (right after the machine's idle gap, or after the same neighbour)."""
-    start = round_index % len(names)
-    return names[start:] + names[:start]
 
 
 def paired(rounds: list[dict], name: str) -> dict:

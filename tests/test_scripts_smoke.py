@@ -94,14 +94,42 @@ def test_runtime_vs_transformers(smoke_model, tmp_path):
 
 def test_scaling(smoke_model, tmp_path):
     _, bundle = smoke_model
-    python("bench/scaling.py", bundle, "--contexts", "16", "--batch-sizes", "1", "--prompt-lengths", "8",
-           "--repeats", "1", "--warmup", "0", "--max-seconds", "1", "--prefill-repeats", "1", "--stream-mib", "1",
-           "--stream-repeats", "1", "--threads", "1", "--prefill-batch", "3", "--out", tmp_path)
-    rows = [row for row in assert_results(tmp_path, "scaling")["rows"] if row["kind"] == "prefill"]
+    out = python("bench/scaling.py", bundle, "--contexts", "16", "24", "--batch-sizes", "1", "--prompt-lengths", "8",
+                 "--repeats", "1", "--warmup", "0", "--max-seconds", "1", "--rounds", "2", "--prefill-repeats", "1",
+                 "--stream-mib", "1", "--stream-repeats", "1", "--threads", "1", "--prefill-batch", "3", "--out", tmp_path)
+    result = assert_results(tmp_path, "scaling")
+    decode = [row for row in result["rows"] if row["kind"] == "decode"]
+    assert [(row["past"], len(row["round_median_ms"]), row["num_runs"]) for row in decode] == [(16, 2, 6), (24, 2, 6)]
+    [ratio] = result["ratios"]  # P 24 against P 16, within each of the 2 rounds
+    assert (ratio["against"], ratio["base_past"], ratio["num_rounds"]) == ("past", 16, 2) and ratio["bytes_ratio"] > 1
+    assert "| 1 | 1 | 1 | 24 | W 1, P 16 |" in out
+    rows = [row for row in result["rows"] if row["kind"] == "prefill"]
     # the output head skipped (as the engine prefills) and on every row; three prompts in one forward
     assert sorted((row["output_head"], row["batch_size"]) for row in rows) == [("every row", 1), ("skipped", 1),
                                                                                ("skipped", 3)]
     assert all(row["tokens_per_s"] > 0 for row in rows)
+
+
+def test_scaling_ratios_are_taken_within_rounds(monkeypatch):
+    """Each window against the smallest at the same (threads, B, P), each past against the next smaller one, the
+    ratio taken in each round: a round where the machine ran twice as slow for every point changes no ratio."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    scaling = load_script(ROOT / "bench" / "scaling.py")
+    def row(window, past, ms, gb):  # two rounds, the second twice as slow
+        return {"kind": "decode", "status": "ok", "threads": 2, "batch_size": 1, "window": window, "past": past,
+                "round_median_ms": [ms, 2 * ms], "bytes_per_step": gb * 1e9}
+    rows = [row(1, 128, 10.0, 0.5), row(4, 128, 11.0, 0.5), row(1, 1024, 12.0, 0.6), row(4, 1024, 15.0, 0.6),
+            {"kind": "decode", "status": "skipped: KV too large", "threads": 2, "batch_size": 1, "window": 1,
+             "past": 2048}]
+    got = {(r["window"], r["past"], r["against"]): (r["time_ratio"], r["time_ratio_min"], r["time_ratio_max"],
+                                                    round(r["bytes_ratio"], 6)) for r in scaling.within_round_ratios(rows)}
+    assert got == {(4, 128, "window"): (1.1, 1.1, 1.1, 1.0), (1, 1024, "past"): (1.2, 1.2, 1.2, 1.2),
+                   (4, 1024, "window"): (1.25, 1.25, 1.25, 1.0), (4, 1024, "past"): (15 / 11, 15 / 11, 15 / 11, 1.2)}
+    assert scaling.over_rounds([{"median_ms": 2.0, "p10_ms": 1.0, "p90_ms": 3.0, "min_ms": 1.0, "max_ms": 4.0,
+                                 "num_runs": 3}, {"median_ms": 4.0, "p10_ms": 3.0, "p90_ms": 5.0, "min_ms": 0.5,
+                                                  "max_ms": 6.0, "num_runs": 3}]) == {
+        "median_ms": 3.0, "p10_ms": 2.0, "p90_ms": 4.0, "min_ms": 0.5, "max_ms": 6.0, "num_runs": 6,
+        "round_median_ms": [2.0, 4.0]}
 
 
 def test_scaling_on_a_fused_bundle(smoke_model, tmp_path):
@@ -515,7 +543,7 @@ def test_step_ablation_pairs_the_whole_step_and_a_variant_within_each_round(monk
     ablation = load_script(ROOT / "bench" / "step_ablation.py")
     rounds = [{"whole": {"step_ms": w, "cpu_ms": 2 * w}, "norms": {"step_ms": v, "cpu_ms": 2 * v}}
               for w, v in ((10.0, 9.0), (20.0, 18.5), (11.0, 10.5))]
-    assert [ablation.rotated(["whole", "norms", "all"], i) for i in range(4)] == [
+    assert [ablation.rotated(["whole", "norms", "all"], i) for i in range(4)] == [  # scaling.rotated
         ["whole", "norms", "all"], ["norms", "all", "whole"], ["all", "whole", "norms"], ["whole", "norms", "all"]]
     got = ablation.paired(rounds, "norms")
     assert got["part_ms"] == 1.0 and (got["part_ms_min"], got["part_ms_max"]) == (0.5, 1.5)

@@ -19,8 +19,8 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
   commit has nothing left to copy.
 - Attention (:func:`step_attention`, through transformers' ``AttentionInterface``): the query heads of
   one KV head are stacked along the query axis, [B, Hkv, G·W, D], so the KV heads are never repeated;
-  the scores are one MatMul over the S cached keys, p·v one product per query row over the S cached values
-  (:func:`step_attention` says why). A key sits at the same index whether it is fed in a window or was
+  the scores are one MatMul of the S cached keys by those rows, p·v one product per query row over the S
+  cached values (:func:`step_attention` says why). A key sits at the same index whether it is fed in a window or was
   committed by an earlier step, so the softmax sum and p·v add the same terms in the same lanes and
   blocks: a token scored inside a window gets the bits of the same token
   fed one step at a time (onnxruntime CPU). Otherwise 1-ulp differences appear, which int8 activations
@@ -117,12 +117,16 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     Scores, mask and softmax run in float32 (in fp16, q·k over D = 64..128 can pass 65504
     and a softmax over S keys loses the small terms); the weights go back to the model
     dtype (in [0, 1]) for p·v. Query head h uses KV head h // G, as ``repeat_kv`` would.
-    MLAS gives a one-row (or one-column) MatMul its matrix-vector kernel, whose sums differ from
-    the general kernel's, so every row must take the same kind whatever W is: here every query
-    row is its own product, both with the keys (scores [S, D] x [D, 1]: the column-vector case,
-    the keys read where they lie, where the general kernel transposed them into a packed copy
-    for every (row of B, KV head), which made the batch-16 step 1.2-1.3x as long at P 1024-2048,
-    BENCHMARKS.md) and with the values (p·v [1, S] x [S, D], the values read where they lie).
+    MLAS gives a one-row (or one-column) MatMul its matrix-vector kernels, whose sums differ from
+    the general kernel's, so every product must take the same kind whatever W is. The scores are
+    the general kernel's, keys first: [S, D] x [D, G·W], the keys read where they lie (as the second
+    operand, transposed, they were packed into a copy for every (row of B, KV head): the batch-16
+    step 1.06-1.16x as long at P 1024-2048, BENCHMARKS.md), never one column (with one query head
+    per KV head, G = 1, every query row is scored twice), and transposed back to [G·W, S] for the
+    softmax. Not the column-vector kernel per row: its sums depend on where MLAS's split of the
+    S keys between threads falls, which depends on how many products the step has. p·v always runs
+    one row: each row [1, S] is its own product with the values, read where they lie (the general
+    kernel packs the values for every (row of B, KV head): the batch-16 step 1.12x as long).
 
     Raises:
         ValueError: called without ``step_kv`` (the model was not run through StepModule).
@@ -137,13 +141,15 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     batch, num_heads, window, head_dim = query.shape
     num_kv_heads, capacity = key.shape[1], past_key.shape[2]
     group = num_heads // num_kv_heads
-    # scaled before the reshape: a scale right before the MatMul, onnxruntime folds into it (alpha), and MLAS's
-    # matrix-vector kernels take alpha 1 only
-    grouped = (_float(query) * scaling).reshape(batch, num_kv_heads, group * window, head_dim, 1)  # [B, Hkv, G·W, D, 1]
-    keys = _float(cache_key)[:, :, None]  # [B, Hkv, 1, S, D]
-    scores = (keys @ grouped).view(batch, num_kv_heads, group, window, capacity)  # [B, Hkv, G, W, S]: one product per row
+    grouped = _float(query).reshape(batch, num_kv_heads, group * window, head_dim) * scaling  # [B, Hkv, G·W, D]
+    if group == 1:  # one query row per KV head at W = 1: score each row twice, so that no MatMul runs one column
+        grouped = torch.cat([grouped, grouped], dim=2)  # [B, Hkv, 2·W, D]
+    scores = (_float(cache_key) @ grouped.transpose(2, 3)).transpose(2, 3)  # [B, Hkv, S, G·W] -> [B, Hkv, G·W, S]
+    scores = scores.reshape(batch, num_kv_heads, -1, window, capacity)  # [B, Hkv, G, W, S]
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, S]
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G, W, S]
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G (2 if G = 1), W, S]
+    if group == 1:
+        weights = weights[:, :, :1]  # the first copy of each row: p·v runs one row anyway
     weights = weights.reshape(batch, num_kv_heads, group * window, 1, capacity)  # [B, Hkv, G·W, 1, S]
     out = (weights @ cache_value[:, :, None]).squeeze(3)  # [B, Hkv, G·W, D]: one product per row
     out = out.view(batch, num_heads, window, head_dim)  # [B, H, W, D]

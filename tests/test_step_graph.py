@@ -37,7 +37,7 @@ def random_attention_inputs(dtype=torch.float32, num_kv_heads=HKV, window=W):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_kv_heads, window", [(HKV, W), (HKV, 1), (H, W), (H, 1)])  # G = 3, and G = 1
+@pytest.mark.parametrize("num_kv_heads, window", [(HKV, W), (HKV, 1), (H, W), (H, 1)])  # G = 3, and G = 1 (rows doubled)
 def test_grouped_attention_equals_repeated_kv_attention(dtype, num_kv_heads, window):
     """Grouped attention over the cache with the window written at its positions = transformers' eager attention
     (KV heads repeated) over that cache; the present is the past with the new entries there, nothing else changed."""
@@ -101,14 +101,19 @@ def test_graph_groups_kv_heads_and_fuses_norms(tiny_bundle, arch, tmp_path):
     assert ops["SimplifiedLayerNormalization"] == num_layers * norms_per_layer + 1 and ops["ReduceMean"] == 0
     assert ops["Neg"] <= 1  # RoPE's sign sits in the sine, computed once per step
     assert np.all([ops[op] == 0 for op in ("Pow", "Sqrt", "Reciprocal")])
-    # the cache is read by plain MatMuls, one product per query row (MLAS's matrix-vector kernels read it where it
-    # lies); a FusedMatMul there (a scale folded in as alpha, or a transposed cache) takes the general kernel, which
-    # packs a copy of the cache for every (row of B, KV head): 1.2-1.3x the batch-16 step at P 1024-2048
+    # the cache is read where it lies, never transposed into a packed copy: the keys as the first operand of the
+    # scores ([S, D] x [D, G·W]: MLAS reads A in place), the values as the second of one-row products ([1, S] x [S, D]:
+    # the matrix-vector kernel reads B in place); the keys as a transposed second operand were packed by the general
+    # kernel for every (row of B, KV head): 1.06-1.16x the batch-16 step at P 1024-2048
     presents = outputs - {bundle.LOGITS, bundle.GREEDY_IDS}
     views = {n.output[0]: n.input[0] for n in optimized.node if n.op_type == "Unsqueeze" and n.input[0] in presents}
-    cache_readers = [n for n in optimized.node if n.op_type not in ("Unsqueeze", "Shape")
-                     and any(i in presents or i in views for i in n.input)]
-    assert [(n.op_type, len(n.attribute)) for n in cache_readers] == [("MatMul", 0)] * 2 * num_layers
+    readers = [n for n in optimized.node if n.op_type not in ("Unsqueeze", "Shape")
+               and any(i in presents or i in views for i in n.input)]
+    keys = [n for n in readers if n.input[0] in presents and n.input[0].endswith(".key")]
+    values = [n for n in readers if n.op_type == "MatMul" and views.get(n.input[1], "").endswith(".value")]
+    assert len(keys) == len(values) == num_layers and len(readers) == 2 * num_layers
+    assert all(n.op_type in ("MatMul", "FusedMatMul") and not any(a.name == "transA" and a.i for a in n.attribute)
+               for n in keys)
 
 
 def test_matmuls_sharing_an_input_become_one_matmul_and_split():
@@ -143,6 +148,26 @@ def one_query_head_per_kv_head_bundle(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("llama-g1")
     return export(str(make_checkpoint("llama", root / "ckpt", num_kv_heads=4)), root / "bundle", 4, 4,
                   "--mask-token", "<mask>")
+
+
+def test_a_window_keeps_the_bits_of_one_token_steps_when_a_product_is_split_across_threads(tiny_bundle):
+    """Batch 1, a long cache (S = 16390) and 16 onnxruntime threads: MLAS then splits one attention product over
+    several threads at W = 1 but not at W = 4 (it gives a product ceil(threads / products) threads when it is big
+    enough), so a kernel whose sums depend on where a thread's range starts would give a window other bits than
+    one-token steps; the general kernel's do not (a column-vector form of the scores failed here, 9.5e-7)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 16
+    session = ort.InferenceSession(str(tiny_bundle("llama", 4)[1] / bundle.ONNX_FILE), options,
+                                   providers=["CPUExecutionProvider"])
+    shapes = [i.shape for i in session.get_inputs()[3:]]
+    rng = np.random.default_rng(0)
+    capacity = 16390
+    cache = [rng.standard_normal((1, shape[1], capacity, shape[3])).astype(np.float32) for shape in shapes]
+    length, tokens = capacity - 12, rng.integers(3, 90, 4).tolist()
+    windowed = window_logits(session, [tokens], [buffer.copy() for buffer in cache], [length])
+    for offset, token in enumerate(tokens):
+        single = window_logits(session, [[token]], cache, [length + offset])
+        np.testing.assert_array_equal(windowed[:, offset], single[:, 0])
 
 
 @pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL,

@@ -21,7 +21,8 @@ decimal GB (1e9) and bandwidth in GB/s.
    ``--repeats`` or ``--max-seconds`` (at least 3): median, p10, p90. With ``--rounds R`` the points
    take turns R times, and the step-time ratios between points (each W against the smallest, each P
    against the next smaller, with the bytes ratio beside it) are taken within each round: median and
-   range over the rounds, so that a drift of the machine's speed between points cancels. Points whose
+   range over the rounds, so that a change of the machine's speed between rounds cancels (a drift
+   within a round does not; a point's window partners are timed next to it). Points whose
    past KV (P positions) exceeds ``--max-kv-gib`` are skipped and listed. Batch 1 is also run at 1 thread.
 2. Bandwidth: the least a step must move = weights read whole (all initializers except those
    only gathered, e.g. an untied token-embedding table) + past KV read (B·2·L·H·P·D·itemsize)
@@ -191,8 +192,8 @@ def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng
     """One row per (W, B, P), W in ``args.window``: step time (bandwidth columns added later).
 
     The points take turns over ``args.rounds`` rounds (each round times every point once, from inputs made afresh,
-    starting one point later than the last round: :func:`rotated`), so that a drift of the machine's speed falls on
-    every point alike. A row's ``median_ms`` is the median of its rounds' medians (``round_median_ms``); p10 / p90
+    in (B, P, W) order so that a point's window partners run next to it, starting one point later than the last
+    round: :func:`rotated`), so that a change of the machine's speed between rounds falls on every point alike. A row's ``median_ms`` is the median of its rounds' medians (``round_median_ms``); p10 / p90
     the medians of its rounds', min / max over all its runs. One round: the point's own figures."""
     rows, todo = {}, []
     for point in ((w, b, p) for w in args.window for b in batch_sizes for p in contexts):
@@ -207,6 +208,7 @@ def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng
         else:
             todo.append(point)
         rows[point] = row
+    todo = sorted(dict.fromkeys(todo), key=lambda point: (point[1], point[2], point[0]))  # (B, P, W); repeats once
     timings = {point: [] for point in todo}
     for round_index in range(args.rounds):
         for point in rotated(todo, round_index):
@@ -379,7 +381,7 @@ def prefill_sweep(backend, config, path: str, args, rng) -> list[dict]:
 # ---------------------------------------------------------------- run and report
 
 def run(args) -> dict:
-    """All measurements; returns {"meta": ..., "rows": [...]}."""
+    """All measurements; returns {"meta": ..., "rows": [...], "ratios": [...] (:func:`within_round_ratios`)}."""
     config = bundle.load_config(args.bundle)
     onnx_path = args.bundle / config.onnx_file
     if not onnx_path.is_file():
@@ -415,7 +417,7 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """The decode, threads, prefill and STREAM tables as Markdown."""
+    """The decode, threads, prefill, STREAM and within-round ratio tables as Markdown."""
     meta, rows = result["meta"], result["rows"]
     w = meta["weights"]
     embedding = "tied: also read whole by the head" if w["embedding_tied"] else "only gathered"

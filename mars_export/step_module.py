@@ -121,7 +121,7 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
     the general kernel's, so every product must take the same kind whatever W is. The scores are
     the general kernel's, keys first: [S, D] x [D, G·W], the keys read where they lie (as the second
     operand, transposed, they were packed into a copy for every (row of B, KV head): the batch-16
-    step 1.06-1.16x as long at P 1024-2048, BENCHMARKS.md), never one column (with one query head
+    step 1.06-1.17x as long at P 1024-2048, BENCHMARKS.md), never one column (with one query head
     per KV head, G = 1, every query row is scored twice), and transposed back to [G·W, S] for the
     softmax. Not the column-vector kernel per row: its sums depend on where MLAS's split of the
     S keys between threads falls, which depends on how many products the step has. p·v always runs

@@ -193,8 +193,9 @@ def decode_sweep(backend, config, threads: int, batch_sizes, contexts, args, rng
 
     The points take turns over ``args.rounds`` rounds (each round times every point once, from inputs made afresh,
     in (B, P, W) order so that a point's window partners run next to it, starting one point later than the last
-    round: :func:`rotated`), so that a change of the machine's speed between rounds falls on every point alike. A row's ``median_ms`` is the median of its rounds' medians (``round_median_ms``); p10 / p90
-    the medians of its rounds', min / max over all its runs. One round: the point's own figures."""
+    round: :func:`rotated`), so that a change of the machine's speed between rounds falls on every point alike.
+    A row's ``median_ms`` is the median of its rounds' medians (``round_median_ms``); p10 / p90 the medians of its
+    rounds', min / max over all its runs. One round: the point's own figures."""
     rows, todo = {}, []
     for point in ((w, b, p) for w in args.window for b in batch_sizes for p in contexts):
         window, batch, past = point
@@ -233,9 +234,8 @@ def rotated(items: list, round_index: int) -> list:
 
 
 def over_rounds(rounds: list[dict]) -> dict:
-    """One point's :func:`summary` per round -> its figures over the rounds (see :func:`decode_sweep`)."""
-    if len(rounds) == 1:
-        return {**rounds[0], "round_median_ms": [rounds[0]["median_ms"]]}
+    """One point's :func:`summary` per round -> its figures over the rounds (see :func:`decode_sweep`; one round:
+    its own figures)."""
     return {"median_ms": float(np.median([r["median_ms"] for r in rounds])),
             "p10_ms": float(np.median([r["p10_ms"] for r in rounds])),
             "p90_ms": float(np.median([r["p90_ms"] for r in rounds])),

@@ -103,6 +103,9 @@ def test_scaling(smoke_model, tmp_path):
     [ratio] = result["ratios"]  # P 24 against P 16, within each of the 2 rounds
     assert (ratio["against"], ratio["base_past"], ratio["num_rounds"]) == ("past", 16, 2) and ratio["bytes_ratio"] > 1
     assert "| 1 | 1 | 1 | 24 | W 1, P 16 |" in out
+    [stream] = result["meta"]["stream"]
+    assert stream["read_gbs"] > 0 and f"| 1 | {stream['copy_gbs']:.1f} | {stream['triad_gbs']:.1f} | " \
+        f"{stream['read_gbs']:.1f} |" in out
     rows = [row for row in result["rows"] if row["kind"] == "prefill"]
     # the output head skipped (as the engine prefills) and on every row; three prompts in one forward
     assert sorted((row["output_head"], row["batch_size"]) for row in rows) == [("every row", 1), ("skipped", 1),
@@ -697,6 +700,7 @@ def test_matmul_kernels_times_all_the_step_weights_in_every_format(smoke_model, 
     assert result["rows"][0]["weight_gb"] * 1e9 == pytest.approx(fp32_bytes)
     assert result["rows"][2]["weight_gb"] * 1e9 == pytest.approx(int8_bytes)
     assert all(r["step_weights_ms"] > 0 and r["gbs"] > 0 and r["fraction_of_stream"] > 0 for r in result["rows"])
+    assert all(r["fraction_of_read"] == pytest.approx(r["gbs"] / result["stream"]["read_gbs"]) for r in result["rows"])
     assert "| format | M | weights GB |" in stdout
     done = subprocess.run([sys.executable, "bench/matmul_kernels.py", bundle, "--formats", "int3-32"], cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)

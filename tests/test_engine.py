@@ -274,6 +274,31 @@ def test_sampling_is_reproducible_with_a_seed(tiny):
     assert [r.token_ids for r in run(3, top_k=1)] == greedy  # top-k 1 leaves only the argmax
 
 
+def test_a_seeded_sampled_row_draws_the_same_beside_a_wider_row(tiny):
+    """A seeded request sampling at tau 1 feeds one token a step; beside a tau 0.5 row the forward is B wide, and
+    the request must still read (and draw a number for) only its own prediction: its tokens equal its run alone."""
+    backend, config, prompts = tiny
+    engine = Engine(backend, config, EngineConfig(max_batch_size=2))
+    sampled = DecodeParams(tau=1.0, temperature=1.5, seed=7, max_new_tokens=MAX_NEW)
+    alone = engine.generate([prompts[0]], sampled)[0].token_ids
+    widths = []
+
+    class Spy:  # the real backend, recording each decode forward's width
+        def step(self, ids, positions, mask, past, **kwargs):
+            if kwargs.get("logits", True):
+                widths.append(ids.shape[1])
+            return backend.step(ids, positions, mask, past, **kwargs)
+
+    engine.backend = Spy()
+    request = engine.add_request(prompts[0], sampled)
+    engine.add_request(prompts[1], DecodeParams(tau=0.5, max_new_tokens=4 * MAX_NEW))
+    results = {}
+    while request not in results:
+        results.update((o.request_id, o.result) for o in engine.step() if o.finished)
+    assert max(widths) == config.block_size > 1
+    assert results[request].token_ids == alone
+
+
 def test_small_temperature_accepts_no_more_than_greedy_at_the_same_tau(tiny_bundle):
     """tau < 1 with sampling tests the untempered model's confidence. This untrained model's
     mask predictions are junk that never passes tau = 0.9 greedily (TPF 1); at temperature 0.05

@@ -324,7 +324,9 @@ class Engine:
         if seq.is_prefilling:
             return Accepted([], len(seq.prefill_chunk(self.config.window)))
         num_real = min(len(seq.uncached), len(outputs))
-        predictions = outputs[num_real - 1:]  # [M, V] (or ids [M]), M = w - r + 1: the AR prediction, then one per later input
+        # [M, V] (or ids [M]), M = w - r + 1 for the width w this row would have alone: the AR prediction, then one
+        # per later input; a wider batch's extra masks are not read (a sampled row draws M numbers: the same alone)
+        predictions = outputs[num_real - 1:self.scheduler.solo_width(seq, self.default_tau)]
         in_block = is_block and seq.params.mode != "verify"  # verify rows advance per row in both schemes
         budget = max_accept(seq.block_size, seq.num_remaining, len(seq.uncached), self.config.window, in_block)
         if budget == 0:  # block scheme: a full block re-run until every row is ready

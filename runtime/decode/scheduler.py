@@ -153,6 +153,12 @@ class Scheduler:
         """Whether this step's prefill chunk caches the rest of the prompt (the row then decodes now)."""
         return len(seq.prompt_ids) - 1 - seq.num_prefilled <= self.prefill_chunk
 
+    def solo_width(self, seq: Sequence, default_tau: float) -> int:
+        """The width ``seq``'s step would have if it ran alone (a decoding row). The engine reads no prediction of
+        a row beyond it, so that a row's tokens, mask drafts and (sampling) random draws do not depend on the
+        rows beside it: a wider neighbour only adds mask inputs this row would not have fed."""
+        return self._width([seq], default_tau)
+
     def _width(self, rows: list[Sequence], default_tau: float) -> int:
         """w: W, or (continuous scheme, dynamic window) the widest :meth:`_row_width`, capped at W."""
         if not rows or not self.can_shrink or any(s.is_prefilling and not self.prefill_chunk for s in rows):

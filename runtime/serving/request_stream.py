@@ -83,8 +83,8 @@ class RequestStream:
                     self._is_open = False
                     raise out
                 self.num_forwards = out.result.num_forwards
-                self.step_tokens.append(len(out.new_token_ids))  # one engine output per decode forward
-                delta = self.text.add(out.new_token_ids)
+                delta, num_taken = self._add_until_stop(out.new_token_ids)
+                self.step_tokens.append(num_taken)  # one engine output per decode forward
                 if self.text.is_stopped:
                     self.finish_reason = "stop"  # a stop string: the engine sequence is aborted below
                 elif out.finished:
@@ -99,6 +99,18 @@ class RequestStream:
         finally:
             self.close()
 
+    def _add_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        """Feed one forward's ids one at a time, up to the one that completes a stop string; return
+        the text and the number of ids taken. Ids the forward accepted after that one are not part
+        of the completion (usage, ``token_ids``, ``step_tokens``), so the counts and the text do
+        not depend on how many tokens a forward accepted."""
+        deltas = []
+        for num_taken, token_id in enumerate(token_ids, 1):
+            deltas.append(self.text.add([token_id]))
+            if self.text.is_stopped:
+                return "".join(deltas), num_taken
+        return "".join(deltas), len(token_ids)
+
     def close(self) -> None:
         """Abort the request in the engine unless it already finished there (idempotent)."""
         if self._is_open:
@@ -109,7 +121,7 @@ class RequestStream:
 
     @property
     def num_tokens(self) -> int:
-        """Generated tokens received so far (for usage counts)."""
+        """Generated tokens so far, up to the one that completed a stop string (for usage counts)."""
         return len(self.text.detokenizer.token_ids)
 
     def take_step_tokens(self) -> list[int]:

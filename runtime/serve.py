@@ -33,6 +33,7 @@ from runtime.text.tokenizer import Tokenizer
 API_KEY_ENV = "MARS_API_KEY"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 256  # max_tokens of a request that sets none, unless --max-tokens-limit is lower
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM / Ctrl-C, how long open requests may still run before they are aborted
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,8 +71,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--default-max-tokens", type=int, default=None,
                    help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, or --max-tokens-limit "
                         "when lower)")
+    p.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM or Ctrl-C, seconds open requests may still run before they are aborted and the "
+                        f"server exits (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return seconds
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of uvicorn's server from the options (the one place they are mapped)."""
+    return {"host": args.host, "port": args.port, "log_level": args.log_level,
+            "timeout_graceful_shutdown": args.shutdown_timeout}
 
 
 def resolve_max_batch_size(requested: int | None, backend_limit: int | None = None) -> int:
@@ -126,6 +146,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the server until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) if it cannot start."""
     args = parse_args(argv)
     try:
         app = build_app(args)
@@ -133,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper())
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, **uvicorn_options(args))
     return 0
 
 

@@ -87,7 +87,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
     async def lifespan(app: FastAPI):
         ctx.engine_thread.start()
         yield
-        ctx.engine_thread.stop()
+        await asyncio.to_thread(ctx.engine_thread.stop)  # the loop meanwhile ends the requests cancelled at shutdown
 
     app = FastAPI(title="mars-edge", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -225,11 +225,15 @@ async def _collect(gen: RequestStream, request: Request) -> str | None:
             parts.append(delta)
 
     joiner, watcher = asyncio.create_task(join()), asyncio.create_task(_wait_disconnect(request))
-    done, _ = await asyncio.wait({joiner, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if joiner not in done:
-        joiner.cancel()
-        gen.close()
+    try:
+        await asyncio.wait({joiner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (a shutdown past --shutdown-timeout)
+        watcher.cancel()
+        is_left = not joiner.done()
+        if is_left:
+            joiner.cancel()
+            gen.close()
+    if is_left:
         return None
     try:
         joiner.result()

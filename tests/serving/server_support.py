@@ -16,7 +16,7 @@ import httpx
 import openai
 import uvicorn
 
-from runtime.serve import build_app, parse_args
+from runtime.serve import build_app, parse_args, uvicorn_options
 
 DEADLINE_S = 120.0  # longest wait for a condition; a healthy run needs far less
 
@@ -97,8 +97,10 @@ class RunningServer:
     """A server started by a test: its base URL, an openai client, an httpx client, the app and
     the gate in front of its backend."""
 
-    def __init__(self, url: str, api_key: str | None, app, gate: GatedBackend):
+    def __init__(self, url: str, api_key: str | None, app, gate: GatedBackend, server: uvicorn.Server,
+                 thread: threading.Thread):
         self.url, self.app, self.gate = url, app, gate
+        self._server, self._thread = server, thread
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=120)
         self.http = httpx.Client(base_url=url, timeout=120)
 
@@ -128,6 +130,15 @@ class RunningServer:
             self.gate.allow(1)
         raise AssertionError(f"/health never met the condition within {max_forwards} forwards: {health}")
 
+    def begin_shutdown(self) -> None:
+        """Ask the server to stop, as SIGTERM or Ctrl-C does."""
+        self._server.should_exit = True
+
+    def has_exited(self, timeout: float = DEADLINE_S) -> bool:
+        """Whether the server's thread ends within ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def wait_idle(self, timeout: float = DEADLINE_S) -> dict:
         """Poll /health until no request runs or waits (or ``timeout`` passes); return it."""
         deadline = time.monotonic() + timeout
@@ -151,16 +162,16 @@ def serve(*argv: str, prepare=None):
     gate = engine.backend = GatedBackend(engine.backend)
     if prepare is not None:
         prepare(app)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
     assert thread.is_alive(), "the server stopped while starting"
     port = server.servers[0].sockets[0].getsockname()[1]
-    running = RunningServer(f"http://{args.host}:{port}", args.api_key, app, gate)
+    running = RunningServer(f"http://{args.host}:{port}", args.api_key, app, gate, server, thread)
     try:
         yield running
     finally:
         running.http.close()
-        server.should_exit = True
-        thread.join(timeout=30)
+        running.begin_shutdown()
+        running.has_exited(timeout=30)

@@ -113,6 +113,36 @@ def check_kv_in_place(past_shape: list, present_shape: list, path) -> None:
                           "writes them into the KV cache in place); re-export the bundle with mars-export")
 
 
+ONNX_KV_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}  # the KV element type of each dtype
+
+
+def check_graph_fits_config(past_type: str, past_shape: list, logits_shape: list, config: "BundleConfig",
+                            path) -> None:
+    """Refuse a graph whose KV cache or logits disagree with ``mars_config.json`` (its layer count is checked by
+    the I/O names), before any forward: a disagreeing config would otherwise fail at the first step.
+
+    Args:
+        past_type: the declared element type of ``past_key_values.0.key``, as onnxruntime reports it
+            (``tensor(float)``).
+        past_shape: its declared shape [n, H, S, D] (symbols as strings, as onnxruntime reports them).
+        logits_shape: the declared shape of ``logits`` [n, W, V].
+        config: the bundle's config.
+        path: the graph file, for the message.
+
+    Raises:
+        BundleError: H, D or V declared as a number other than the config's, or a KV element type other
+            than the config dtype's.
+    """
+    declared = {"num_kv_heads": past_shape[1], "head_dim": past_shape[3], "vocab_size": logits_shape[-1]}
+    for name, dim in declared.items():
+        if isinstance(dim, int) and dim != getattr(config, name):
+            raise BundleError(f"{path} has {name} {dim} but {CONFIG_FILE} says {getattr(config, name)}; "
+                              "re-export the bundle")
+    if past_type != ONNX_KV_TYPES[config.dtype]:
+        raise BundleError(f"{path} holds its KV cache as {past_type} but {CONFIG_FILE} says dtype {config.dtype}; "
+                          "re-export the bundle")
+
+
 def check_step_inputs(input_ids, position_ids, attention_mask, past, num_layers: int) -> None:
     """Refuse step inputs that do not fit the step graph's I/O (above), before a backend runs them.
 
@@ -243,6 +273,7 @@ class BundleConfig:
     graph: str = "step"
 
     def __post_init__(self):
+        self._check_types()
         if self.format_version != FORMAT_VERSION:
             raise BundleError(f"bundle format version {self.format_version} is not supported by this runtime "
                               f"(it reads version {FORMAT_VERSION}); re-export the bundle with this version's mars-export")
@@ -271,6 +302,27 @@ class BundleConfig:
                 raise BundleError(f"{name} {token_id} is outside the vocabulary (0..{self.vocab_size - 1}); "
                                   "re-export the bundle")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def _check_types(self) -> None:
+        """Refuse a field of the wrong JSON type (a float, a boolean or a string where an integer belongs)."""
+        def is_int(value) -> bool:
+            return type(value) is int
+
+        def is_str(value) -> bool:
+            return type(value) is str
+
+        kinds = {"an integer": (is_int, ("block_size", "window", "mask_token_id", "pad_token_id", "num_layers",
+                                         "num_kv_heads", "head_dim", "vocab_size", "max_context", "format_version")),
+                 "a string": (is_str, ("mask_token", "dtype", "source_model", "onnx_file", "graph")),
+                 "an integer or null": (lambda v: v is None or is_int(v), ("bos_token_id",)),
+                 "a string or null": (lambda v: v is None or is_str(v), ("engine_file", "weight_dtype")),
+                 "an object": (lambda v: isinstance(v, dict), ("parity",)),
+                 "a list of integers": (lambda v: isinstance(v, (list, tuple)) and all(map(is_int, v)),
+                                                  ("eos_token_ids",))}
+        for kind, (fits, names) in kinds.items():
+            for name in names:
+                if not fits(getattr(self, name)):
+                    raise BundleError(f"{name} must be {kind}, got {getattr(self, name)!r}; re-export the bundle")
 
     def to_json(self) -> str:
         """Serialize with stable key order, for writing ``mars_config.json``."""

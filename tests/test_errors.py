@@ -37,6 +37,17 @@ def set_config(bundle, **changes):
     path.write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
 
 
+def bump_config(bundle, name, by):
+    """Add ``by`` to the integer field ``name`` of the bundle's config."""
+    set_config(bundle, **{name: json.loads((bundle / "mars_config.json").read_text())[name] + by})
+
+
+def null_config(bundle, name):
+    """Set the field ``name`` of the bundle's config to JSON null."""
+    path = bundle / "mars_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), name: None}))
+
+
 def run_generate(bundle, capsys, *extra):
     code = generate.main([str(bundle), "--prompt", "hello", "--max-new-tokens", "4", *extra])
     out = capsys.readouterr()
@@ -74,6 +85,17 @@ def test_verify_with_lookup_drafts_prints_the_greedy_ids(bundle, capsys):
     (lambda b: (b / "mars_config.json").write_text(
         (b / "mars_config.json").read_text().replace('"format_version": 1', '"format_version": 99')),
      "format version 99 is not supported"),
+    # the config disagreeing with the graph: refused at load, not at the first forward
+    (lambda b: bump_config(b, "num_kv_heads", 1), "model.onnx has num_kv_heads"),
+    (lambda b: bump_config(b, "head_dim", 8), "model.onnx has head_dim"),
+    (lambda b: bump_config(b, "vocab_size", 100), "model.onnx has vocab_size"),
+    (lambda b: set_config(b, dtype="float16"), "holds its KV cache as tensor(float) but mars_config.json says "
+                                                "dtype float16"),
+    # fields of the wrong JSON type
+    (lambda b: set_config(b, block_size=4.0), "block_size must be an integer, got 4.0"),
+    (lambda b: set_config(b, num_layers=True), "num_layers must be an integer, got True"),
+    (lambda b: null_config(b, "onnx_file"), "onnx_file must be a string, got None"),
+    (lambda b: set_config(b, eos_token_ids=[2.5]), "eos_token_ids must be a list of integers"),
 ])
 def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
     damage(bundle)

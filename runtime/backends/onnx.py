@@ -193,6 +193,7 @@ def _make_session(path: Path, provider: str, num_threads: int) -> ort.InferenceS
 def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -> None:
     got_in = [i.name for i in session.get_inputs()]
     got_out = [o.name for o in session.get_outputs()]
+    _check_shapes(session, config, path)
     if config.graph == "fused":
         optional_in, optional_out = {bundle.NUM_LOGITS, bundle.NUM_GREEDY}, {bundle.GREEDY_IDS}
         if ((set(got_in) - optional_in, set(got_out) - optional_out) != bundle.fused_io_names(config.num_layers)
@@ -211,3 +212,13 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
     if not isinstance(window, str) and window != config.window:
         raise BundleError(f"{path} has a window of {window} tokens but {bundle.CONFIG_FILE} says {config.window}; "
                           "re-export the bundle")
+
+
+def _check_shapes(session: ort.InferenceSession, config: BundleConfig, path: Path) -> None:
+    """The KV heads, head size, vocabulary and KV dtype the graph declares against the config (a graph without
+    the KV input or the logits output fails the I/O names check instead)."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    past, logits = inputs.get(bundle.past_names(0)[0]), outputs.get(bundle.LOGITS)
+    if past is not None and logits is not None:
+        bundle.check_graph_fits_config(past.type, past.shape, logits.shape, config, path)

@@ -40,9 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
     p.add_argument("path", help="bundle directory, its .onnx file, or its engine.plan")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1 and /admin (default: ${API_KEY_ENV}, else none)")
+                   help=f"require 'Authorization: Bearer KEY' on /v1 and /admin (default: ${API_KEY_ENV}, else none; "
+                        "an empty key is none)")
     p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the browser playground at /")
     g = p.add_argument_group("engine")
@@ -75,7 +76,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="on SIGTERM or Ctrl-C, seconds open requests may still run before they are aborted and the "
                         f"server exits (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.api_key = (args.api_key or "").strip() or None  # an empty key (MARS_API_KEY=) means no key, as unset
+    return args
+
+
+def _port(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535 (0 picks a free one), got {text}")
+    return int(text)
 
 
 def _non_negative_seconds(text: str) -> float:

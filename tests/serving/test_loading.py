@@ -10,7 +10,7 @@ import pytest
 from runtime.backends.loading import load_backend
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError
-from runtime.serve import main, parse_args, server_settings
+from runtime.serve import API_KEY_ENV, main, parse_args, server_settings
 
 
 def test_bundle_dir_and_its_onnx_file(tiny_bundle):
@@ -66,3 +66,21 @@ def test_the_default_max_tokens_follows_a_lower_limit_and_an_explicit_one_above_
     assert (limits.max_tokens, limits.default_max_tokens) == (100, 40)
     with pytest.raises(ValueError, match="--default-max-tokens.*--max-tokens-limit"):
         server_settings(parse_args([str(tmp_path), "--max-tokens-limit", "100", "--default-max-tokens", "101"]))
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1", "80x"])
+def test_a_port_outside_0_to_65535_is_refused(tmp_path, capsys, port):
+    with pytest.raises(SystemExit):
+        parse_args([str(tmp_path), "--port", port])
+    assert f"--port: must be a port number in 1..65535 (0 picks a free one), got {port}" in capsys.readouterr().err
+    assert [parse_args([str(tmp_path), "--port", p]).port for p in ("0", "1", "65535")] == [0, 1, 65535]
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch, key):
+    """MARS_API_KEY= (set but empty) is as if unset, not a key no client can send."""
+    monkeypatch.setenv(API_KEY_ENV, key)
+    assert parse_args([str(tmp_path)]).api_key is None
+    assert parse_args([str(tmp_path), "--api-key", key]).api_key is None
+    monkeypatch.setenv(API_KEY_ENV, "sesame")
+    assert parse_args([str(tmp_path)]).api_key == "sesame"

@@ -53,7 +53,7 @@ class DecodeParams:
         temperature: >= 0; below 1e-5 (0 included, :func:`runtime.decode.sampling.is_greedy`) greedy,
             else sampled (see :mod:`runtime.decode.sampling` for what tau means then).
         top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
-        seed: seed of the request's random generator (sampling only); None = fresh entropy.
+        seed: seed of the request's random generator (sampling only), an integer >= 0; None = fresh entropy.
 
     Raises:
         ParamError: a value out of range (``field`` and the message name the field and what is
@@ -100,6 +100,8 @@ class DecodeParams:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ParamError("top_k", f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise ParamError("seed", f"seed must be an integer >= 0 (or none: fresh entropy), got {self.seed}")
         if self.mode == "verify" and not is_greedy(self.temperature):
             raise ParamError("mode", "verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
                              "or mode 'threshold'")

@@ -9,6 +9,7 @@ import pytest
 
 from runtime.backends.loading import load_backend
 from runtime.backends.onnx import OnnxBackend
+from runtime import generate
 from runtime.bundle import BundleError
 from runtime.serve import API_KEY_ENV, main, parse_args, server_settings
 
@@ -84,3 +85,8 @@ def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch, key):
     assert parse_args([str(tmp_path), "--api-key", key]).api_key is None
     monkeypatch.setenv(API_KEY_ENV, "sesame")
     assert parse_args([str(tmp_path)]).api_key == "sesame"
+
+
+def test_generate_cli_names_a_negative_seed(tmp_path, capsys):
+    assert generate.main([str(tmp_path), "--prompt", "hi", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == "error: seed must be an integer >= 0 (or none: fresh entropy), got -1\n"

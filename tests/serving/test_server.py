@@ -171,6 +171,7 @@ BAD_REQUESTS = [
     ("chat", {"block_size": 5}, "block_size"),                      # above the bundle's B = 4
     ("chat", {"temperature": 7}, "temperature"),
     ("chat", {"top_p": 0}, "top_p"),
+    ("chat", {"seed": -1, "temperature": 0.7}, "seed"),
     ("chat", {"stop": ""}, "stop"),
     ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
     ("chat", {"best_guess": True}, "best_guess"),
@@ -202,6 +203,7 @@ CLEAN_MESSAGES = [
     ({"frequency_penalty": 0.5}, "frequency_penalty must be 0 (penalties are not supported), got 0.5"),
     ({"stop": ""}, "stop must be a non-empty string or a list of at most 4 non-empty strings, got ''"),
     ({"max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1, got 0"),
+    ({"seed": -1}, "seed must be an integer >= 0 (or none: fresh entropy), got -1"),
 ]
 
 

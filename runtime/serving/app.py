@@ -164,7 +164,7 @@ def _tau_state(ctx: ServerContext) -> dict:
 
 async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_field: str, request: Request,
                     chat: bool):
-    max_new = _check_budget(ctx, prompt_ids, body.requested_max_tokens, prompt_field)
+    max_new = _check_budget(ctx, prompt_ids, body, prompt_field)
     try:
         params = DecodeParams(tau=body.tau, mode=body.mode, draft=body.draft, max_new_tokens=max_new,
                               block_size=body.block_size, temperature=body.temperature, top_p=body.top_p,
@@ -195,9 +195,11 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
                 gen.mars_info(body.return_token_ids, gen.step_tokens if body.return_step_tokens else None))
 
 
-def _check_budget(ctx: ServerContext, prompt_ids: list[int], requested: int | None, prompt_field: str) -> int:
-    """The max_new_tokens to run with; 400 if the prompt or max_tokens does not fit."""
+def _check_budget(ctx: ServerContext, prompt_ids: list[int], body, prompt_field: str) -> int:
+    """The max_new_tokens to run with; 400 if the prompt or the request's max_tokens does not fit
+    (named as the client sent it: ``max_tokens`` or ``max_completion_tokens``)."""
     limits, num_prompt, engine = ctx.limits, len(prompt_ids), ctx.engine_thread.engine
+    requested, field = body.requested_max_tokens, body.max_tokens_field
     max_prompt = engine.room(0) - 1  # at least one token left to generate
     if limits.max_prompt_tokens is not None:
         max_prompt = min(max_prompt, limits.max_prompt_tokens)
@@ -205,14 +207,14 @@ def _check_budget(ctx: ServerContext, prompt_ids: list[int], requested: int | No
         raise APIError(400, f"{prompt_field}: the prompt has {num_prompt} tokens; this server accepts at most "
                             f"{max_prompt}", param=prompt_field, code="context_length_exceeded")
     if requested is not None and requested > limits.max_tokens:
-        raise APIError(400, f"max_tokens must be in 1..{limits.max_tokens} (the server's --max-tokens-limit), "
-                            f"got {requested}", param="max_tokens", code="invalid_value")
+        raise APIError(400, f"{field} must be in 1..{limits.max_tokens} (the server's --max-tokens-limit), "
+                            f"got {requested}", param=field, code="invalid_value")
     room = engine.room(num_prompt)
     if requested is not None and requested > room:
-        raise APIError(400, f"the prompt ({num_prompt} tokens) + max_tokens ({requested}) + window "
+        raise APIError(400, f"the prompt ({num_prompt} tokens) + {field} ({requested}) + window "
                             f"({engine.config.window}) exceeds the context of {engine.cache.max_len} tokens; "
-                            f"lower max_tokens to {room} or "
-                            "shorten the prompt", param="max_tokens", code="context_length_exceeded")
+                            f"lower {field} to {room} or shorten the prompt", param=field,
+                       code="context_length_exceeded")
     return requested if requested is not None else min(limits.default_max_tokens, room)
 
 

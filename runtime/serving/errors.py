@@ -62,7 +62,7 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        return respond(request, validation_response(exc.errors()))
+        return respond(request, validation_response(exc.errors(), request.headers.get("content-type")))
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, exc: BodyTooLarge):
@@ -81,11 +81,13 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable
         return respond(request, error.response())
 
 
-def validation_response(errors) -> JSONResponse:
+def validation_response(errors, content_type: str | None = None) -> JSONResponse:
     """400 naming every bad field (pydantic's ``loc``) and what it expected.
 
     A ValueError of a validator in :mod:`runtime.serving.protocol` is already one sentence naming
     the field and the value: it is the message as it is (without pydantic's "Value error, ").
+    A body that is no JSON, or was not parsed as JSON (``content_type``, the request's header, is
+    not a JSON one), is said so, with no field.
     """
     messages, params = [], []
     for error in errors:
@@ -95,7 +97,12 @@ def validation_response(errors) -> JSONResponse:
         if error.get("type") == "extra_forbidden":
             messages.append(f"unknown field '{field}': this server does not accept it")
         elif error.get("type") == "json_invalid":
-            messages.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
+            params[-1] = None
+            messages.append(f"the request body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
+        elif field == "body" and isinstance(error.get("input"), bytes):  # FastAPI parses only JSON content types
+            params[-1] = None
+            messages.append(f"the request body was not read as JSON (Content-Type: {content_type or 'none'}): send "
+                            "the header 'Content-Type: application/json'")
         elif isinstance(error.get("ctx", {}).get("error"), ValueError):  # the protocol's own validators
             messages.append(str(error["ctx"]["error"]))  # one sentence that names the field and the value
         else:

@@ -21,6 +21,10 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
   joined over the stream are the non-streamed list (its length is ``num_forwards``, its sum
   the completion tokens).
 
+A field sent as null takes its default (the OpenAI spec allows null for its optional fields);
+``logprobs`` may be false (log probabilities are not supported). ``model`` is not checked:
+the server serves one model, whatever the name.
+
 Responses carry a ``mars`` object with the decode forwards and tokens per forward (TPF).
 Deliberate difference from OpenAI: ``temperature`` defaults to 0 (greedy), because MARS
 acceptance and its lossless modes are defined over the argmax.
@@ -28,23 +32,36 @@ acceptance and its lossless modes are defined over the argmax.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _NullIsDefault(BaseModel):
+    """A request object: unknown fields refused, JSON types not coerced, and null for a field that
+    has a default taken as that default (OpenAI clients send null for "not set")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_NullIsDefault):
     """Fields shared by chat and completions."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -58,6 +75,7 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None  # chat: a bool; completions: a count; only "none" is served
     # MARS extras
     tau: float | None = None  # checked by DecodeParams (runtime.decode.params.check_tau)
     mode: Literal["threshold", "ar", "verify"] = "threshold"
@@ -81,6 +99,14 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"{info.field_name} must be 0 (penalties are not supported), got {value}")
         return value
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs):
+        if logprobs is not False:  # None never reaches a validator
+            raise ValueError(f"logprobs are not supported (this server returns no log probabilities): send false "
+                             f"or leave it out, got {json.dumps(logprobs)}")
+        return logprobs
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop):
@@ -97,6 +123,15 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that sets the completion's length, as the client sent it (named in errors)."""
+        return "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return getattr(self, self.max_tokens_field)
 
 
 class TextPart(BaseModel):
@@ -121,8 +156,9 @@ class ChatRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def max_tokens_field(self) -> str:
+        """``max_completion_tokens`` when sent (it wins), else ``max_tokens``."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 class CompletionRequest(_GenerationRequest):
@@ -141,10 +177,6 @@ class CompletionRequest(_GenerationRequest):
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: give at least one character or token id")
         return prompt
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
 
 class TauRequest(BaseModel):

@@ -1,0 +1,73 @@
+"""The OpenAI protocol's edges: null fields, ``logprobs: false``, the field a limit error names, bodies that are no JSON.
+
+Tier 1 on the request models, then the tiny server over HTTP for what the client sees.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.serving.protocol import ChatRequest, CompletionRequest
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+NULLABLE = ["model", "max_tokens", "stop", "temperature", "top_p", "seed", "n", "stream", "stream_options", "user",
+            "presence_penalty", "frequency_penalty", "logprobs", "tau", "mode", "draft", "block_size", "top_k",
+            "return_token_ids", "return_step_tokens"]
+
+
+def test_a_null_field_takes_its_default():
+    """The OpenAI spec lets clients send null for an optional field: it means "not set"."""
+    sent = ChatRequest.model_validate({"messages": MESSAGES, "max_completion_tokens": None,
+                                       **dict.fromkeys(NULLABLE)})
+    assert sent == ChatRequest.model_validate({"messages": MESSAGES})
+    sent = CompletionRequest.model_validate({"prompt": "hi", "echo": None, "suffix": None, **dict.fromkeys(NULLABLE)})
+    assert sent == CompletionRequest.model_validate({"prompt": "hi"})
+    assert ChatRequest.model_validate({"messages": MESSAGES, "stream_options": {"include_usage": None}})
+
+
+def chat(server, **fields):
+    return server.http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+                            | fields)
+
+
+def test_null_fields_and_logprobs_false_are_served(tiny_server):
+    r = chat(tiny_server, **dict.fromkeys(["temperature", "top_p", "stop", "seed", "n", "stream", "stream_options"]),
+             logprobs=False)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = tiny_server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route, logprobs", [("chat/completions", True), ("completions", 1), ("completions", 0)])
+def test_logprobs_asked_for_are_a_clear_400(tiny_server, route, logprobs):
+    body = {"max_tokens": 2, "logprobs": logprobs} | ({"messages": MESSAGES} if route.startswith("chat")
+                                                      else {"prompt": "hi"})
+    r = tiny_server.http.post(f"/v1/{route}", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert r.json()["error"]["message"] == ("logprobs are not supported (this server returns no log probabilities): "
+                                            f"send false or leave it out, got {str(logprobs).lower()}")
+
+
+@pytest.mark.parametrize("max_tokens", [5000, 600])  # over --max-tokens-limit (2048); over the 512-token context
+def test_a_limit_error_names_the_field_the_client_sent(tiny_server, max_tokens):
+    r = chat(tiny_server, max_completion_tokens=max_tokens)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_completion_tokens" and "max_completion_tokens" in \
+        error["message"] and "max_tokens " not in error["message"], error
+    error = chat(tiny_server, max_tokens=max_tokens).json()["error"]
+    assert error["param"] == "max_tokens" and "max_completion_tokens" not in error["message"]
+
+
+def test_a_body_that_is_no_json_says_so(tiny_server):
+    r = tiny_server.http.post("/v1/chat/completions", content=b'{"messages": [}',
+                              headers={"content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None
+    assert error["message"].startswith("the request body is not valid JSON (")
+    for content_type in (None, "application/x-www-form-urlencoded"):  # curl -d without -H sends the second
+        r = tiny_server.http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                                  headers={"content-type": content_type} if content_type else {})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] is None
+        assert error["message"] == (f"the request body was not read as JSON (Content-Type: {content_type or 'none'}): "
+                                    "send the header 'Content-Type: application/json'")

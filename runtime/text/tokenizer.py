@@ -22,7 +22,7 @@ class Tokenizer:
     """Encode, decode and apply the chat template of a bundle directory.
 
     Raises:
-        BundleError: ``tokenizer.json`` is missing or unreadable.
+        BundleError: ``tokenizer.json`` is missing or unreadable, or ``tokenizer_config.json`` is no JSON object.
     """
 
     def __init__(self, bundle_dir: str | Path):
@@ -34,8 +34,9 @@ class Tokenizer:
             self._tokenizer = HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
             raise BundleError(f"cannot read {path} ({e}); re-export the bundle") from e
-        self._special = _special_tokens(bundle_dir)
-        self.chat_template = _read_chat_template(bundle_dir)
+        config = _read_tokenizer_config(bundle_dir)
+        self._special = _special_tokens(config)
+        self.chat_template = _read_chat_template(bundle_dir, config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are recognized.
@@ -78,18 +79,33 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
-def _read_chat_template(bundle_dir: Path) -> str | None:
+def _read_tokenizer_config(bundle_dir: Path) -> dict:
+    """The bundle's ``tokenizer_config.json`` ({} without one).
+
+    Raises:
+        BundleError: the file is not a JSON object (names the file).
+    """
+    path = bundle_dir / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BundleError(f"cannot read {path} ({e}); re-export the bundle with mars-export") from e
+    if not isinstance(config, dict):
+        raise BundleError(f"{path} is not a JSON object; re-export the bundle with mars-export")
+    return config
+
+
+def _read_chat_template(bundle_dir: Path, config: dict) -> str | None:
     if (bundle_dir / TEMPLATE_FILE).is_file():
         return (bundle_dir / TEMPLATE_FILE).read_text()
-    config = bundle_dir / TOKENIZER_CONFIG_FILE
-    return json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return config.get("chat_template")
 
 
-def _special_tokens(bundle_dir: Path) -> dict:
-    config = bundle_dir / TOKENIZER_CONFIG_FILE
-    raw = json.loads(config.read_text()) if config.is_file() else {}
+def _special_tokens(config: dict) -> dict:
     names = ("bos_token", "eos_token", "pad_token", "unk_token")
-    return {name: raw[name] for name in names if isinstance(raw.get(name), str)}
+    return {name: config[name] for name in names if isinstance(config.get(name), str)}
 
 
 def _compile(template: str) -> jinja2.Template:

@@ -90,3 +90,17 @@ def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch, key):
 def test_generate_cli_names_a_negative_seed(tmp_path, capsys):
     assert generate.main([str(tmp_path), "--prompt", "hi", "--seed", "-1"]) == 2
     assert capsys.readouterr().err == "error: seed must be an integer >= 0 (or none: fresh entropy), got -1\n"
+
+
+@pytest.mark.parametrize("content", ["{bad", "[1, 2]", "\xff"])
+def test_a_corrupt_tokenizer_config_is_named_in_one_line(tiny_bundle, tmp_path, capsys, content):
+    _, bundle = tiny_bundle("llama", 4)
+    copy = shutil.copytree(bundle, tmp_path / "bundle")
+    (copy / "tokenizer_config.json").write_bytes(content.encode("latin-1"))
+    capsys.readouterr()  # what exporting the bundle wrote
+    for run in (lambda: main([str(copy)]), lambda: generate.main([str(copy), "--prompt", "hi"])):
+        assert run() == 2
+        err = capsys.readouterr().err
+        assert err.startswith((f"error: {copy / 'tokenizer_config.json'} is not a JSON object",
+                               f"error: cannot read {copy / 'tokenizer_config.json'} (")), err
+        assert err.endswith("re-export the bundle with mars-export\n") and err.count("\n") == 1, err

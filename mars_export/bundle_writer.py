@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from mars_export.context import max_context_of
 from mars_export.fused_graph import write_fused_graph
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph
@@ -30,16 +31,17 @@ from runtime.backends.onnx import PROVIDERS, OnnxBackend, ort
 
 
 def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str = "float32") -> BundleConfig:
-    """The bundle config for ``loaded`` exported in ``dtype`` (parity not yet measured).
+    """The bundle config for ``loaded`` exported in ``dtype`` (parity not yet measured); its ``max_context``
+    is the model's, capped to a sliding attention window (:func:`mars_export.context.max_context_of`).
 
     Raises:
-        BundleError: block_size not in 1..window, the window exceeds the model's context,
+        BundleError: block_size not in 1..window, the window exceeds the (capped) context,
             or the model lacks an end token.
     """
     cfg, tok = loaded.model.config, loaded.tokenizer
-    if window >= cfg.max_position_embeddings:
-        raise BundleError(f"--window {window} must be smaller than the model's context of "
-                          f"{cfg.max_position_embeddings} tokens")
+    max_context, _ = max_context_of(cfg)
+    if window >= max_context:
+        raise BundleError(f"--window {window} must be smaller than the model's context of {max_context} tokens")
     eos = loaded.model.generation_config.eos_token_id
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})
     return BundleConfig(
@@ -47,7 +49,7 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
         eos_token_ids=tuple(eos_ids), pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0],
         bos_token_id=tok.bos_token_id, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        vocab_size=loaded.model.get_output_embeddings().weight.shape[0], max_context=cfg.max_position_embeddings,
+        vocab_size=loaded.model.get_output_embeddings().weight.shape[0], max_context=max_context,
         dtype=dtype, source_model=loaded.source)
 
 

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OnnxRuntimeMissing, RuntimeError) as e:  # installed without [cpu] or [gpu], or without [fused]
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from mars_export.context import max_context_of
     from mars_export.model_source import load_model
     from mars_export.parity import ParityError
 
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.model, args.mask_token)
         _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
                     f"id {loaded.mask_token_id}, ")
+        _, context_note = max_context_of(loaded.model.config)
+        if context_note:
+            print(context_note, file=sys.stderr)
         config = write_bundle(loaded, args.output, block, window, args.parity_tol, args.force,
                               "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
                               args.min_top1, args.graph, args.quant_block)

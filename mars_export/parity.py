@@ -50,10 +50,14 @@ def measure_parity(model: PreTrainedModel, backend, config: BundleConfig, prompt
         ``"greedy_head_agreement"`` (the fraction of positions where its id is the argmax of the graph's
         own logits, the mask token excluded) and ``"greedy_head_max_gap"`` (the largest amount by which
         its id's logit falls below that argmax's: a near-tie, both being float32 sums in other orders).
+
+    A prompt longer than the bundle's ``max_context`` is cut to the whole windows that fit in it (a model
+    with sliding attention has its context capped to the window, :mod:`mars_export.context`).
     """
     max_diff, agree, total, head_agree, head_gap = 0.0, 0, 0, 0, 0.0
     takes_greedy = getattr(backend, "takes_num_greedy", False)
-    for ids in prompts:
+    max_tokens = config.max_context // config.window * config.window
+    for ids in (ids[:max_tokens] for ids in prompts):
         onnx_logits = _graph_logits(backend, config, ids)  # [T_padded, V]
         padded = ids + [config.mask_token_id] * (len(onnx_logits) - len(ids))
         with torch.no_grad():

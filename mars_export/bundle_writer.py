@@ -17,6 +17,7 @@ from mars_export.context import max_context_of
 from mars_export.fused_graph import write_fused_graph
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph
+from mars_export.output_dir import check_output_dir, partial_prefix, remove_stale_partials
 from mars_export.parity import check_parity, measure_parity, parity_prompts
 from mars_export.quantize import WEIGHT_BITS, quantize_and_check
 from mars_export.step_module import prepare_fp16_model
@@ -75,16 +76,18 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
 
     Raises:
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        ValueError: ``out_dir`` may not be written (:func:`mars_export.output_dir.check_output_dir`: a file, a
+            symbolic link, the model's own files, or a directory that is neither a bundle nor empty).
         ParityError: a backend disagrees with PyTorch beyond ``parity_tolerance``.
         BundleError: invalid block size / window.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
+    check_output_dir(out_dir, list(loaded.source_paths), overwrite)
     config = prepare_config(loaded, block_size, window, dtype)
     config = replace(config, weight_dtype=weight_dtype, graph=graph)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    remove_stale_partials(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=out_dir.parent))
     try:
         if graph == "fused":
             quantized = weight_dtype is not None
@@ -112,6 +115,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         parity = _measure_gpu(loaded, tmp, config, prompts, parity)
         config = replace(config, parity=parity)
         (tmp / CONFIG_FILE).write_text(config.to_json())
+        check_output_dir(out_dir, list(loaded.source_paths), overwrite)  # again: the export took a while
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -139,7 +143,8 @@ def _measure_gpu(loaded: LoadedModel, bundle_dir: Path, config: BundleConfig, pr
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``, replacing an existing ``dst`` only once ``src`` is complete."""
+    """Move ``src`` to ``dst``, replacing an existing ``dst`` (a directory, checked by
+    :func:`~mars_export.output_dir.check_output_dir`) only once ``src`` is complete."""
     src.chmod(0o755)  # mkdtemp creates it private
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")

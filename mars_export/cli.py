@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
+from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
 
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trt-max-context", type=int, default=None,
                    help="largest past (KV cache capacity, positions per sequence) of the TensorRT profile "
                         "(default: min(model context, 4096))")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing bundle (or empty directory) at -o; any other directory is refused")
     return p.parse_args(argv)
 
 
@@ -79,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if Path(args.output).exists() and not args.force:
-        print(f"error: {args.output} already exists; choose another -o or pass --force to replace it", file=sys.stderr)
+    try:
+        check_output_dir(Path(args.output), model_paths(args.model), args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.parity_tol is None:
         args.parity_tol = FP16_PARITY_TOL if args.fp16 else FP32_PARITY_TOL

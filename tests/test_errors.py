@@ -215,6 +215,7 @@ def test_force_replaces_existing_bundle(tiny_bundle, tmp_path):
     ckpt, _ = tiny_bundle("llama", 4)
     out = tmp_path / "bundle"
     out.mkdir()
+    (out / "mars_config.json").write_text("{}")  # an older bundle: --force replaces bundles only
     (out / "stale.txt").write_text("old")
     export(str(ckpt), out, 4, 4, "--mask-token", "<mask>", "--force")
     assert not (out / "stale.txt").exists() and (out / "mars_config.json").exists()

@@ -4,6 +4,7 @@ token must be a spare special or new token, packaged model names are never read 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,28 @@ from support import export
 from tiny_models import HEAD_SCALE, make_tokenizer
 from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from mars_export import cli as export_cli
 from mars_export.context import max_context_of, sliding_window
+from mars_export.output_dir import remove_stale_partials
 from runtime import generate
 from runtime.bundle import load_config
 
 SLIDING_WINDOW = 24
+DEAD_PID = 4_194_305  # above Linux's largest pid (2**22): no process has it
+
+
+def error_lines(capsys) -> list[str]:
+    """stderr lines that report an error (progress bars of model loading may precede them)."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+
+
+def run_export(capsys, model, out, *extra) -> tuple[int, list[str]]:
+    code = export_cli.main([str(model), "-o", str(out), *extra])
+    return code, error_lines(capsys)
+
+
+def files_under(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 # --- sliding-window attention: the bundle's context is capped to the window ---
@@ -71,3 +89,64 @@ def test_sliding_window_caps_the_bundles_context(arch, tmp_path, capsys):
     assert generate.main([str(bundle), "--prompt", "x" * 30, "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"exceeds the {SLIDING_WINDOW} positions a slot can hold" in err[0]
+
+
+# --- the output directory: --force replaces a bundle, nothing else ---
+
+@pytest.fixture
+def checkpoint(tiny_bundle):
+    return tiny_bundle("llama", 4)[0]
+
+
+@pytest.mark.parametrize("where, message", [
+    (lambda ckpt, tmp: ckpt, "is the model it exports"),
+    (lambda ckpt, tmp: ckpt.parent, "contains the model it exports"),
+    (lambda ckpt, tmp: ckpt / "bundle", "is inside the model it exports"),
+])
+def test_output_overlapping_the_model_is_refused(checkpoint, tmp_path, capsys, where, message):
+    before = files_under(checkpoint.parent)
+    code, err = run_export(capsys, checkpoint, where(checkpoint, tmp_path), "--block", "4", "--force")
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert files_under(checkpoint.parent) == before and not (checkpoint / "bundle").exists()
+
+
+def test_force_keeps_a_folder_that_is_no_bundle(checkpoint, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code, err = run_export(capsys, checkpoint, out, "--block", "4", "--force")
+    assert code == 2 and len(err) == 1 and "is not a MARS bundle (no mars_config.json)" in err[0]
+    assert files_under(out) == {"notes.txt": b"keep me"} and sorted(os.listdir(tmp_path)) == ["mine"]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda out, tmp: out.write_text("a file"), "is a file, not a directory"),
+    (lambda out, tmp: out.symlink_to(tmp / "target", target_is_directory=True), "is a symbolic link"),
+])
+def test_force_refuses_a_file_or_a_link(checkpoint, tmp_path, capsys, make, message):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "mars_config.json").write_text("{}")
+    out = tmp_path / "out"
+    make(out, tmp_path)
+    before = files_under(tmp_path)
+    code, err = run_export(capsys, checkpoint, out, "--block", "4", "--mask-token", "<mask>", "--force")
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert files_under(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["out", "target"]
+
+
+def test_force_fills_an_empty_folder_and_removes_dead_exports_leftovers(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead, live = tmp_path / f".out.partial-{DEAD_PID}-abc", tmp_path / f".out.partial-{os.getpid()}-abc"
+    dead.mkdir()
+    live.mkdir()
+    export(str(checkpoint), out, 4, 4, "--mask-token", "<mask>", "--force")
+    assert (out / "mars_config.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == [live.name, "out"]  # a live export's work directory stays
+
+
+def test_stale_partials_of_other_outputs_stay(tmp_path):
+    for name in (f".other.partial-{DEAD_PID}-x", ".out.partial-abc", f".out.partial-{DEAD_PID}-y"):
+        (tmp_path / name).mkdir()
+    remove_stale_partials(tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == [".other.partial-4194305-x", ".out.partial-abc"]

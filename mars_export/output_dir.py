@@ -1,0 +1,76 @@
+"""Where an export may write its bundle (``-o DIR``), and the leftovers of killed exports beside it.
+
+``--force`` replaces a bundle, never anything else: the output may not be a file or a symbolic
+link, may not overlap the model it is exported from (be it, hold it or lie inside it), and an
+existing directory is replaced only when it is a bundle (holds ``mars_config.json``) or is empty.
+Torch-free: ``mars-export`` checks before it loads the model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from mars_export.default_model import DEFAULT_SPEC, MARS_DEFAULT_SPEC, default_model_dir, shipped_adapter_dir
+from runtime.bundle import CONFIG_FILE
+
+PARTIAL_MARK = ".partial-"  # hidden work directories: .{name}.partial-{pid}-{random}
+
+
+def model_paths(spec: str) -> list[Path]:
+    """The files and directories the model ``spec`` (as for ``mars-export MODEL``) is read from."""
+    if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
+        return [default_model_dir()] + ([shipped_adapter_dir()] if spec == MARS_DEFAULT_SPEC else [])
+    return [Path(spec)]
+
+
+def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) -> None:
+    """Raise if the bundle may not be written to ``out_dir``; nothing is touched.
+
+    Raises:
+        ValueError: ``out_dir`` is a symbolic link or not a directory, overlaps one of
+            ``model_paths``, or (with ``overwrite``) is a non-empty directory that is not a bundle.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+    """
+    if out_dir.is_symlink():
+        raise ValueError(f"-o {out_dir} is a symbolic link; give the directory it points to, or another -o")
+    target = out_dir.resolve()
+    for path in model_paths:
+        source = path.resolve()
+        if target == source or target in source.parents or source in target.parents:
+            how = "is" if target == source else "contains" if target in source.parents else "is inside"
+            raise ValueError(f"-o {out_dir} {how} the model it exports ({path}); write the bundle elsewhere")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"-o {out_dir} is a file, not a directory; choose another -o")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
+    if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
+        raise ValueError(f"-o {out_dir} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
+                         "only a bundle: choose another -o, or move its files away")
+
+
+def remove_stale_partials(out_dir: Path) -> None:
+    """Remove the work directories that exports to ``out_dir`` killed outright (SIGKILL) left beside it:
+    those whose process no longer runs. A live export's, or one whose name has no process id, stays."""
+    prefix = f".{out_dir.name}{PARTIAL_MARK}"
+    for path in out_dir.parent.iterdir() if out_dir.parent.is_dir() else ():
+        pid = path.name[len(prefix):].split("-")[0]
+        if path.name.startswith(prefix) and path.is_dir() and not path.is_symlink() and pid.isdigit() \
+                and not _is_running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def partial_prefix(out_dir: Path) -> str:
+    """The name prefix of this process's work directory for ``out_dir`` (``tempfile.mkdtemp`` adds the rest)."""
+    return f".{out_dir.name}{PARTIAL_MARK}{os.getpid()}-"
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True

@@ -24,19 +24,25 @@ def resolve_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 
     Raises:
         ValueError: no token is requested, recorded or set as the tokenizer's mask token; the
-            requested token differs from the one the model was trained with; the token is
-            one the chat template or generation uses (bos/eos/pad); or the tokenizer gives
-            it an id past the model's embedding rows.
+            requested token is empty, or differs from the one the model was trained with; the
+            token is one the chat template or generation uses (bos/eos/pad), or an ordinary token
+            of the vocabulary (not an added one: the model could never write it again); or the
+            tokenizer gives it an id past the model's embedding rows.
     """
     recorded = getattr(model.config, "mars_mask_token", None)
     if requested is not None and recorded is not None and requested != recorded:
         raise ValueError(f"this model records mask token {recorded!r} but --mask-token {requested!r} was given; "
                          "drop --mask-token to use the recorded one")
     token, origin = _choose(requested, recorded, tokenizer)
-    reserved = {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token}
-    if token in reserved:
-        raise ValueError(f"mask token {token!r} is the bos/eos/pad token; choose a spare one such as "
-                         f"{', '.join(spare_special_tokens(tokenizer)[:6])}")
+    spare = ", ".join(spare_special_tokens(tokenizer)[:6]) or "none found"
+    if not token:
+        raise ValueError(f"the mask token must not be empty; pass --mask-token TOKEN: a spare special token ({spare}) "
+                         "or a new token name")
+    if token in {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token}:
+        raise ValueError(f"mask token {token!r} is the bos/eos/pad token; choose a spare one such as {spare}")
+    if token in tokenizer.get_vocab() and token not in tokenizer.added_tokens_encoder:
+        raise ValueError(f"mask token {token!r} is an ordinary token of the vocabulary, which the model could then "
+                         f"never write; choose a spare special token ({spare}) or a new token name")
     if token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [token]})
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # else it took a padding row

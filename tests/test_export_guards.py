@@ -150,3 +150,15 @@ def test_stale_partials_of_other_outputs_stay(tmp_path):
         (tmp_path / name).mkdir()
     remove_stale_partials(tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == [".other.partial-4194305-x", ".out.partial-abc"]
+
+
+# --- the mask token ---
+
+@pytest.mark.parametrize("token, message", [
+    ("", "the mask token must not be empty"),
+    ("a", "mask token 'a' is an ordinary token of the vocabulary"),
+])
+def test_mask_token_must_be_a_spare_special_or_new_token(checkpoint, tmp_path, capsys, token, message):
+    code, err = run_export(capsys, checkpoint, tmp_path / "b", "--block", "4", "--mask-token", token)
+    assert code == 2 and len(err) == 1 and message in err[0] and "<mask>" in err[0]
+    assert not (tmp_path / "b").exists()

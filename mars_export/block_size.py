@@ -15,7 +15,8 @@ import json
 import re
 from pathlib import Path
 
-from mars_export.default_model import ADAPTER_INFO_FILE, MARS_DEFAULT_SPEC, shipped_adapter_dir
+from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, MODEL_SPECS_HELP,
+                                       shipped_adapter_dir)
 
 # "blk4" as a whole word of a name: after a start or a separator, before an end or a separator.
 _NAME_BLOCK = re.compile(r"(?:^|[-_.])blk(\d+)(?=$|[-_.])", re.IGNORECASE)
@@ -30,14 +31,19 @@ def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
 
     Raises:
         ValueError: no block size is requested, recorded or in the name (the message asks for
-            ``--block``), the name's ``blkN`` is unusable (:func:`block_size_from_name`), or
-            ``spec`` names no file and no default model.
+            ``--block``; for ``default``, the base model, it also names ``default-mars``), the
+            name's ``blkN`` is unusable (:func:`block_size_from_name`), or ``spec`` names no file
+            and no default model (the message lists the accepted names).
     """
     if requested is not None:
         return requested, "--block"
     recorded = recorded_block_size(spec)
     if recorded is not None:
         return recorded, "recorded with the model"
+    if spec == DEFAULT_SPEC:
+        raise ValueError(f"'{DEFAULT_SPEC}' is the base model, not trained for MARS, and records no block size: "
+                         f"pass --block B, or export '{MARS_DEFAULT_SPEC}' (the shipped MARS adapter, block size "
+                         f"{recorded_block_size(MARS_DEFAULT_SPEC)})")
     path = Path(spec).resolve()
     guessed = block_size_from_name(path)
     if guessed is not None:
@@ -45,18 +51,19 @@ def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
         where = "" if name in (path.name, path.stem) else f" {name!r} above it"
         return block, f"from the directory name{where}"
     if not path.exists():
-        raise ValueError(f"cannot load model {spec!r}: no such file or directory")
+        raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected {MODEL_SPECS_HELP})")
     raise ValueError(f"{spec} records no block size and its name has no 'blkN': pass --block B, the block "
                      "size it was trained with (the paper's checkpoints: 4, 8 or 16)")
 
 
 def recorded_block_size(spec: str) -> int | None:
     """The block size recorded with the model ``spec``, or None (also for unreadable files,
-    which the model loader reports)."""
+    which the model loader reports). A packaged name (``default``, ``default-mars``) is never read
+    as a directory of the working directory, as the model loader does not read it so either."""
     path = Path(spec)
     if spec == MARS_DEFAULT_SPEC:
         return _read_int(shipped_adapter_dir() / ADAPTER_INFO_FILE, "block_size")
-    if path.is_dir():
+    if spec != DEFAULT_SPEC and path.is_dir():
         return _read_int(path / "config.json", "mars_block_size")
     return None
 

@@ -29,6 +29,9 @@ DEFAULT_SPEC = "default"
 MARS_DEFAULT_SPEC = "default-mars"
 SHIPPED_ADAPTER = "data/smollm2-135m-mars"
 ADAPTER_INFO_FILE = "mars_adapter.json"  # mask token and block size of a MARS LoRA adapter
+# What mars-export and mars-train accept as MODEL, for the errors that name it.
+MODEL_SPECS_HELP = (f"'{DEFAULT_SPEC}' (SmolLM2-135M-Instruct), '{MARS_DEFAULT_SPEC}' (it with the shipped MARS "
+                    "adapter), a .gguf file, or a Hugging Face checkpoint directory")
 # ids 3..16 are spare special tokens that the chat template never emits (DESIGN.md §8).
 DEFAULT_MASK_TOKEN = "<empty_output>"
 

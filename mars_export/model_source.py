@@ -23,7 +23,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from mars_export import default_model
-from mars_export.default_model import ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, shipped_adapter_dir
+from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, MODEL_SPECS_HELP,
+                                       shipped_adapter_dir)
 from mars_export.mask_token import resolve_mask_token
 from mars_export.output_dir import model_paths
 from runtime.model_types import A2D_BASE_MODEL_TYPES
@@ -94,16 +95,14 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
     else:
         path = Path(spec)
         if not path.exists():
-            raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected 'default', "
-                             "'default-mars', a .gguf file, or a Hugging Face checkpoint directory)")
+            raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected {MODEL_SPECS_HELP})")
         if path.is_file() and path.suffix == ".gguf":
             model, tokenizer = _read(_load_gguf, path)
             gguf_file = path
         elif path.is_dir() and (path / "config.json").exists():
             model, tokenizer = _read(load_checkpoint, path)
         else:
-            raise ValueError(f"cannot load model {spec!r}: expected 'default', 'default-mars', a .gguf file, "
-                             "or a Hugging Face checkpoint directory containing config.json")
+            raise ValueError(f"cannot load model {spec!r}: expected {MODEL_SPECS_HELP} (holding config.json)")
         source = str(path.resolve())
     token, token_id, origin = resolve_mask_token(model, tokenizer, mask_token)
     return LoadedModel(model, tokenizer, token, token_id, source, origin, gguf_file, adapter_dir,

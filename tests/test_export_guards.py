@@ -4,6 +4,7 @@ token must be a spare special or new token, packaged model names are never read 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tiny_models import HEAD_SCALE, make_tokenizer
 from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mars_export import cli as export_cli
+from mars_export.block_size import resolve_block_size
 from mars_export.context import max_context_of, sliding_window
 from mars_export.output_dir import remove_stale_partials
 from runtime import generate
@@ -162,3 +164,23 @@ def test_mask_token_must_be_a_spare_special_or_new_token(checkpoint, tmp_path, c
     code, err = run_export(capsys, checkpoint, tmp_path / "b", "--block", "4", "--mask-token", token)
     assert code == 2 and len(err) == 1 and message in err[0] and "<mask>" in err[0]
     assert not (tmp_path / "b").exists()
+
+
+# --- model names and block sizes ---
+
+def test_default_without_block_names_the_mars_model(tmp_path, monkeypatch, capsys):
+    """The base default model records no block size; a ./default/config.json in the working directory that
+    records one is not read for the packaged name."""
+    monkeypatch.chdir(tmp_path)
+    Path("default").mkdir()
+    Path("default/config.json").write_text(json.dumps({"mars_block_size": 8}))
+    with pytest.raises(ValueError, match="pass --block B, or export 'default-mars' .*block size 4"):
+        resolve_block_size(None, "default")
+    code, err = run_export(capsys, "default", tmp_path / "x")
+    assert code == 2 and len(err) == 1 and "'default-mars'" in err[0] and not (tmp_path / "x").exists()
+
+
+def test_an_unknown_model_name_lists_the_accepted_ones(tmp_path, capsys):
+    code, err = run_export(capsys, "defualt", tmp_path / "x")
+    assert code == 2 and len(err) == 1 and "no such file or directory" in err[0]
+    assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0]

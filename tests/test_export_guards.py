@@ -18,6 +18,8 @@ from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
 from mars_export.context import max_context_of, sliding_window
 from mars_export.output_dir import remove_stale_partials
+from mars_export.training import cli as train_cli
+from mars_export.training import distill as distill_module
 from runtime import generate
 from runtime.bundle import load_config
 
@@ -184,3 +186,42 @@ def test_an_unknown_model_name_lists_the_accepted_ones(tmp_path, capsys):
     code, err = run_export(capsys, "defualt", tmp_path / "x")
     assert code == 2 and len(err) == 1 and "no such file or directory" in err[0]
     assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0]
+
+
+# --- mars-train distill --output ---
+
+def distill(bundle, prompts, out) -> int:
+    return train_cli.main(["distill", str(bundle), "--prompts", str(prompts), "--output", str(out),
+                           "--max-new-tokens", "2"])
+
+
+def test_distill_failure_keeps_the_existing_output(tiny_bundle, tmp_path, monkeypatch):
+    _, bundle = tiny_bundle("llama", 4)
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "d1.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in ("hi", "ok", "why")))
+    out.write_text("earlier answers\n")
+
+    def fail_on_the_second(prompt, *args, calls=[]):
+        calls.append(prompt)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return {"messages": prompt, "cut": True}
+    monkeypatch.setattr(distill_module, "prepare_record", fail_on_the_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        distill(bundle, prompts, out)
+    assert out.read_text() == "earlier answers\n" and sorted(os.listdir(tmp_path)) == ["d1.jsonl", "prompts.jsonl"]
+    monkeypatch.undo()
+    assert distill(bundle, prompts, out) == 0
+    assert len(out.read_text().splitlines()) == 3 and sorted(os.listdir(tmp_path)) == ["d1.jsonl", "prompts.jsonl"]
+
+
+@pytest.mark.parametrize("output, message", [
+    (lambda tmp: tmp, "is a directory"),
+    (lambda tmp: tmp / "missing" / "d.jsonl", "does not exist; create it first"),
+])
+def test_distill_output_is_checked_before_the_export(tmp_path, capsys, output, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        distill(tmp_path / "no-such-model", prompts, output(tmp_path))  # a model load would fail otherwise
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]

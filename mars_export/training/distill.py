@@ -19,6 +19,7 @@ Dimension letters: N batch, T prompt tokens (left-padded), G generated tokens.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -110,16 +111,24 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
         model_spec: a bundle directory (``mars-export`` output), or a model spec as for
             :func:`mars_export.model_source.load_model`, exported to a temporary bundle first.
         prompts_paths: data files :mod:`mars_export.training.data` reads; answers in them are ignored.
-        output_path: the chat JSONL to write (replaced), in prompt order, flushed as answers finish.
+        output_path: the chat JSONL to write, in prompt order: written to a hidden file beside it (flushed
+            as answers finish) that replaces ``output_path`` only once every answer is in, so a failed run
+            leaves an existing file as it was.
         max_new_tokens: the token cap; longer answers are cut there and marked.
         batch_size: engine slots (rows decoding at once; continuous batching).
         num_threads: onnxruntime intra-op threads (0: its choice).
 
     Raises:
-        ValueError: a bad argument, a malformed prompt record, or a prompt too long for the model.
+        ValueError: a bad argument (``output_path`` a directory or in a missing one: before any export),
+            a malformed prompt record, or a prompt too long for the model.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens}, {batch_size}")
+    output_path = Path(output_path)
+    if output_path.is_dir():
+        raise ValueError(f"--output {output_path} is a directory; give the path of the JSONL file to write")
+    if not output_path.parent.is_dir():
+        raise ValueError(f"--output {output_path}: the folder {output_path.parent} does not exist; create it first")
     from runtime.decode.engine import Engine, EngineConfig
     from runtime.backends.loading import load_backend
     from runtime.decode.params import DecodeParams
@@ -135,7 +144,7 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
         request_ids = [engine.add_request(tokenizer.encode_chat(p), params) for p in prompts]
         answers: dict[str, list[int]] = {}
         report = DistillReport(num_prompts=len(prompts))
-        with open(output_path, "w", encoding="utf-8") as sink:
+        with _replacing(output_path) as sink:
             while engine.has_unfinished():
                 answers.update((o.request_id, o.result.token_ids) for o in engine.step() if o.finished)
                 while report.num_written < len(prompts) and request_ids[report.num_written] in answers:
@@ -149,6 +158,26 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
                 sink.flush()
         report.seconds = time.perf_counter() - start
     return report
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator:
+    """A text file to write that replaces ``path`` when the block ends normally, and is removed otherwise."""
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as sink:
+            yield sink
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; give it a new file's mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @torch.no_grad()

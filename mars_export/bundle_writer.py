@@ -16,7 +16,7 @@ from pathlib import Path
 from mars_export.context import max_context_of
 from mars_export.fused_graph import write_fused_graph
 from mars_export.model_source import LoadedModel
-from mars_export.onnx_export import export_step_graph
+from mars_export.onnx_export import export_step_graph, max_window
 from mars_export.output_dir import check_output_dir, partial_prefix, remove_stale_partials
 from mars_export.parity import check_parity, measure_parity, parity_prompts
 from mars_export.quantize import WEIGHT_BITS, quantize_and_check
@@ -36,13 +36,16 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
     is the model's, capped to a sliding attention window (:func:`mars_export.context.max_context_of`).
 
     Raises:
-        BundleError: block_size not in 1..window, the window exceeds the (capped) context,
-            or the model lacks an end token.
+        BundleError: block_size not in 1..window, the window leaves no room in the context for
+            the traced example's past (:func:`mars_export.onnx_export.max_window`), or the model
+            lacks an end token.
     """
     cfg, tok = loaded.model.config, loaded.tokenizer
     max_context, _ = max_context_of(cfg)
-    if window >= max_context:
-        raise BundleError(f"--window {window} must be smaller than the model's context of {max_context} tokens")
+    if window > max_window(max_context):
+        raise BundleError(f"--window {window} must be smaller than the model's context of {max_context} tokens by "
+                          f"at least {max_context - max_window(max_context)} (the past the export traces the graph "
+                          f"with): use --window {max_window(max_context)} or less")
     eos = loaded.model.generation_config.eos_token_id
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})
     return BundleConfig(

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model-builder graph of the same weights (GroupQueryAttention; batch 1, CPU, float32, "
                         "--int8 or --int4; needs mars-edge[fused])")
     p.add_argument("--trt", action="store_true", help="also build engine.plan with TensorRT (NVIDIA GPU only)")
-    p.add_argument("--trt-max-batch", type=int, default=8, help="largest batch of the TensorRT profile (default 8)")
+    p.add_argument("--trt-max-batch", type=int, default=None, help="largest batch of the TensorRT profile (default 8)")
     p.add_argument("--trt-max-context", type=int, default=None,
                    help="largest past (KV cache capacity, positions per sequence) of the TensorRT profile "
                         "(default: min(model context, 4096))")
@@ -153,11 +153,15 @@ def _weight_dtype(args: argparse.Namespace) -> str | None:
 
 
 def _precision_problem(args: argparse.Namespace) -> str | None:
-    """Why the precision flags cannot be combined, or None."""
+    """Why the precision (and TensorRT profile) flags cannot be combined, or None."""
     chosen = [flag for flag in ("--fp16", "--int8", "--int4") if getattr(args, flag[2:])]
     if len(chosen) > 1:
         return f"choose one precision, got {' and '.join(chosen)}"
     quantized = args.int8 or args.int4
+    profile_flags = {"--trt-max-batch": args.trt_max_batch, "--trt-max-context": args.trt_max_context}
+    profile = [flag for flag, value in profile_flags.items() if value is not None]
+    if profile and not args.trt:
+        return f"{' and '.join(profile)} set the TensorRT profile and apply with --trt only: add --trt or drop them"
     if quantized and args.trt:
         return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if args.graph == "fused" and (args.fp16 or args.trt):
@@ -180,7 +184,8 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
 def _trt_options(args: argparse.Namespace):
     """Build options for --trt; fails before the model is loaded when TensorRT or a GPU is missing."""
     from runtime.trt_build import TrtBuildOptions, require_tensorrt
-    options = TrtBuildOptions(max_batch=args.trt_max_batch, max_context=args.trt_max_context)
+    max_batch = TrtBuildOptions.max_batch if args.trt_max_batch is None else args.trt_max_batch
+    options = TrtBuildOptions(max_batch=max_batch, max_context=args.trt_max_context)
     require_tensorrt()
     return options
 

@@ -29,6 +29,13 @@ OPSET = 18
 _EXAMPLE_BATCH, _EXAMPLE_PAST = 2, 5
 
 
+def max_window(max_context: int) -> int:
+    """The largest decode window W whose step graph traces at ``max_context`` positions: the traced example
+    holds ``_EXAMPLE_PAST`` past positions before the window, and its cache (past + W) must lie within the
+    graph's ``max_context`` bound of the past axis."""
+    return max_context - _EXAMPLE_PAST
+
+
 def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_context: int,
                       greedy_mask_token: int | None = None) -> None:
     """Write the step graph of ``model`` to ``path`` (``window``: the bundle's W, the example length).

@@ -188,6 +188,24 @@ def test_an_unknown_model_name_lists_the_accepted_ones(tmp_path, capsys):
     assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0]
 
 
+# --- other flags ---
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "508"], "use --window 507 or less"),
+    (["--trt-max-batch", "4"], "--trt-max-batch set the TensorRT profile and apply with --trt only"),
+    (["--trt-max-context", "256"], "--trt-max-context set the TensorRT profile and apply with --trt only"),
+])
+def test_flags_that_cannot_work_are_refused(checkpoint, tmp_path, capsys, args, message):
+    code, err = run_export(capsys, checkpoint, tmp_path / "b", "--block", "4", "--mask-token", "<mask>", *args)
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_largest_window_the_precheck_allows_exports(checkpoint, tmp_path):
+    """The pre-check is the trace's own bound: W 507 (512 - the example's 5 past positions) exports."""
+    assert load_config(export(str(checkpoint), tmp_path / "b", 4, 507, "--mask-token", "<mask>")).window == 507
+
+
 # --- mars-train distill --output ---
 
 def distill(bundle, prompts, out) -> int:

@@ -9,10 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from support import export
-from tiny_models import HEAD_SCALE, make_tokenizer
-from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import make_checkpoint
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
@@ -62,22 +61,8 @@ def test_a_window_wider_than_the_context_caps_nothing():
 def save_sliding_model(arch: str, directory: Path) -> Path:
     """A 2-layer random Mistral, or Qwen2 whose second layer only slides (max_window_layers 1), with a
     SLIDING_WINDOW-token window in a 512-token context."""
-    tokenizer = make_tokenizer()
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  sliding_window=SLIDING_WINDOW, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if arch == "mistral":
-        model_cls, config = MistralForCausalLM, MistralConfig(**common)
-    else:
-        model_cls, config = Qwen2ForCausalLM, Qwen2Config(use_sliding_window=True, max_window_layers=1, **common)
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(HEAD_SCALE)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    qwen2 = {"use_sliding_window": True, "max_window_layers": 1} if arch == "qwen2" else {}
+    return make_checkpoint(arch, directory, sliding_window=SLIDING_WINDOW, **qwen2)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])

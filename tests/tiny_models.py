@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<mask>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -18,6 +18,7 @@ ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
 }
 # The published layout (github.com/Xalp/MARS, dllm/pipelines/a2d): model type and class name
 # of the authors' code, and the mask token their tokenizer setup adds as ``mask_token``.
@@ -50,11 +51,13 @@ def make_tokenizer(spare: tuple[str, ...] = ("<mask>",)) -> PreTrainedTokenizerF
     return fast
 
 
-def make_checkpoint(arch: str, directory: Path, seed: int = 0, max_context: int = 512, num_kv_heads: int = 2) -> Path:
+def make_checkpoint(arch: str, directory: Path, seed: int = 0, max_context: int = 512, num_kv_heads: int = 2,
+                    **config) -> Path:
     """Save a 2-layer random model of ``arch`` (``max_context`` positions, 4 query heads over ``num_kv_heads`` KV
-    heads) plus tokenizer to ``directory``; return it."""
+    heads; ``config``: further fields of its transformers config, e.g. ``sliding_window``) plus tokenizer to
+    ``directory``; return it."""
     tokenizer = make_tokenizer()
-    return _save_random_model(arch, directory, tokenizer, len(tokenizer), seed, max_context, num_kv_heads)
+    return _save_random_model(arch, directory, tokenizer, len(tokenizer), seed, max_context, num_kv_heads, **config)
 
 
 def make_a2d_checkpoint(layout: str, directory: Path, seed: int = 0) -> Path:
@@ -76,13 +79,13 @@ def make_a2d_checkpoint(layout: str, directory: Path, seed: int = 0) -> Path:
 
 
 def _save_random_model(arch: str, directory: Path, tokenizer: PreTrainedTokenizerFast, vocab_size: int, seed: int,
-                       max_context: int, num_kv_heads: int = 2) -> Path:
+                       max_context: int, num_kv_heads: int = 2, **extra) -> Path:
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
                         max_position_embeddings=max_context,
                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():

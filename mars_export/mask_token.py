@@ -25,8 +25,9 @@ def resolve_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     Raises:
         ValueError: no token is requested, recorded or set as the tokenizer's mask token; the
             requested token is empty, or differs from the one the model was trained with; the
-            token is one the chat template or generation uses (bos/eos/pad), or an ordinary token
-            of the vocabulary (not an added one: the model could never write it again); or the
+            token is one generation uses (bos/eos/pad), or in the vocabulary but not a spare special
+            token (:func:`spare_special_tokens`: an ordinary token, which the model could never write
+            again, or one the chat template writes); or the
             tokenizer gives it an id past the model's embedding rows.
     """
     recorded = getattr(model.config, "mars_mask_token", None)
@@ -40,9 +41,10 @@ def resolve_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
                          "or a new token name")
     if token in {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token}:
         raise ValueError(f"mask token {token!r} is the bos/eos/pad token; choose a spare one such as {spare}")
-    if token in tokenizer.get_vocab() and token not in tokenizer.added_tokens_encoder:
-        raise ValueError(f"mask token {token!r} is an ordinary token of the vocabulary, which the model could then "
-                         f"never write; choose a spare special token ({spare}) or a new token name")
+    if token in tokenizer.get_vocab() and token not in spare_special_tokens(tokenizer):
+        raise ValueError(f"mask token {token!r} is in the vocabulary but not a spare special token (an ordinary token, "
+                         "which the model could then never write, or one the chat template writes); choose a spare "
+                         f"special token ({spare}) or a new token name")
     if token not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [token]})
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # else it took a padding row

@@ -1,7 +1,7 @@
 """Where an export may write its bundle (``-o DIR``), and the leftovers of killed exports beside it.
 
 ``--force`` replaces a bundle, never anything else: the output may not be a file or a symbolic
-link, may not overlap the model it is exported from (be it, hold it or lie inside it), and an
+link, may not be or hold the model it is exported from (a bundle inside a model's folder is fine), and an
 existing directory is replaced only when it is a bundle (holds ``mars_config.json``) or is empty.
 Torch-free: ``mars-export`` checks before it loads the model.
 """
@@ -30,7 +30,7 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
 
     Raises:
         ValueError: ``out_dir`` is a symbolic link or not a directory, overlaps one of
-            ``model_paths``, or (with ``overwrite``) is a non-empty directory that is not a bundle.
+            ``model_paths`` (is or contains one), or (with ``overwrite``) is a non-empty directory that is not a bundle.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if out_dir.is_symlink():
@@ -38,8 +38,8 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     target = out_dir.resolve()
     for path in model_paths:
         source = path.resolve()
-        if target == source or target in source.parents or source in target.parents:
-            how = "is" if target == source else "contains" if target in source.parents else "is inside"
+        if target == source or target in source.parents:  # replacing it would delete the model's files
+            how = "is" if target == source else "contains"
             raise ValueError(f"-o {out_dir} {how} the model it exports ({path}); write the bundle elsewhere")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"-o {out_dir} is a file, not a directory; choose another -o")

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
 from mars_export.context import max_context_of, sliding_window
-from mars_export.output_dir import remove_stale_partials
+from mars_export.output_dir import check_output_dir, remove_stale_partials
 from mars_export.training import cli as train_cli
 from mars_export.training import distill as distill_module
 from runtime import generate
@@ -90,13 +90,23 @@ def checkpoint(tiny_bundle):
 @pytest.mark.parametrize("where, message", [
     (lambda ckpt, tmp: ckpt, "is the model it exports"),
     (lambda ckpt, tmp: ckpt.parent, "contains the model it exports"),
-    (lambda ckpt, tmp: ckpt / "bundle", "is inside the model it exports"),
 ])
 def test_output_overlapping_the_model_is_refused(checkpoint, tmp_path, capsys, where, message):
     before = files_under(checkpoint.parent)
     code, err = run_export(capsys, checkpoint, where(checkpoint, tmp_path), "--block", "4", "--force")
     assert code == 2 and len(err) == 1 and message in err[0]
     assert files_under(checkpoint.parent) == before and not (checkpoint / "bundle").exists()
+
+
+def test_a_bundle_may_be_written_inside_the_models_folder(tmp_path):
+    """Only being or holding the model can delete its files: a bundle inside its folder (e.g. beside a
+    mars-train run's checkpoints) is allowed, also replaced with --force."""
+    model = tmp_path / "run"
+    model.mkdir()
+    check_output_dir(model / "bundle", [model], overwrite=False)
+    (model / "bundle").mkdir()
+    (model / "bundle" / "mars_config.json").write_text("{}")
+    check_output_dir(model / "bundle", [model], overwrite=True)
 
 
 def test_force_keeps_a_folder_that_is_no_bundle(checkpoint, tmp_path, capsys):
@@ -145,7 +155,7 @@ def test_stale_partials_of_other_outputs_stay(tmp_path):
 
 @pytest.mark.parametrize("token, message", [
     ("", "the mask token must not be empty"),
-    ("a", "mask token 'a' is an ordinary token of the vocabulary"),
+    ("a", "mask token 'a' is in the vocabulary but not a spare special token"),
 ])
 def test_mask_token_must_be_a_spare_special_or_new_token(checkpoint, tmp_path, capsys, token, message):
     code, err = run_export(capsys, checkpoint, tmp_path / "b", "--block", "4", "--mask-token", token)
@@ -204,7 +214,9 @@ def test_distill_failure_keeps_the_existing_output(tiny_bundle, tmp_path, monkey
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in ("hi", "ok", "why")))
     out.write_text("earlier answers\n")
 
-    def fail_on_the_second(prompt, *args, calls=[]):
+    calls = []
+
+    def fail_on_the_second(prompt, *args):
         calls.append(prompt)
         if len(calls) == 2:
             raise RuntimeError("injected")
@@ -212,7 +224,11 @@ def test_distill_failure_keeps_the_existing_output(tiny_bundle, tmp_path, monkey
     monkeypatch.setattr(distill_module, "prepare_record", fail_on_the_second)
     with pytest.raises(RuntimeError, match="injected"):
         distill(bundle, prompts, out)
-    assert out.read_text() == "earlier answers\n" and sorted(os.listdir(tmp_path)) == ["d1.jsonl", "prompts.jsonl"]
+    assert out.read_text() == "earlier answers\n"
+    assert sorted(os.listdir(tmp_path)) == ["d1.jsonl", "d1.jsonl.partial", "prompts.jsonl"]
+    assert [json.loads(line)["messages"] for line in (tmp_path / "d1.jsonl.partial").read_text().splitlines()] == \
+        [calls[0]], "the answer written before the failure is kept apart"
+    (tmp_path / "d1.jsonl.partial").unlink()
     monkeypatch.undo()
     assert distill(bundle, prompts, out) == 0
     assert len(out.read_text().splitlines()) == 3 and sorted(os.listdir(tmp_path)) == ["d1.jsonl", "prompts.jsonl"]

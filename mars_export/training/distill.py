@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -162,7 +163,8 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
 
 @contextmanager
 def _replacing(path: Path) -> Iterator:
-    """A text file to write that replaces ``path`` when the block ends normally, and is removed otherwise."""
+    """A text file to write that replaces ``path`` when the block ends normally. Otherwise ``path`` is kept as it
+    was, and what was written (if anything) is kept as ``path`` + ``.partial``, named on stderr."""
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as sink:
@@ -170,7 +172,12 @@ def _replacing(path: Path) -> Iterator:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; give it a new file's mode
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        if Path(tmp).stat().st_size:  # an interrupted run keeps its answers so far
+            os.replace(tmp, partial)
+            print(f"the answers written before this stop are kept in {partial}", file=sys.stderr)
+        else:
+            Path(tmp).unlink()
         raise
 
 

@@ -363,6 +363,6 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
         raise BundleError(f"{path} has missing fields {missing} and unknown fields {unknown}; re-export the bundle")
     try:
         return BundleConfig(**raw)
-    except TypeError as e:  # a field of the wrong JSON type, e.g. a string where a number belongs
-        raise BundleError(f"{path} has a field of the wrong type ({e}); re-export the bundle") from e
+    except BundleError as e:  # a field of the wrong JSON type or value
+        raise BundleError(f"{path}: {e}") from e
 

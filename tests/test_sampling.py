@@ -7,7 +7,7 @@ import pytest
 
 from runtime.decode.acceptance import accept, count_verified
 from runtime.decode.batch import window_mask
-from runtime.decode.params import DecodeParams
+from runtime.decode.params import DecodeParams, ParamError
 from runtime.decode.sampling import MIN_TEMPERATURE, filtered_probs, sample, select
 from runtime.decode.scheduler import Scheduler
 from runtime.decode.sequence import Sequence
@@ -114,3 +114,11 @@ def test_window_mask_per_row_lengths():
 def test_decode_params_reject_bad_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DecodeParams(**kwargs)
+
+
+def test_a_seed_is_any_integer_at_least_zero():
+    """Python and numpy integers are seeds; a bool, a float or a negative number is refused naming ``seed``."""
+    assert DecodeParams(seed=np.int64(3)).seed == 3 and DecodeParams(seed=0).seed == 0
+    for bad in (True, 2.0, -1, "1"):
+        with pytest.raises(ParamError, match="seed must be an integer >= 0"):
+            DecodeParams(seed=bad)

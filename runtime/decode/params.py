@@ -7,6 +7,7 @@ request field (:class:`ParamError`), and tokens per forward (:func:`tokens_per_f
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 from runtime.decode.acceptance import METRICS
@@ -100,7 +101,7 @@ class DecodeParams:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ParamError("top_k", f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+        if self.seed is not None and not _is_natural(self.seed):
             raise ParamError("seed", f"seed must be an integer >= 0 (or none: fresh entropy), got {self.seed}")
         if self.mode == "verify" and not is_greedy(self.temperature):
             raise ParamError("mode", "verify mode is greedy only (it reproduces greedy AR); use temperature 0 "
@@ -166,3 +167,13 @@ class GenerationResult:
 def tokens_per_forward(num_tokens: int, num_forwards: int) -> float:
     """TPF: generated tokens per decode forward (prefill excluded); 0 forwards counts as 1."""
     return num_tokens / max(num_forwards, 1)
+
+
+def _is_natural(value) -> bool:
+    """Whether ``value`` is an integer >= 0 (a Python or numpy integer; not a bool)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 0
+    except TypeError:
+        return False

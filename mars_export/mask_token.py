@@ -35,13 +35,14 @@ def resolve_mask_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
         raise ValueError(f"this model records mask token {recorded!r} but --mask-token {requested!r} was given; "
                          "drop --mask-token to use the recorded one")
     token, origin = _choose(requested, recorded, tokenizer)
-    spare = ", ".join(spare_special_tokens(tokenizer)[:6]) or "none found"
+    spares = spare_special_tokens(tokenizer)
+    spare = ", ".join(spares[:6]) or "none found"
     if not token:
         raise ValueError(f"the mask token must not be empty; pass --mask-token TOKEN: a spare special token ({spare}) "
                          "or a new token name")
     if token in {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token}:
         raise ValueError(f"mask token {token!r} is the bos/eos/pad token; choose a spare one such as {spare}")
-    if token in tokenizer.get_vocab() and token not in spare_special_tokens(tokenizer):
+    if token in tokenizer.get_vocab() and token not in spares:
         raise ValueError(f"mask token {token!r} is in the vocabulary but not a spare special token (an ordinary token, "
                          "which the model could then never write, or one the chat template writes); choose a spare "
                          f"special token ({spare}) or a new token name")

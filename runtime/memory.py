@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.context import max_context_of
 from runtime.model_types import base_model_type
 
 BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # int8/int4: scales not counted
@@ -52,11 +53,15 @@ class ModelMemory:
         num_params: parameter count, or None for a bundle (known only as file bytes).
         num_layers, num_kv_heads, head_dim: KV cache shape per token.
         kv_bytes_per_element: 4 (fp32) or 2 (fp16).
-        max_context: the model's context limit (tokens).
+        max_context: the context a bundle of the model holds (tokens): ``max_context`` of a bundle's config; of a
+            ``config.json``, its ``max_position_embeddings`` capped to a sliding attention window
+            (:func:`runtime.context.max_context_of`, the rule the export applies).
         note: how ``weights_bytes`` was obtained.
         max_batch: the most sequences the bundle runs at once (1 for a fused bundle), or None.
         kv_copies: copies of the KV cache the backend holds: 1 (onnxruntime, written in place) or 2
             (TensorRT: the cache and the engine's present outputs, as large as the cache's rows).
+        context_note: why ``max_context`` is less than the model's positions (a ``config.json``'s sliding window),
+            or None.
     """
 
     name: str
@@ -70,6 +75,7 @@ class ModelMemory:
     note: str
     max_batch: int | None = None
     kv_copies: int = 1
+    context_note: str | None = None
 
     def kv_bytes(self, context: int, batch: int) -> int:
         """KV bytes for ``batch`` sequences of ``context`` tokens, all ``kv_copies`` copies."""
@@ -119,17 +125,23 @@ def count_parameters(config: dict) -> int:
 
 def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = False) -> ModelMemory:
     """Sizing of a Hugging Face ``config.json`` with weights in ``weights_dtype`` (on TensorRT when ``trt``:
-    the KV held twice)."""
+    the KV held twice), up to the context its bundle would hold (capped to a sliding attention window).
+
+    Raises:
+        ValueError: the file cannot be read or its model cannot be sized (:func:`count_parameters`).
+    """
     raw = _read_json(path)
     num_params = count_parameters(raw)
     heads = raw["num_attention_heads"]
+    max_context, capped = max_context_of(raw)
     return ModelMemory(
         name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
         num_params=num_params, num_layers=raw["num_hidden_layers"],
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, kv_bytes_per_element=KV_BYTES[kv_dtype],
-        max_context=raw.get("max_position_embeddings", 0),
-        note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""), kv_copies=2 if trt else 1)
+        max_context=max_context, note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""),
+        kv_copies=2 if trt else 1,
+        context_note=f"the sliding attention window, of {raw['max_position_embeddings']} positions" if capped else None)
 
 
 def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan: Path | None = None) -> ModelMemory:
@@ -183,7 +195,7 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
               if model.kv_copies > 1 else "")
     lines.append(f"KV cache {per_token:,} bytes per token = 2 x {model.num_layers} layers x {model.num_kv_heads} "
                  f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B{copies}; max context "
-                 f"{model.max_context}")
+                 f"{model.max_context}" + (f" ({model.context_note})" if model.context_note else ""))
     lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
                  + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))
     for batch in batches:

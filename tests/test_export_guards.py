@@ -15,12 +15,13 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
-from mars_export.context import max_context_of, sliding_window
+from mars_export.context import config_fields, max_context_of
 from mars_export.output_dir import check_output_dir, remove_stale_partials
 from mars_export.training import cli as train_cli
 from mars_export.training import distill as distill_module
 from runtime import generate
 from runtime.bundle import load_config
+from runtime.context import sliding_window
 
 SLIDING_WINDOW = 24
 DEAD_PID = 4_194_305  # above Linux's largest pid (2**22): no process has it
@@ -45,13 +46,29 @@ def files_under(path: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("config, expected", [
     (MistralConfig(sliding_window=300), 300),
     (MistralConfig(sliding_window=None), None),
+    (MistralConfig(sliding_window=300, layer_types=["full_attention"] * 32), 300),  # not Mistral's: all slide
     (Qwen2Config(use_sliding_window=False, sliding_window=300), None),
     (Qwen2Config(use_sliding_window=True, sliding_window=300, num_hidden_layers=2, max_window_layers=1), 300),
     (Qwen2Config(use_sliding_window=True, sliding_window=300, num_hidden_layers=2, max_window_layers=2), None),
     (LlamaConfig(), None),
-], ids=["mistral", "mistral-none", "qwen2-off", "qwen2-upper-layer", "qwen2-no-layer", "llama"])
+], ids=["mistral", "mistral-none", "mistral-layer-types", "qwen2-off", "qwen2-upper-layer", "qwen2-no-layer", "llama"])
 def test_sliding_window_follows_the_configs_attention(config, expected):
-    assert sliding_window(config) == expected
+    assert sliding_window(config_fields(config)) == expected
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"sliding_window": 300}, 300),
+    ({"use_sliding_window": False, "sliding_window": 300, "max_window_layers": 0, "num_hidden_layers": 2}, None),
+    ({"use_sliding_window": True, "sliding_window": 300, "max_window_layers": 1, "num_hidden_layers": 2}, 300),
+    ({"use_sliding_window": True, "sliding_window": 300, "max_window_layers": 2, "num_hidden_layers": 2}, None),
+    ({"sliding_window": 300, "layer_types": ["sliding_attention", "full_attention"]}, 300),
+    ({"sliding_window": 300, "layer_types": ["full_attention"]}, None),
+    ({}, None),
+], ids=["every-layer", "qwen2.5-off", "qwen2-upper-layer", "qwen2-no-layer", "layer-types", "no-sliding-type",
+        "none"])
+def test_sliding_window_of_config_json_fields(fields, expected):
+    """A config.json as published (Qwen2.5: no layer_types, which transformers derives from max_window_layers)."""
+    assert sliding_window(fields) == expected
 
 
 def test_a_window_wider_than_the_context_caps_nothing():
@@ -88,8 +105,8 @@ def checkpoint(tiny_bundle):
 
 
 @pytest.mark.parametrize("where, message", [
-    (lambda ckpt, tmp: ckpt, "is the model it exports"),
-    (lambda ckpt, tmp: ckpt.parent, "contains the model it exports"),
+    (lambda ckpt, tmp: ckpt, "is the model"),
+    (lambda ckpt, tmp: ckpt.parent, "contains the model"),
 ])
 def test_output_overlapping_the_model_is_refused(checkpoint, tmp_path, capsys, where, message):
     before = files_under(checkpoint.parent)

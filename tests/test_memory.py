@@ -15,8 +15,9 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-from tiny_models import make_a2d_checkpoint
+from tiny_models import make_a2d_checkpoint, make_checkpoint
 
+from mars_export.context import max_context_of
 from mars_export.model_source import load_model
 from runtime import memory
 
@@ -142,3 +143,16 @@ def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     (fused / "engine.plan").write_bytes(b"serialized engine")
     with pytest.raises(ValueError, match="runs on onnxruntime only .*; size the bundle directory, without --trt"):
         memory.load(fused / "engine.plan", "fp16", None)  # no --trt was given: the message does not ask to drop it
+
+
+@pytest.mark.parametrize("arch, extra", [("mistral", {}), ("qwen2", {"use_sliding_window": True, "max_window_layers": 1})])
+def test_sliding_window_caps_the_sized_context(arch, extra, tmp_path):
+    """A sliding-window model's bundle holds only its window (runtime.context, the rule mars-export applies to
+    max_context): a config.json is sized to that, not to max_position_embeddings."""
+    ckpt = make_checkpoint(arch, tmp_path / arch, max_context=512, sliding_window=48, **extra)
+    sized = memory.from_hf_config(ckpt / "config.json", "fp16", "fp16")
+    assert sized.max_context == 48 == max_context_of(AutoConfig.from_pretrained(ckpt))[0]
+    text = memory.report(sized, [1], [32, 48, 64, 512], 0.0)
+    assert "max context 48 (the sliding attention window, of 512 positions)" in text
+    assert "    1      48" in text and "    1      64" not in text
+    assert "Orin Nano 8GB  B=1: 48" in text

@@ -3,7 +3,8 @@
 ``--force`` replaces a bundle, never anything else: the output may not be a file or a symbolic
 link, may not be or hold the model it is exported from (a bundle inside a model's folder is fine), and an
 existing directory is replaced only when it is a bundle (holds ``mars_config.json``) or is empty.
-Torch-free: ``mars-export`` checks before it loads the model.
+Torch-free: ``mars-export`` checks before it loads the model. The rule that an output may not be or hold the
+model (:func:`check_apart_from_model`) also guards ``mars-train --output`` (:mod:`mars_export.training.output_dir`).
 """
 
 from __future__ import annotations
@@ -29,18 +30,13 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     """Raise if the bundle may not be written to ``out_dir``; nothing is touched.
 
     Raises:
-        ValueError: ``out_dir`` is a symbolic link or not a directory, overlaps one of
-            ``model_paths`` (is or contains one), or (with ``overwrite``) is a non-empty directory that is not a bundle.
+        ValueError: ``out_dir`` is a symbolic link or not a directory, overlaps one of ``model_paths``
+            (:func:`check_apart_from_model`), or (with ``overwrite``) is a non-empty directory that is not a bundle.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if out_dir.is_symlink():
         raise ValueError(f"-o {out_dir} is a symbolic link; give the directory it points to, or another -o")
-    target = out_dir.resolve()
-    for path in model_paths:
-        source = path.resolve()
-        if target == source or target in source.parents:  # replacing it would delete the model's files
-            how = "is" if target == source else "contains"
-            raise ValueError(f"-o {out_dir} {how} the model it exports ({path}); write the bundle elsewhere")
+    check_apart_from_model(out_dir, model_paths, "-o")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"-o {out_dir} is a file, not a directory; choose another -o")
     if out_dir.exists() and not overwrite:
@@ -48,6 +44,19 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise ValueError(f"-o {out_dir} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
                          "only a bundle: choose another -o, or move its files away")
+
+
+def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str) -> None:
+    """Raise ValueError if ``out_dir`` is or contains one of ``model_paths``: writing there (``mars-export``,
+    ``mars-train``) could overwrite the model's files, and replacing it (``--force``) would delete them. An output
+    inside a model's folder is fine. ``flag`` names the option in the message."""
+    target = out_dir.resolve()
+    for path in model_paths:
+        source = path.resolve()
+        if target == source or target in source.parents:
+            how = "is" if target == source else "contains"
+            raise ValueError(f"{flag} {out_dir} {how} the model {path}; writing there could overwrite or delete "
+                             f"its files: choose another {flag}")
 
 
 def remove_stale_partials(out_dir: Path) -> None:

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from mars_export.model_source import load_model
 from mars_export.training.config import LoraSettings, TrainConfig
 from mars_export.training.data import ExampleDataset, MarsCollator, load_examples
 from mars_export.training.objective import MarsLoss, compute_mars_loss
+from mars_export.training.output_dir import find_resume_checkpoint
 
 ADAPTER_DIR = "adapter"
 log = logging.getLogger(__name__)
@@ -119,22 +119,6 @@ def make_training_args(config: TrainConfig) -> TrainingArguments:
     )
 
 
-def find_resume_checkpoint(config: TrainConfig) -> str | None:
-    """The checkpoint to resume from, or None for a fresh run.
-
-    Raises:
-        ValueError: ``--resume`` without a checkpoint in ``--output``, or a fresh run into an
-            ``--output`` that already holds checkpoints (it would overwrite them).
-    """
-    last = get_last_checkpoint(config.output) if Path(config.output).is_dir() else None
-    if config.resume and last is None:
-        raise ValueError(f"--resume: no checkpoint-* directory in {config.output}")
-    if not config.resume and last is not None:
-        raise ValueError(f"{config.output} already holds {Path(last).name}; pass --resume to continue "
-                         "from it, or choose another --output")
-    return last
-
-
 def prepare_trainer(config: TrainConfig) -> tuple[MarsTrainer, str | None]:
     """Load the model and data for ``config`` and build the trainer (full or LoRA).
 
@@ -142,7 +126,8 @@ def prepare_trainer(config: TrainConfig) -> tuple[MarsTrainer, str | None]:
         The trainer and the checkpoint to resume from (None for a fresh run).
 
     Raises:
-        ValueError: a bad model spec, data file, mask token or ``--resume`` state.
+        ValueError: a bad model spec, data file or mask token, or an ``--output`` that may not be written or
+            resumed (:func:`~mars_export.training.output_dir.find_resume_checkpoint`, checked first).
     """
     resume_from = find_resume_checkpoint(config)
     set_seed(config.seed)

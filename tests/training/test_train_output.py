@@ -1,0 +1,83 @@
+"""``mars-train --output``: one error line before the model loads, and nothing touched, for a folder training
+would overwrite; a fresh run takes a new or empty folder, ``--resume`` the run's own."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mars_export.training.cli import main
+from mars_export.training.config import LoraSettings, TrainConfig
+from mars_export.training.output_dir import find_resume_checkpoint
+
+
+def files_under(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def make_adapter(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_bytes(b"weights")
+    return path
+
+
+@pytest.fixture
+def model(tiny_checkpoint, tmp_path) -> Path:
+    """A copy of the tiny checkpoint in its own folder under tmp_path (tmp_path/models/model)."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "models" / "model"))
+
+
+@pytest.mark.parametrize("make_output, extra, message", [
+    (lambda tmp, model: model, [], "is the model"),
+    (lambda tmp, model: model.parent, [], "contains the model"),
+    (lambda tmp, model: tmp / "models" / "adapter", ["--lora", "--lora-init"], "is the model"),
+    (lambda tmp, model: tmp / "notes.txt", [], "is a file, not a directory"),
+    (lambda tmp, model: tmp / "mine", [], "is not empty and holds no checkpoint-N to --resume"),
+    (lambda tmp, model: model, ["--resume"], "is the model"),
+], ids=["model", "holds-model", "lora-init", "file", "foreign-folder", "resume-into-model"])
+def test_an_output_training_would_overwrite_is_refused(model, tiny_jsonl, tmp_path, capsys, make_output, extra,
+                                                       message):
+    make_adapter(tmp_path / "models" / "adapter")
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("my own config")
+    (model / "checkpoint-1").mkdir()  # a model trained earlier into its own folder: --resume must not write there
+    if "--lora-init" in extra:
+        extra = [*extra, str(tmp_path / "models" / "adapter")]
+    before = files_under(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(model), "--data", tiny_jsonl, "--output", str(make_output(tmp_path, model)), "--max-steps", "1",
+              *extra])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and len(errors) == 1 and message in errors[0]
+    assert files_under(tmp_path) == before
+
+
+def config(output: Path, resume: bool = False, model: str = "default", lora: LoraSettings | None = None):
+    return TrainConfig(model=model, data=["d.jsonl"], output=str(output), resume=resume, lora=lora)
+
+
+def test_a_fresh_run_takes_a_new_or_empty_folder_and_resume_its_own(tmp_path):
+    assert find_resume_checkpoint(config(tmp_path / "new")) is None
+    assert find_resume_checkpoint(config(tmp_path)) is None  # empty
+    run = tmp_path / "run"
+    for name in ("checkpoint-3", "checkpoint-5"):
+        (run / name).mkdir(parents=True)
+    (run / "config.json").write_text("{}")  # the final model of the run so far
+    assert find_resume_checkpoint(config(run, resume=True)) == str(run / "checkpoint-5")
+    with pytest.raises(ValueError, match="already holds checkpoint-5; pass --resume"):
+        find_resume_checkpoint(config(run))
+    with pytest.raises(ValueError, match="--resume: no checkpoint-"):
+        find_resume_checkpoint(config(tmp_path / "new", resume=True))
+
+
+def test_a_run_may_write_inside_the_models_folder(tmp_path):
+    """Only being or holding the model (or the adapter it starts from) can overwrite their files."""
+    model, adapter = tmp_path / "model", make_adapter(tmp_path / "adapter")
+    model.mkdir()
+    lora = LoraSettings(init=str(adapter))
+    assert find_resume_checkpoint(config(model / "run", model=str(model), lora=lora)) is None
+    assert find_resume_checkpoint(config(adapter / "run", model=str(model), lora=lora)) is None

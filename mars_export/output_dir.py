@@ -1,10 +1,11 @@
 """Where an export may write its bundle (``-o DIR``), and the leftovers of killed exports beside it.
 
-``--force`` replaces a bundle, never anything else: the output may not be a file or a symbolic
-link, may not be or hold the model it is exported from (a bundle inside a model's folder is fine), and an
-existing directory is replaced only when it is a bundle (holds ``mars_config.json``) or is empty.
-Torch-free: ``mars-export`` checks before it loads the model. The rule that an output may not be or hold the
-model (:func:`check_apart_from_model`) also guards ``mars-train --output`` (:mod:`mars_export.training.output_dir`).
+``--force`` replaces a bundle, never anything else: the output may not be a file or a symbolic link, may not be
+or hold the model it is exported from or what a link in the model's folder points to (a Hugging Face hub
+snapshot's ``blobs/``; a bundle inside a model's folder is fine), and an existing directory is replaced only when
+it is a bundle (holds ``mars_config.json``) or is empty. Torch-free: ``mars-export`` checks before it loads the
+model. The rule that an output may not be or hold the model (:func:`check_apart_from_model`) also guards
+``mars-train --output`` (:mod:`mars_export.training.output_dir`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
 
 
 def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str) -> None:
-    """Raise ValueError if ``out_dir`` is or contains one of ``model_paths``: writing there (``mars-export``,
+    """Raise ValueError if ``out_dir`` is or contains one of ``model_paths``, or what a link in one of them points
+    to (a Hugging Face hub snapshot's files link into ``../../blobs/``): writing there (``mars-export``,
     ``mars-train``) could overwrite the model's files, and replacing it (``--force``) would delete them. An output
     inside a model's folder is fine. ``flag`` names the option in the message."""
     target = out_dir.resolve()
@@ -57,6 +59,17 @@ def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str) ->
             how = "is" if target == source else "contains"
             raise ValueError(f"{flag} {out_dir} {how} the model {path}; writing there could overwrite or delete "
                              f"its files: choose another {flag}")
+        for link in _links_under(path):
+            real = link.resolve()
+            if target == real or target in real.parents:
+                raise ValueError(f"{flag} {out_dir} {'is' if target == real else 'holds'} {real}, which the model's "
+                                 f"{link} links to; writing there could overwrite or delete it: choose another {flag}")
+
+
+def _links_under(folder: Path) -> list[Path]:
+    """The symbolic links in ``folder`` and its subfolders (linked folders not entered); none for a file."""
+    return [Path(parent, name) for parent, folders, files in os.walk(folder) for name in folders + files
+            if Path(parent, name).is_symlink()]
 
 
 def remove_stale_partials(out_dir: Path) -> None:

@@ -126,6 +126,40 @@ def test_a_bundle_may_be_written_inside_the_models_folder(tmp_path):
     check_output_dir(model / "bundle", [model], overwrite=True)
 
 
+def make_hub_snapshot(model: Path, hub: Path) -> Path:
+    """``model``'s files in the Hugging Face hub cache's layout under ``hub``: models--org--tiny/snapshots/<rev>/NAME
+    are links to ../../blobs/<hash>, the files themselves."""
+    repo = hub / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, file in enumerate(sorted(model.iterdir())):
+        (blobs / f"blob{i}").write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    return snapshot
+
+
+def test_output_holding_a_hub_snapshots_blobs_is_refused(checkpoint, tmp_path, capsys):
+    snapshot = make_hub_snapshot(checkpoint, tmp_path / "hub")
+    before = files_under(tmp_path / "hub")
+    code, err = run_export(capsys, snapshot, snapshot.parent.parent / "blobs", "--block", "4", "--force")
+    assert code == 2 and len(err) == 1 and "which the model's" in err[0] and "links to" in err[0]
+    assert files_under(tmp_path / "hub") == before
+    assert check_output_dir(snapshot / "bundle", [snapshot], overwrite=False) is None  # inside it is still fine
+
+
+def test_force_keeps_a_bundle_the_models_files_link_into(tmp_path):
+    """--force replaces a bundle, but not one holding a file a link in the model's folder points to."""
+    bundle, model = tmp_path / "bundle", tmp_path / "model"
+    bundle.mkdir()
+    model.mkdir()
+    (bundle / "mars_config.json").write_text("{}")
+    (bundle / "model.safetensors").write_bytes(b"the model's weights")
+    (model / "model.safetensors").symlink_to(bundle / "model.safetensors")
+    with pytest.raises(ValueError, match="holds .*model.safetensors, which the model's .* links to"):
+        check_output_dir(bundle, [model], overwrite=True)
+
+
 def test_force_keeps_a_folder_that_is_no_bundle(checkpoint, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()

@@ -21,7 +21,8 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
   joined over the stream are the non-streamed list (its length is ``num_forwards``, its sum
   the completion tokens).
 
-A field sent as null takes its default (the OpenAI spec allows null for its optional fields);
+A field sent as null is as if not sent (the OpenAI spec allows null for its optional fields, and
+clients send it for fields this server does not know, e.g. ``tools``: a value there is refused);
 ``logprobs`` may be false (log probabilities are not supported). ``model`` is not checked:
 the server serves one model, whatever the name.
 
@@ -41,9 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 MAX_STOP_STRINGS = 4
 
 
-class _NullIsDefault(BaseModel):
-    """A request object: unknown fields refused, JSON types not coerced, and null for a field that
-    has a default taken as that default (OpenAI clients send null for "not set")."""
+class _RequestObject(BaseModel):
+    """An object of a request body: JSON types not coerced, and null for any field means "not set"
+    (OpenAI clients send null for what they do not set, also for fields this server does not know):
+    a null is dropped before validation unless the field is required, so a known field takes its
+    default and an unknown one is absent; an unknown field with a value is refused."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -53,14 +56,14 @@ class _NullIsDefault(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return {k: v for k, v in data.items() if v is not None or k in fields and fields[k].is_required()}
 
 
-class StreamOptions(_NullIsDefault):
+class StreamOptions(_RequestObject):
     include_usage: bool = False
 
 
-class _GenerationRequest(_NullIsDefault):
+class _GenerationRequest(_RequestObject):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -134,14 +137,12 @@ class _GenerationRequest(_NullIsDefault):
         return getattr(self, self.max_tokens_field)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(_RequestObject):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(_RequestObject):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -179,8 +180,7 @@ class CompletionRequest(_GenerationRequest):
         return prompt
 
 
-class TauRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+class TauRequest(_RequestObject):
     tau: float
 
 

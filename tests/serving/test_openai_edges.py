@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 
+from pydantic import ValidationError
+
 from runtime.serving.protocol import ChatRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 NULLABLE = ["model", "max_tokens", "stop", "temperature", "top_p", "seed", "n", "stream", "stream_options", "user",
             "presence_penalty", "frequency_penalty", "logprobs", "tau", "mode", "draft", "block_size", "top_k",
             "return_token_ids", "return_step_tokens"]
+UNSUPPORTED = ["logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format",
+               "parallel_tool_calls", "service_tier"]  # OpenAI fields this server does not know
 
 
 def test_a_null_field_takes_its_default():
@@ -23,6 +27,21 @@ def test_a_null_field_takes_its_default():
     sent = CompletionRequest.model_validate({"prompt": "hi", "echo": None, "suffix": None, **dict.fromkeys(NULLABLE)})
     assert sent == CompletionRequest.model_validate({"prompt": "hi"})
     assert ChatRequest.model_validate({"messages": MESSAGES, "stream_options": {"include_usage": None}})
+
+
+def test_a_null_unknown_field_is_not_set_and_a_value_is_refused():
+    """Clients send null for fields this server does not know (tools, logit_bias; in an assistant
+    message echoed back, tool_calls): null means "not set"; a value is still refused."""
+    message = MESSAGES[0] | {"tool_calls": None, "refusal": None, "function_call": None}
+    sent = ChatRequest.model_validate({"messages": [message], **dict.fromkeys(UNSUPPORTED)})
+    assert sent == ChatRequest.model_validate({"messages": MESSAGES})
+    assert CompletionRequest.model_validate({"prompt": "hi", "best_of": None, "logit_bias": None}) == \
+        CompletionRequest.model_validate({"prompt": "hi"})
+    for body in ({"messages": MESSAGES, "tools": []}, {"messages": [message | {"tool_calls": []}]}):
+        with pytest.raises(ValidationError, match="extra_forbidden"):
+            ChatRequest.model_validate(body)
+    with pytest.raises(ValidationError, match="messages"):  # a required field stays required
+        ChatRequest.model_validate({"messages": None})
 
 
 def chat(server, **fields):
@@ -36,6 +55,10 @@ def test_null_fields_and_logprobs_false_are_served(tiny_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     r = tiny_server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": None})
     assert r.status_code == 200, r.text
+    assert chat(tiny_server, **dict.fromkeys(UNSUPPORTED)).status_code == 200
+    r = chat(tiny_server, tools=[])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.json()["error"]["message"] == "unknown field 'tools': this server does not accept it"
 
 
 @pytest.mark.parametrize("route, logprobs", [("chat/completions", True), ("completions", 1), ("completions", 0)])

@@ -37,13 +37,18 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM / Ctrl-C, how long open requests 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (argparse itself exits, with its usage, on a malformed one).
+
+    Raises:
+        ValueError: an API key of whitespace only (:func:`resolve_api_key`).
+    """
     p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
     p.add_argument("path", help="bundle directory, its .onnx file, or its engine.plan")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 and /admin (default: ${API_KEY_ENV}, else none; "
-                        "an empty key is none)")
+                        "an empty key is none, one of whitespace only is refused)")
     p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the browser playground at /")
     g = p.add_argument_group("engine")
@@ -77,8 +82,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"server exits (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = p.parse_args(argv)
-    args.api_key = (args.api_key or "").strip() or None  # an empty key (MARS_API_KEY=) means no key, as unset
+    args.api_key = resolve_api_key(args.api_key)
     return args
+
+
+def resolve_api_key(key: str | None) -> str | None:
+    """The API key to require: None for none (unset, or empty as ``MARS_API_KEY=``), else the key
+    without surrounding whitespace.
+
+    Raises:
+        ValueError: a key of whitespace only (no client could send it, and taking it as none would
+            turn authentication off unseen); the message names both ways to set it.
+    """
+    if key and not key.strip():
+        raise ValueError(f"the API key (--api-key or ${API_KEY_ENV}) is whitespace only: set a key, or leave it "
+                         "empty or unset to serve without one")
+    return (key or "").strip() or None
 
 
 def _port(text: str) -> int:
@@ -156,8 +175,8 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) if it cannot start."""
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         app = build_app(args)
     except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)

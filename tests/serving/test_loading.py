@@ -77,14 +77,23 @@ def test_a_port_outside_0_to_65535_is_refused(tmp_path, capsys, port):
     assert [parse_args([str(tmp_path), "--port", p]).port for p in ("0", "1", "65535")] == [0, 1, 65535]
 
 
-@pytest.mark.parametrize("key", ["", "  "])
-def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch, key):
+def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch):
     """MARS_API_KEY= (set but empty) is as if unset, not a key no client can send."""
-    monkeypatch.setenv(API_KEY_ENV, key)
+    monkeypatch.setenv(API_KEY_ENV, "")
     assert parse_args([str(tmp_path)]).api_key is None
-    assert parse_args([str(tmp_path), "--api-key", key]).api_key is None
-    monkeypatch.setenv(API_KEY_ENV, "sesame")
+    assert parse_args([str(tmp_path), "--api-key", ""]).api_key is None
+    monkeypatch.setenv(API_KEY_ENV, " sesame ")
     assert parse_args([str(tmp_path)]).api_key == "sesame"
+
+
+@pytest.mark.parametrize("where", ["env", "option"])
+def test_a_whitespace_api_key_is_refused_in_one_line(tmp_path, monkeypatch, capsys, where):
+    """MARS_API_KEY="  " (e.g. a variable that expanded to nothing) is not taken as no key: that
+    would serve without authentication unseen."""
+    monkeypatch.setenv(API_KEY_ENV, "  " if where == "env" else "sesame")
+    assert main([str(tmp_path), *(["--api-key", " \t"] if where == "option" else [])]) == 2
+    assert capsys.readouterr().err == (f"error: the API key (--api-key or ${API_KEY_ENV}) is whitespace only: set a "
+                                       "key, or leave it empty or unset to serve without one\n")
 
 
 def test_generate_cli_names_a_negative_seed(tmp_path, capsys):

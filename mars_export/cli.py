@@ -27,6 +27,7 @@ from mars_export.block_size import resolve_block_size
 from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
+from runtime.trt_build import MAX_CONTEXT_CAP, TrtBuildOptions
 
 FP32_PARITY_TOL = 1e-3
 # fp16 against the float32 PyTorch model: measured max |Δlogit| 0.015 (tiny Qwen2) and
@@ -66,10 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model-builder graph of the same weights (GroupQueryAttention; batch 1, CPU, float32, "
                         "--int8 or --int4; needs mars-edge[fused])")
     p.add_argument("--trt", action="store_true", help="also build engine.plan with TensorRT (NVIDIA GPU only)")
-    p.add_argument("--trt-max-batch", type=int, default=None, help="largest batch of the TensorRT profile (default 8)")
+    p.add_argument("--trt-max-batch", type=int, default=None,
+                   help=f"largest batch of the TensorRT profile (default {TrtBuildOptions.max_batch})")
     p.add_argument("--trt-max-context", type=int, default=None,
                    help="largest past (KV cache capacity, positions per sequence) of the TensorRT profile "
-                        "(default: min(model context, 4096))")
+                        f"(default: min(model context, {MAX_CONTEXT_CAP}))")
     p.add_argument("--force", action="store_true",
                    help="replace an existing bundle (or empty directory) at -o; any other directory is refused")
     return p.parse_args(argv)
@@ -183,7 +185,7 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
 
 def _trt_options(args: argparse.Namespace):
     """Build options for --trt; fails before the model is loaded when TensorRT or a GPU is missing."""
-    from runtime.trt_build import TrtBuildOptions, require_tensorrt
+    from runtime.trt_build import require_tensorrt
     max_batch = TrtBuildOptions.max_batch if args.trt_max_batch is None else args.trt_max_batch
     options = TrtBuildOptions(max_batch=max_batch, max_context=args.trt_max_context)
     require_tensorrt()

@@ -32,6 +32,9 @@ from pathlib import Path
 from runtime import bundle
 from runtime.bundle import BundleConfig, BundleError, load_config
 
+# None for max_context / opt_context: min(model context, MAX_CONTEXT_CAP) and min(max_context, OPT_CONTEXT_CAP)
+MAX_CONTEXT_CAP = 4096
+OPT_CONTEXT_CAP = 1024
 INSTALL_HINT = ("install the TensorRT extra on a machine with an NVIDIA GPU: pip install 'mars-edge[trt]' "
                 "(on Jetson: JetPack's python3-libnvinfer and pip install cuda-python)")
 
@@ -43,7 +46,8 @@ class TrtBuildOptions:
     Attributes:
         max_batch / opt_batch: largest batch, and the batch TensorRT tunes for.
         max_context / opt_context: largest past S (KV cache capacity, the positions a slot may
-            hold), and the S tuned for; None = min(model context, 4096) and min(max_context, 1024).
+            hold), and the S tuned for; None = min(model context, MAX_CONTEXT_CAP) and
+            min(max_context, OPT_CONTEXT_CAP).
         workspace_mib: builder workspace limit in MiB; None = TensorRT's default (all
             device memory), which a Jetson sharing RAM with the OS may want to lower.
     """
@@ -72,8 +76,8 @@ def profile_shapes(config: BundleConfig, options: TrtBuildOptions) -> dict[str, 
         raise ValueError(f"a {config.graph} bundle holds onnxruntime's fused graph (GroupQueryAttention; CPU, batch 1), "
                          "which TensorRT does not build: export the bundle with mars-export --graph step")
     window = config.window
-    max_context = options.max_context or min(config.max_context, 4096)
-    opt_context = options.opt_context or min(max_context, 1024)
+    max_context = options.max_context or min(config.max_context, MAX_CONTEXT_CAP)
+    opt_context = options.opt_context or min(max_context, OPT_CONTEXT_CAP)
     if not window < opt_context <= max_context <= config.max_context:
         raise ValueError(f"need window ({window}) < opt context ({opt_context}) <= max context ({max_context}) "
                          f"<= the model's context ({config.max_context})")
@@ -207,11 +211,14 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleC
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime.trt_build", description=__doc__.splitlines()[0])
     p.add_argument("bundle", help="bundle directory written by mars-export")
-    p.add_argument("--max-batch", type=int, default=8, help="largest batch (default 8)")
-    p.add_argument("--opt-batch", type=int, default=1, help="batch to tune for (default 1)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="largest KV cache capacity, the positions a slot may hold (default min(context, 4096))")
-    p.add_argument("--opt-context", type=int, default=None, help="KV cache capacity to tune for (default 1024)")
+    p.add_argument("--max-batch", type=int, default=TrtBuildOptions.max_batch,
+                   help="largest batch (default %(default)s)")
+    p.add_argument("--opt-batch", type=int, default=TrtBuildOptions.opt_batch,
+                   help="batch to tune for (default %(default)s)")
+    p.add_argument("--max-context", type=int, default=None, help="largest KV cache capacity, the positions a slot "
+                   f"may hold (default min(context, {MAX_CONTEXT_CAP}))")
+    p.add_argument("--opt-context", type=int, default=None,
+                   help=f"KV cache capacity to tune for (default min(max context, {OPT_CONTEXT_CAP}))")
     p.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit in MiB")
     p.add_argument("--print-trtexec", action="store_true", help="print the equivalent trtexec line and exit")
     return p.parse_args(argv)

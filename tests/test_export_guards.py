@@ -247,6 +247,16 @@ def test_flags_that_cannot_work_are_refused(checkpoint, tmp_path, capsys, args, 
     assert os.listdir(tmp_path) == []
 
 
+def test_the_tensorrt_profile_defaults_have_one_home(monkeypatch, capsys):
+    """mars-export's --trt-max-batch help and runtime.trt_build's --max-batch default read TrtBuildOptions."""
+    from runtime import trt_build
+    monkeypatch.setattr(trt_build.TrtBuildOptions, "max_batch", 5)
+    with pytest.raises(SystemExit):
+        export_cli.parse_args(["--help"])
+    assert "of the TensorRT profile (default 5)" in " ".join(capsys.readouterr().out.split())
+    assert trt_build.parse_args(["bundle"]).max_batch == 5
+
+
 def test_the_largest_window_the_precheck_allows_exports(checkpoint, tmp_path):
     """The pre-check is the trace's own bound: W 507 (512 - the example's 5 past positions) exports."""
     assert load_config(export(str(checkpoint), tmp_path / "b", 4, 507, "--mask-token", "<mask>")).window == 507

@@ -117,9 +117,12 @@ ONNX_KV_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}  # th
 
 
 def check_graph_fits_config(past_type: str, past_shape: list, logits_shape: list, config: "BundleConfig",
-                            path) -> None:
+                            path, fix: str = "re-export the bundle") -> None:
     """Refuse a graph whose KV cache or logits disagree with ``mars_config.json`` (its layer count is checked by
     the I/O names), before any forward: a disagreeing config would otherwise fail at the first step.
+
+    The one rule for every backend: onnxruntime passes its session's declarations, TensorRT its engine's
+    (:mod:`runtime.backends.trt`, a dynamic axis as a symbol and the KV dtype as its ONNX type name).
 
     Args:
         past_type: the declared element type of ``past_key_values.0.key``, as onnxruntime reports it
@@ -128,6 +131,7 @@ def check_graph_fits_config(past_type: str, past_shape: list, logits_shape: list
         logits_shape: the declared shape of ``logits`` [n, W, V].
         config: the bundle's config.
         path: the graph file, for the message.
+        fix: what the message tells the user to do.
 
     Raises:
         BundleError: H, D or V declared as a number other than the config's, or a KV element type other
@@ -136,11 +140,10 @@ def check_graph_fits_config(past_type: str, past_shape: list, logits_shape: list
     declared = {"num_kv_heads": past_shape[1], "head_dim": past_shape[3], "vocab_size": logits_shape[-1]}
     for name, dim in declared.items():
         if isinstance(dim, int) and dim != getattr(config, name):
-            raise BundleError(f"{path} has {name} {dim} but {CONFIG_FILE} says {getattr(config, name)}; "
-                              "re-export the bundle")
+            raise BundleError(f"{path} has {name} {dim} but {CONFIG_FILE} says {getattr(config, name)}; {fix}")
     if past_type != ONNX_KV_TYPES[config.dtype]:
         raise BundleError(f"{path} holds its KV cache as {past_type} but {CONFIG_FILE} says dtype {config.dtype}; "
-                          "re-export the bundle")
+                          f"{fix}")
 
 
 def check_step_inputs(input_ids, position_ids, attention_mask, past, num_layers: int) -> None:

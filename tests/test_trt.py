@@ -222,6 +222,23 @@ def test_engine_dtypes_and_kv_dtype_are_checked(engine_bundle, standin):
         TrtBackend(engine_bundle, replace(config, dtype="float16", weight_dtype=None))
 
 
+@pytest.mark.parametrize("name, by", [("num_kv_heads", 1), ("head_dim", 8), ("vocab_size", 100)])
+def test_engine_disagreeing_with_the_config_is_refused_at_load(engine_bundle, standin, name, by):
+    """The onnxruntime backend's check (runtime.bundle.check_graph_fits_config) on the engine's own shapes:
+    a mars_config.json that disagrees with the engine fails at load with one line, not at the first step."""
+    from runtime.backends.loading import load_backend
+    from runtime.bundle import BundleError
+    path = engine_bundle / "mars_config.json"
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, name: raw[name] + by}))
+    with pytest.raises(BundleError) as refused:
+        load_backend(engine_bundle / "engine.plan")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(str(engine_bundle / "engine.plan"))
+    assert f"has {name} {raw[name]} but mars_config.json says {raw[name] + by}; rebuild the engine (python -m " \
+           f"runtime.trt_build {engine_bundle}) or re-export the bundle (mars-export --trt)" in message
+
+
 def test_profile_bounds_are_enforced(engine_bundle, standin):
     """set_input_shape refuses a batch past the profile; the engine and server settings stay inside it."""
     from runtime.decode.engine import Engine, EngineConfig

@@ -100,8 +100,8 @@ class TrtBackend:
 
     Raises:
         BundleError: the bundle has no engine, the file is missing or not a TensorRT
-            engine for this GPU / TensorRT version, or its I/O names, dtypes or window do
-            not match the config.
+            engine for this GPU / TensorRT version, or its I/O names, dtypes, KV heads, head
+            dim, vocabulary or window do not match the config.
         RuntimeError: TensorRT, cuda-python or a GPU is missing (the message names the fix).
     """
 
@@ -123,6 +123,8 @@ class TrtBackend:
         self.num_layers = config.num_layers
         self.dtypes = expected_dtypes(config)
         _check_io(self.engine, config, path, trt)
+        _check_shapes(self.engine, config, path, trt, f"rebuild the engine (python -m runtime.trt_build {bundle_dir}) "
+                                                      "or re-export the bundle (mars-export --trt)")
         _check_kv_in_place(self.engine, self.context, config.num_layers, path)
         self.kv_dtype = np.dtype(config.dtype)
         self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
@@ -294,6 +296,21 @@ def _check_io(engine, config: BundleConfig, path: Path, trt) -> None:
     if not smallest[1] == largest[1] == config.window:
         raise BundleError(f"{path} takes windows of {smallest[1]}..{largest[1]} tokens but {bundle.CONFIG_FILE} says "
                           f"{config.window}; rebuild the engine")
+
+
+def _check_shapes(engine, config: BundleConfig, path: Path, trt, fix: str) -> None:
+    """Refuse an engine whose KV heads H, head dim D, vocabulary V or KV dtype differ from ``config``:
+    :func:`runtime.bundle.check_graph_fits_config`, the onnxruntime backend's rule, on the engine's I/O
+    (past [n, H, S, D], logits [n, W, V]; -1 on a dynamic axis passed as a symbol, the KV dtype as its
+    ONNX type name). ``fix`` ends the message."""
+    past = bundle.past_names(0)[0]
+    kv_dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(past))).name
+
+    def declared(name: str) -> list:
+        return [dim if dim >= 0 else "dynamic" for dim in engine.get_tensor_shape(name)]
+
+    bundle.check_graph_fits_config(bundle.ONNX_KV_TYPES.get(kv_dtype, kv_dtype), declared(past),
+                                   declared(bundle.LOGITS), config, path, fix)
 
 
 def _check_kv_in_place(engine, context, num_layers: int, path: Path) -> None:

@@ -7,7 +7,9 @@ hands the item to the request's asyncio queue with ``loop.call_soon_threadsafe``
 onnxruntime releases the GIL while it runs, so the event loop keeps serving meanwhile.
 
 One turn of the loop: run the queued commands, let the load policy set the default tau
-from the queue depth, ``engine.step()``, deliver each output, update the metrics.
+from the queue depth (and update the load gauges), ``engine.step()``, deliver each output.
+Each request counts its tokens and forwards in the metrics as it reads them
+(:class:`~runtime.serving.request_stream.RequestStream`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,7 +68,6 @@ class EngineThread:
         self.num_running = 0
         self._commands: queue.Queue = queue.Queue()
         self._deliver: dict[str, Callable[[object], None]] = {}
-        self._forwards: dict[str, int] = {}  # decode forwards already counted, per running request
         self._thread = threading.Thread(target=self._run, name="mars-engine", daemon=True)
 
     def start(self) -> None:
@@ -130,7 +130,7 @@ class EngineThread:
             if self.engine.has_unfinished():
                 self._step()
             else:
-                self.metrics.record_step(0, 0)  # lets the windowed gauges fall to 0 when idle
+                self.metrics.record_output(0, 0)  # lets the windowed gauges fall to 0 when idle
 
     def _take_commands(self, block: bool) -> list:
         commands = []
@@ -152,12 +152,10 @@ class EngineThread:
             submission.deliver(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
             return
         self._deliver[submission.request_id] = submission.deliver
-        self._forwards[submission.request_id] = 0
         submission.deliver(ADMITTED)
 
     def _abort(self, request_id: str) -> None:
         if self._deliver.pop(request_id, None) is not None:
-            self._forwards.pop(request_id, None)
             self.engine.abort(request_id)
 
     def _apply_policy(self) -> None:
@@ -173,18 +171,13 @@ class EngineThread:
             log.exception("engine step failed")
             self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             return
-        num_tokens = num_forwards = 0
         for out in outputs:
             deliver = self._deliver.get(out.request_id)
             if deliver is None:  # aborted while the step ran
                 continue
-            num_tokens += len(out.new_token_ids)
-            num_forwards += out.result.num_forwards - self._forwards[out.request_id]
-            self._forwards[out.request_id] = out.result.num_forwards
             deliver(out)
             if out.finished:
-                del self._deliver[out.request_id], self._forwards[out.request_id]
-        self.metrics.record_step(num_tokens, num_forwards, time.monotonic())
+                del self._deliver[out.request_id]
 
     def _fail_all(self, message: str) -> None:
         for request_id, deliver in list(self._deliver.items()):

@@ -6,7 +6,10 @@ read by ``GET /metrics`` in the Prometheus text format.
 TPF here is the paper's per-sequence figure: generated tokens / decode forwards summed
 over sequences (a batched step is one forward for each sequence in it). Both counters are
 exported, so ``rate(tokens) / rate(forwards)`` gives TPF over any range; the gauges give it
-over the last ``window_s`` seconds.
+over the last ``window_s`` seconds. The tokens and forwards counted are those the responses
+report (usage's completion tokens, ``mars.num_forwards``): each request counts its own as it
+reads them (:class:`~runtime.serving.request_stream.RequestStream`), so tokens a forward
+accepted after a stop string are not counted.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ class ServerMetrics:
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, forwards) per engine step
         self._lock = threading.Lock()
 
-    def record_step(self, num_tokens: int, num_forwards: int, now: float | None = None) -> None:
-        """Count one engine step's generated tokens and per-sequence forwards; update the gauges."""
+    def record_output(self, num_tokens: int, num_forwards: int, now: float | None = None) -> None:
+        """Count the generated tokens and decode forwards of one engine output of one request (0
+        and 0: none, which lets the windowed gauges fall when idle); update the gauges."""
         now = time.monotonic() if now is None else now
         self.tokens.inc(num_tokens)
         self.forwards.inc(num_forwards)

@@ -7,6 +7,9 @@ non-streamed response joins the same deltas, so the two texts are equal by const
 
 Leaving :meth:`RequestStream.deltas` before the end (client gone, stop string found) aborts
 the request in the engine, which frees its KV slot at the engine's next turn.
+
+The request's tokens and forwards are counted in the metrics here, as it reads them, so the
+counters count what the responses report (usage, ``mars.num_forwards``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class RequestStream:
     Args:
         engine_thread: the engine thread.
         tokenizer: the bundle's tokenizer.
-        metrics: where the outcome is counted.
+        metrics: where the outcome, tokens and forwards are counted.
         prompt_ids: the prompt's ids.
         params: decoding parameters.
         stops: stop strings.
@@ -82,9 +85,10 @@ class RequestStream:
                 if isinstance(out, Exception):  # the HTTP layer answers (and counts) the failure
                     self._is_open = False
                     raise out
-                self.num_forwards = out.result.num_forwards
                 delta, num_taken = self._add_until_stop(out.new_token_ids)
                 self.step_tokens.append(num_taken)  # one engine output per decode forward
+                self._metrics.record_output(num_taken, out.result.num_forwards - self.num_forwards)
+                self.num_forwards = out.result.num_forwards
                 if self.text.is_stopped:
                     self.finish_reason = "stop"  # a stop string: the engine sequence is aborted below
                 elif out.finished:

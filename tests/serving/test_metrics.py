@@ -14,11 +14,11 @@ def sample(metrics: ServerMetrics, name: str) -> float:
 
 def test_windowed_tpf_and_tokens_per_second():
     metrics = ServerMetrics(max_slots=4, window_s=10.0)
-    metrics.record_step(8, 4, now=100.0)    # 4 sequences, 2 tokens each
-    metrics.record_step(4, 4, now=101.0)
+    metrics.record_output(8, 4, now=100.0)    # 4 sequences, 2 tokens each
+    metrics.record_output(4, 4, now=101.0)
     assert sample(metrics, "mars_tokens_per_forward") == 1.5
     assert sample(metrics, "mars_tokens_per_second") == 12.0
-    metrics.record_step(0, 0, now=112.0)    # the first two steps left the window
+    metrics.record_output(0, 0, now=112.0)    # the first two steps left the window
     assert sample(metrics, "mars_tokens_per_forward") == 0.0 and sample(metrics, "mars_tokens_per_second") == 0.0
     assert sample(metrics, "mars_generated_tokens_total") == 12 and sample(metrics, "mars_decode_forwards_total") == 8
 

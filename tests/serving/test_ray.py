@@ -88,7 +88,7 @@ def test_fleet_board_publishes_each_base_tau_once_in_order():
 
 def test_merge_metrics_labels_every_sample_with_its_replica():
     busy, idle = ServerMetrics(2), ServerMetrics(2)
-    busy.record_step(6, 2, now=1.0)
+    busy.record_output(6, 2, now=1.0)
     busy.record_outcome("stop")
     merged = merge_metrics({"r1": busy.render().decode(), "r2": idle.render().decode()}).decode()
     samples = {(s.name, s.labels.get("outcome"), s.labels["replica"]): s.value

@@ -49,11 +49,11 @@ class ScriptedEngineThread:
         self.aborted.append(request_id)
 
 
-def run(tokenizer, ids, num_per_forward, stops):
+def run(tokenizer, ids, num_per_forward, stops, metrics=None):
     """The text, usage count, reported ids, step_tokens and finish reason of one scripted request."""
     engine_thread = ScriptedEngineThread(ids, num_per_forward)
-    gen = RequestStream(engine_thread, tokenizer, ServerMetrics(1), [1], DecodeParams(max_new_tokens=len(ids)),
-                        stops)
+    gen = RequestStream(engine_thread, tokenizer, metrics or ServerMetrics(1), [1],
+                        DecodeParams(max_new_tokens=len(ids)), stops)
 
     async def consume():
         await gen.start()
@@ -80,3 +80,14 @@ def test_without_a_stop_string_every_token_counts(tokenizer):
     ids = tokenizer.encode(ANSWER, add_special_tokens=False)
     assert len(ids) == 38
     assert run(tokenizer, ids, 3, []) == (ANSWER, 38, ids, [3] * 12 + [2], "length")
+
+
+@pytest.mark.parametrize("stops", [[STOP], []])
+def test_the_metrics_count_what_usage_reports(tokenizer, stops):
+    """mars_generated_tokens counts the completion tokens of usage (none accepted after a stop
+    string), mars_decode_forwards the forwards of the response's num_forwards."""
+    ids, metrics = tokenizer.encode(ANSWER, add_special_tokens=False), ServerMetrics(1)
+    _, num_tokens, _, step_tokens, _ = run(tokenizer, ids, 5, stops, metrics)
+    values = {name: metrics.registry.get_sample_value(name) for name in ("mars_generated_tokens_total",
+                                                                         "mars_decode_forwards_total")}
+    assert values == {"mars_generated_tokens_total": num_tokens, "mars_decode_forwards_total": len(step_tokens)}

@@ -147,6 +147,20 @@ def test_stop_string_cuts_the_text(tiny_server, stream):
     assert tiny_server.wait_idle()["active_slots"] == 0
 
 
+def test_the_token_counter_counts_what_usage_reports(tiny_server):
+    """A stop string inside a forward's tokens: the tokens that forward accepted after it (and those
+    of a step run before the abort landed) are no completion tokens, and no generated tokens either."""
+    extra = {"tau": 0.5, "return_step_tokens": True}  # multi-token forwards on the tiny model
+    full, _, full_mars, _ = chat(tiny_server, "Hi", extra_body=extra)
+    counters = ("mars_generated_tokens_total", "mars_decode_forwards_total")
+    before = [tiny_server.metric(name) for name in counters]
+    _, reason, mars, usage = chat(tiny_server, "Hi", stop=[full[1]], extra_body=extra)
+    assert reason == "stop" and usage.completion_tokens < sum(full_mars["step_tokens"][:mars["num_forwards"]])
+    assert tiny_server.wait_idle()["active_slots"] == 0
+    counted = [tiny_server.metric(name) - value for name, value in zip(counters, before)]
+    assert counted == [usage.completion_tokens, mars["num_forwards"]]
+
+
 @pytest.mark.parametrize("tau", [1.0, 0.5])
 def test_a_temperature_too_small_to_sample_with_is_greedy(tiny_server, tau):
     """The API accepts any temperature in 0..2; one too small to divide logits by (1e-38 overflows

@@ -15,6 +15,9 @@ probabilities x V product of one query row), which would break "tau = 1 is exact
 where the runtime would otherwise feed a second, padding token through the whole model
 (``runtime.backends.fused``).
 
+A model the builder is known to fail on (a Phi3 config it takes for Phi-3 128k) is refused before it runs,
+naming ``--graph step`` (:func:`check_builder_accepts`).
+
 A float32 fused bundle also gets the greedy head (:mod:`mars_export.greedy_head`): the argmax ids of the
 window's last ``num_greedy`` rows, exact, without reading the float32 output head.
 
@@ -38,7 +41,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.greedy_head import add_greedy_head
@@ -56,6 +59,23 @@ def require_builder() -> None:
         raise RuntimeError("--graph fused needs onnxruntime-genai's model builder: pip install 'mars-edge[fused]'")
 
 
+def check_builder_accepts(config: PretrainedConfig) -> None:
+    """Raise ValueError, naming ``--graph step``, for a model the model builder is known to fail on.
+
+    Phi3: the builder takes its LongRoPE class (Phi-3 128k) whenever ``max_position_embeddings`` differs from
+    ``original_max_position_embeddings``, and that class fails (``KeyError: 'multi_cache'``) unless the rope
+    scaling is ``longrope``. transformers reads ``original_max_position_embeddings`` only for scaled rope, so such
+    a config (Phi3Config's default 4096 beside another context) is an ordinary model the builder cannot take.
+    """
+    if config.model_type != "phi3" or config.max_position_embeddings == config.original_max_position_embeddings:
+        return
+    if (config.rope_parameters or {}).get("rope_type") != "longrope":
+        raise ValueError(f"--graph fused: onnxruntime-genai's model builder cannot build this Phi3 model "
+                         f"(max_position_embeddings {config.max_position_embeddings} differs from "
+                         f"original_max_position_embeddings {config.original_max_position_embeddings} without "
+                         "longrope rope scaling); export it with --graph step")
+
+
 def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
                       fuse_projections: bool = False, greedy_mask_token: int | None = None) -> None:
     """Write the model builder's float32 CPU graph of ``model`` to ``path`` (weights inline; over 2 GB in
@@ -69,8 +89,10 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     Raises:
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last
             error line, e.g. an architecture it does not know).
+        ValueError: a model the builder is known to fail on (:func:`check_builder_accepts`), before it runs.
     """
     require_builder()
+    check_builder_accepts(model.config)
     with tempfile.TemporaryDirectory(prefix="mars-fused-") as tmp:
         checkpoint, out = Path(tmp) / "checkpoint", Path(tmp) / "out"
         model.save_pretrained(checkpoint)

@@ -267,6 +267,21 @@ def test_qwen_fused_graphs_keep_the_identity_in_one_token_windows(arch, quantize
         assert np.array_equal(fed_in_windows(backend, config, ids, cuts), whole), cuts
 
 
+def test_a_phi3_config_the_builder_fails_on_is_refused_naming_the_step_graph(tmp_path, capsys):
+    """The builder takes a Phi3 config whose max_position_embeddings differs from original_max_position_embeddings
+    (here Phi3Config's default 4096) for Phi-3 128k and fails (KeyError: 'multi_cache') without longrope scaling;
+    the export says so in one line before the builder runs. With the two equal the builder's graph passes parity."""
+    ckpt = make_checkpoint("phi3", tmp_path / "ckpt")
+    code = export_main([str(ckpt), "-o", str(tmp_path / "fused"), "--block", "4", "--mask-token", "<mask>",
+                        "--graph", "fused"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "export it with --graph step" in errors[0]
+    assert "original_max_position_embeddings 4096" in errors[0] and not (tmp_path / "fused").exists()
+    same = make_checkpoint("phi3", tmp_path / "same", original_max_position_embeddings=512)
+    assert load_config(export(str(same), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph",
+                              "fused")).graph == "fused"
+
+
 def test_one_sequence_at_a_time(fused):
     """Batch 1: an engine with more slots is refused naming the fix; the server defaults to 1; a
     second row fed anyway is refused."""

@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3) with a byte-level tokenizer, built in tests;
+"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral, Phi3) with a byte-level tokenizer, built in tests;
 also in the layout of the paper's published MARS checkpoints (``a2d-qwen2``, ``a2d-qwen3``)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<mask>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -19,6 +19,7 @@ ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 # The published layout (github.com/Xalp/MARS, dllm/pipelines/a2d): model type and class name
 # of the authors' code, and the mask token their tokenizer setup adds as ``mask_token``.

@@ -23,6 +23,9 @@ row's argmax. The greedy head finds it in two passes:
    is the output. The full head's MatMul sums in another order, so where two tokens' logits lie
    within a few float32 ulps (a review found flips only below a float64 gap of 5.7e-6; the
    smallest top-2 gap over 3585 real positions was 5.5e-4) the logits path may pick the other.
+   A model that soft-caps its logits (Gemma2: ``cap · tanh(x / cap)`` after the head) has the same
+   argmax, but the capping's rounding may tie two logits the head tells apart: there too the
+   logits path may pick the other (the lower id).
 
 On 948 positions of GSM8K, HumanEval and chat text run through the default model, a row had a median of
 4 candidates (99th percentile 95, most 288).
@@ -44,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mars_export.logits_rows import output_head
 from runtime.bundle import GREEDY_HEAD_PREFIX, GREEDY_IDS, NUM_GREEDY, NUM_LOGITS
 
 BLOCK = 32  # weights per int8 block along K
@@ -91,7 +95,9 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     Args:
         graph: a graph whose ``logits`` output is written by a float32 MatMul over a constant [K, V]
             head (an initializer, or the ``Transpose`` of a [V, K] one: our step graph's), after the
-            ``num_logits`` slice (:func:`mars_export.logits_rows.compute_logits_of_last_rows` ran).
+            ``num_logits`` slice (:func:`mars_export.logits_rows.compute_logits_of_last_rows` ran); between
+            the head and ``logits`` only element-wise ops that keep each logit's order (Gemma2's soft-capping,
+            :func:`mars_export.logits_rows.output_head`), so the head's argmax is the logits'.
         mask_token_id: the token the head never returns.
         has_default: ``num_greedy`` defaults to 0 (an overridable initializer: the step graph, which
             the C sample and TensorRT run without feeding it); False makes it a required input (the
@@ -108,8 +114,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
         ValueError: no such head (float32 MatMul over a constant), a head not after the ``num_logits``
             slice, a ``num_greedy`` input already, or ``mask_token_id`` outside the vocabulary.
     """
-    outputs = {value.name: value for value in graph.outputs}
-    head = outputs["logits"].producer() if "logits" in outputs else None
+    head = output_head(graph)
     head_weight = _constant_head(head)
     if head_weight is None:
         raise ValueError("the greedy head needs a float32 MatMul over a constant head writing 'logits'")

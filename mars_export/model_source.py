@@ -21,6 +21,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from mars_export import default_model
 from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, MODEL_SPECS_HELP,
@@ -163,12 +164,22 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
 
 
 def load_checkpoint(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model (float32, SDPA attention, eval mode) and tokenizer of a checkpoint directory, as is
-    (no mask-token handling; use :func:`load_model` for that)."""
+    """Model (float32, :func:`attention_implementation`, eval mode) and tokenizer of a checkpoint directory,
+    as is (no mask-token handling; use :func:`load_model` for that)."""
     config = checkpoint_config(path)
     tokenizer = AutoTokenizer.from_pretrained(path, config=config)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                 attn_implementation=attention_implementation(config))
     return model.eval(), tokenizer
+
+
+def attention_implementation(config: PretrainedConfig) -> str:
+    """The attention a model of ``config`` runs in PyTorch (training, reference decoding, parity): ``"sdpa"``,
+    or ``"eager"`` where its transformers class refuses SDPA (Gemma2: SDPA cannot soft-cap the attention
+    logits). The step graph replaces either with :func:`mars_export.step_module.step_attention`."""
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and not MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa:
+        return "eager"
+    return "sdpa"
 
 
 def checkpoint_config(path: Path) -> PretrainedConfig:

@@ -100,7 +100,8 @@ class StepModule(torch.nn.Module):
         return out.logits.float(), step_kv.present
 
 
-def step_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, step_kv=None, **kwargs):
+def step_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, step_kv=None, softcap=None,
+                   **kwargs):
     """Grouped attention of W queries over the layer's KV cache, the W new entries written into it.
 
     Args:
@@ -110,6 +111,8 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
         scaling: score scale (1 / sqrt(D) for these models).
         step_kv: the step's :class:`StepKV`; this layer's cache with the new entries written
             (:func:`in_place`) is appended to ``step_kv.present``.
+        softcap: None, or the cap c of the attention logits (Gemma2's ``attn_logit_softcapping``): the
+            scaled scores become c · tanh(score / c) before the mask, as in transformers' eager attention.
 
     Returns:
         ([B, W, H, D] in the model dtype, None).
@@ -146,6 +149,8 @@ def step_attention(module, query, key, value, attention_mask, scaling, dropout=0
         grouped = torch.cat([grouped, grouped], dim=2)  # [B, Hkv, 2·W, D]
     scores = (_float(cache_key) @ grouped.transpose(2, 3)).transpose(2, 3)  # [B, Hkv, S, G·W] -> [B, Hkv, G·W, S]
     scores = scores.reshape(batch, num_kv_heads, -1, window, capacity)  # [B, Hkv, G, W, S]
+    if softcap is not None:  # Gemma2: each score capped to (-softcap, softcap), before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + _float(attention_mask)[:, :, None]  # mask [B, 1, 1, W, S]
     weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G (2 if G = 1), W, S]
     if group == 1:

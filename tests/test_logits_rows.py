@@ -87,6 +87,34 @@ def graph_with_output(op_type: str) -> ir.Graph:
     return graph
 
 
+def soft_capped_graph(cap: float) -> ir.Graph:
+    """x [1, 2, 4] -> MatMul head -> Div(cap) -> Tanh -> Mul(cap) -> logits: Gemma2's final soft-capping."""
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 2, 4]))
+    weight = ir.Value(name="w", const_value=ir.tensor(np.arange(12, dtype=np.float32).reshape(4, 3)))
+    scale = ir.Value(name="cap", const_value=ir.tensor(np.array(cap, np.float32)))
+    head = ir.node("MatMul", [x, weight])
+    divide = ir.node("Div", [head.outputs[0], scale])
+    tanh = ir.node("Tanh", [divide.outputs[0]])
+    multiply = ir.node("Mul", [tanh.outputs[0], scale], outputs=[ir.Value(name=LOGITS)])
+    return ir.Graph([x], multiply.outputs, nodes=[head, divide, tanh, multiply], initializers=[weight, scale],
+                    opset_imports={"": 18})
+
+
+def test_the_head_is_found_behind_the_soft_capping():
+    """cap · tanh(x / cap) with cap > 0 maps each logit alone and keeps their order: the head is cut (and may
+    serve the greedy head); a negative cap does not keep the order, and the graph is refused."""
+    graph = soft_capped_graph(30.0)
+    compute_logits_of_last_rows(graph)
+    model = ir.Model(graph, ir_version=10)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((1, 2, 4)).astype(np.float32)
+    want = 30 * np.tanh(x @ np.arange(12, dtype=np.float32).reshape(4, 3) / 30)  # [1, 2, 3]
+    assert np.allclose(session.run(None, {"x": x})[0], want, atol=1e-5)
+    assert np.allclose(session.run(None, {"x": x, NUM_LOGITS: np.array(1, np.int64)})[0], want[:, 1:], atol=1e-5)
+    with pytest.raises(ValueError, match=r"not written by a MatMul \(found Mul\)"):
+        compute_logits_of_last_rows(soft_capped_graph(-30.0))
+
+
 def test_the_rewrite_refuses_graphs_it_cannot_cut():
     with pytest.raises(ValueError, match="not written by a MatMul"):
         compute_logits_of_last_rows(graph_with_output("Add"))

@@ -1,5 +1,6 @@
-"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral, Phi3) with a byte-level tokenizer, built in tests;
-also in the layout of the paper's published MARS checkpoints (``a2d-qwen2``, ``a2d-qwen3``)."""
+"""Tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma2, Gemma3 text) with a byte-level
+tokenizer, built in tests; also in the layout of the paper's published MARS checkpoints (``a2d-qwen2``,
+``a2d-qwen3``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<mask>"]
@@ -20,6 +22,8 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 # The published layout (github.com/Xalp/MARS, dllm/pipelines/a2d): model type and class name
 # of the authors' code, and the mask token their tokenizer setup adds as ``mask_token``.

@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
@@ -28,6 +28,7 @@ from runtime.serving.engine_thread import EngineThread
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.playground import install_playground
+from runtime.serving.shutdown import Server
 from runtime.text.tokenizer import Tokenizer
 
 API_KEY_ENV = "MARS_API_KEY"
@@ -78,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, or --max-tokens-limit "
                         "when lower)")
     p.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                   help="on SIGTERM or Ctrl-C, seconds open requests may still run before they are aborted and the "
-                        f"server exits (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+                   help="on SIGTERM or Ctrl-C, seconds open requests may still run before they are aborted (a 503, "
+                        "or an error event ending a stream) and the server exits (default "
+                        f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}; 0: abort them at once)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = p.parse_args(argv)
     args.api_key = resolve_api_key(args.api_key)
@@ -116,10 +118,9 @@ def _non_negative_seconds(text: str) -> float:
     return seconds
 
 
-def uvicorn_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of uvicorn's server from the options (the one place they are mapped)."""
-    return {"host": args.host, "port": args.port, "log_level": args.log_level,
-            "timeout_graceful_shutdown": args.shutdown_timeout}
+def make_server(app: FastAPI, args: argparse.Namespace) -> Server:
+    """uvicorn's server of ``app`` for the options (the one place they are mapped)."""
+    return Server(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def resolve_max_batch_size(requested: int | None, backend_limit: int | None = None) -> int:
@@ -174,7 +175,8 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the server until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) if it cannot start."""
+    """Run the server until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) for a bad option or
+    bundle, 3 (uvicorn's code, after its error line) if it cannot start serving, e.g. a port in use."""
     try:
         args = parse_args(argv)
         app = build_app(args)
@@ -182,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper())
-    uvicorn.run(app, **uvicorn_options(args))
-    return 0
+    server = make_server(app, args)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has stopped
+        pass
+    return 0 if server.started else STARTUP_FAILURE
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ streamed and the non-streamed response both consume its text deltas.
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from runtime.serving import protocol
 from runtime.serving.engine_thread import EngineThread
 from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_utf8_json
 from runtime.serving.metrics import ServerMetrics
-from runtime.serving.protocol import ChatRequest, CompletionRequest, TauRequest
+from runtime.serving.protocol import SSE_DONE, ChatRequest, CompletionRequest, TauRequest, sse_event
 from runtime.serving.request_stream import RequestStream
 from runtime.text.tokenizer import Tokenizer
 
@@ -257,26 +256,23 @@ async def _stream(ctx: ServerContext, gen: RequestStream, body, chat: bool):
     def chunk(text: str, finish_reason: str | None = None, mars: dict | None = None) -> str:
         if chat:
             delta = {"content": text} if finish_reason is None else {}
-            return _sse(protocol.chat_chunk(rid, model, delta, finish_reason, mars))
-        return _sse(protocol.completion_chunk(rid, model, text, finish_reason, mars))
+            return sse_event(protocol.chat_chunk(rid, model, delta, finish_reason, mars))
+        return sse_event(protocol.completion_chunk(rid, model, text, finish_reason, mars))
 
     try:
         if chat:
-            yield _sse(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+            yield sse_event(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         async for delta in gen.deltas():
             yield chunk(delta, mars={"step_tokens": gen.take_step_tokens()} if body.return_step_tokens else None)
         yield chunk("", gen.finish_reason,
                     gen.mars_info(body.return_token_ids, gen.take_step_tokens() if body.return_step_tokens else None))
         if body.include_usage:
             object_ = "chat.completion.chunk" if chat else "text_completion"
-            yield _sse(protocol.usage_chunk(rid, model, object_, protocol.usage(len(gen.prompt_ids), gen.num_tokens)))
+            usage = protocol.usage(len(gen.prompt_ids), gen.num_tokens)
+            yield sse_event(protocol.usage_chunk(rid, model, object_, usage))
     except RuntimeError as e:  # headers are sent: the error goes in the stream
         ctx.metrics.record_outcome("error")
-        yield _sse(protocol.error_body(str(e), "server_error", None, "engine_error"))
+        yield sse_event(protocol.error_body(str(e), "server_error", None, "engine_error"))
     finally:
         gen.close()
-    yield "data: [DONE]\n\n"
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    yield SSE_DONE

@@ -190,6 +190,14 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def sse_event(payload: dict) -> str:
+    """One server-sent event carrying ``payload`` (a chunk, or an error ending a stream)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"  # the last event of every stream
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

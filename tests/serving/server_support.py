@@ -14,9 +14,9 @@ from contextlib import contextmanager
 
 import httpx
 import openai
-import uvicorn
 
-from runtime.serve import build_app, parse_args, uvicorn_options
+from runtime.serve import build_app, make_server, parse_args
+from runtime.serving.shutdown import Server
 
 DEADLINE_S = 120.0  # longest wait for a condition; a healthy run needs far less
 
@@ -97,7 +97,7 @@ class RunningServer:
     """A server started by a test: its base URL, an openai client, an httpx client, the app and
     the gate in front of its backend."""
 
-    def __init__(self, url: str, api_key: str | None, app, gate: GatedBackend, server: uvicorn.Server,
+    def __init__(self, url: str, api_key: str | None, app, gate: GatedBackend, server: Server,
                  thread: threading.Thread):
         self.url, self.app, self.gate = url, app, gate
         self._server, self._thread = server, thread
@@ -162,7 +162,7 @@ def serve(*argv: str, prepare=None):
     gate = engine.backend = GatedBackend(engine.backend)
     if prepare is not None:
         prepare(app)
-    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args)))
+    server = make_server(app, args)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), "the server to start")

@@ -1,4 +1,6 @@
-"""Tier 2: SIGTERM / Ctrl-C with requests still open: a bounded wait, then they are aborted and the server exits.
+"""Tier 2: SIGTERM / Ctrl-C with requests still open: a bounded wait, then they are aborted with an
+answer (a 503, or an error event ending the stream) and the server exits, with one WARNING line
+and no ERROR or traceback.
 
 The request is held open by the closed test gate (its engine waits before a forward), so
 nothing depends on the machine's speed: without a bounded wait it would never end.
@@ -6,33 +8,54 @@ nothing depends on the machine's speed: without a bounded wait it would never en
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
 from server_support import serve, wait_until
 
+from runtime.serving.protocol import SSE_DONE, sse_event
+from runtime.serving.shutdown import shutdown_error
+
 SHUTDOWN_TIMEOUT_S = 0.5
 
 
-def request_until_closed(url: str, stream: bool) -> None:
-    """POST a long completion and read it until the server ends it (or closes the connection)."""
+@contextmanager
+def recording_logs():
+    """Record what the server logs at WARNING or above (uvicorn's loggers stop at "uvicorn", which
+    uvicorn's config makes: so this starts after the server)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn")]
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=120,
-                          json={"prompt": "hi", "max_tokens": 400, "stream": stream}) as response:
-            for _ in response.iter_bytes():
-                pass
-    except httpx.HTTPError:
-        pass  # the server closed the connection under the request: what a shutdown does
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
+def request_until_closed(url: str, stream: bool, answers: list) -> None:
+    """POST a long completion, read it until the server ends it, and append (status, body)."""
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120,
+                      json={"prompt": "hi", "max_tokens": 400, "stream": stream}) as response:
+        answers.append((response.status_code, response.read().decode()))
+
+
+@pytest.mark.parametrize("timeout_s", [SHUTDOWN_TIMEOUT_S, 0])
 @pytest.mark.parametrize("stream", [True, False])
-def test_shutdown_aborts_requests_still_open_after_the_timeout(tiny_bundle, stream):
+def test_shutdown_aborts_requests_still_open_after_the_timeout(tiny_bundle, stream, timeout_s):
     _, bundle = tiny_bundle("llama", 4)
-    with serve(str(bundle), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)) as server:
+    answers = []
+    with serve(str(bundle), "--shutdown-timeout", str(timeout_s)) as server, recording_logs() as records:
         registry = server.app.state.ctx.metrics.registry
-        client = threading.Thread(target=request_until_closed, args=(server.url, stream))
+        client = threading.Thread(target=request_until_closed, args=(server.url, stream, answers))
         with server.gate.closed():
             client.start()
             server.gate.wait_held()  # the request is in the engine, paused before a forward
@@ -40,7 +63,25 @@ def test_shutdown_aborts_requests_still_open_after_the_timeout(tiny_bundle, stre
             server.begin_shutdown()  # as SIGTERM does
             wait_until(lambda: registry.get_sample_value("mars_requests_total", {"outcome": "aborted"}) == 1,
                        "the open request to be aborted", timeout=30)
-            assert time.monotonic() - asked >= SHUTDOWN_TIMEOUT_S  # it had its grace period
+            assert time.monotonic() - asked >= timeout_s  # it had its grace period
         assert server.has_exited(timeout=30)
         client.join(timeout=30)
         assert not client.is_alive()
+    [(status, body)] = answers
+    if stream:
+        assert status == 200 and body.endswith(sse_event(shutdown_error()) + SSE_DONE), body
+    else:
+        assert (status, json.loads(body)) == (503, shutdown_error())
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in records] == [
+        ("WARNING", f"shutting down: aborted 1 request(s) still open after --shutdown-timeout {timeout_s:g}", None)]
+
+
+def test_a_zero_timeout_without_open_requests_logs_nothing(tiny_bundle):
+    """uvicorn with a graceful timeout of 0 logs an ERROR on every shutdown ("Cancel 0 running
+    task(s)"): the server's own grace period does not."""
+    _, bundle = tiny_bundle("llama", 4)
+    with serve(str(bundle), "--shutdown-timeout", "0") as server, recording_logs() as records:
+        assert server.health()["status"] == "ok"
+        server.begin_shutdown()
+        assert server.has_exited(timeout=30)
+    assert records == []

@@ -14,8 +14,8 @@ it starts). Each replica reports its load and its Prometheus metrics to the boar
 by two routes that exist only here: ``GET /fleet/replicas`` (per replica: pid, queue depth,
 slots, base and default tau) and ``GET /fleet/metrics`` (every replica's metrics, labelled
 ``replica="ID"``). Needs the ``serve-ray`` extra. Options after the Ray ones are those of
-``python -m runtime.serve`` (``--host``/``--port`` are the Serve proxy's; binds 127.0.0.1
-unless told).
+``python -m runtime.serve`` (``--host``/``--port`` are the Serve proxy's, binding 127.0.0.1
+unless told; ``--shutdown-timeout`` is each replica's graceful shutdown in Serve).
 """
 
 from __future__ import annotations
@@ -231,6 +231,8 @@ class FleetOptions:
         num_cpus: Ray CPUs reserved per replica (fractions allowed).
         upscale_delay_s: how long the load must stay above target before a replica is added
             (Serve's default, 30 s).
+        shutdown_timeout_s: how long a replica being stopped (Ctrl-C, a redeploy, a downscale)
+            lets its open requests run before Serve kills it (Serve's ``graceful_shutdown_timeout_s``).
     """
 
     replicas: int = 1
@@ -239,19 +241,21 @@ class FleetOptions:
     max_ongoing_requests: int = 24
     num_cpus: float = 1.0
     upscale_delay_s: float = 30.0
+    shutdown_timeout_s: float = single.DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self):
         if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
             raise ValueError(f"need --replicas >= 1 and --max-replicas >= --replicas, got {self.replicas}, "
                              f"{self.max_replicas}")
-        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or min(self.num_cpus,
-                                                                                     self.upscale_delay_s) < 0:
+        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or min(
+                self.num_cpus, self.upscale_delay_s, self.shutdown_timeout_s) < 0:
             raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1, "
-                             "--num-cpus-per-replica >= 0 and --upscale-delay-s >= 0")
+                             "--num-cpus-per-replica >= 0, --upscale-delay-s >= 0 and --shutdown-timeout >= 0")
 
     def deployment_options(self) -> dict:
         """Keyword arguments of ``Deployment.options``."""
-        options = {"ray_actor_options": {"num_cpus": self.num_cpus}, "max_ongoing_requests": self.max_ongoing_requests}
+        options = {"ray_actor_options": {"num_cpus": self.num_cpus}, "max_ongoing_requests": self.max_ongoing_requests,
+                   "graceful_shutdown_timeout_s": self.shutdown_timeout_s}
         if self.max_replicas is None:
             return options | {"num_replicas": self.replicas}
         return options | {"autoscaling_config": {"min_replicas": self.replicas, "max_replicas": self.max_replicas,
@@ -380,7 +384,9 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
 def make_parser() -> argparse.ArgumentParser:
     """The parser of the Ray options (the rest go to ``python -m runtime.serve``'s)."""
     p = argparse.ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
-                                epilog="Every option of `python -m runtime.serve` also applies (to each replica).")
+                                epilog="Every option of `python -m runtime.serve` also applies, to each replica "
+                                       "(--host and --port to Serve's proxy; --shutdown-timeout is how long Serve "
+                                       "lets a stopping replica finish its requests).")
     p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
     p.add_argument("--target-ongoing-requests", type=float, default=None,
@@ -402,12 +408,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> FleetOptions:
     """Ray's options from both command lines; the request targets default to the replicas' batch
-    (``--max-batch-size``, else the server's default, before any engine is loaded)."""
+    (``--max-batch-size``, else the server's default, before any engine is loaded), and the
+    server's ``--shutdown-timeout`` is each replica's graceful shutdown."""
     batch = single.resolve_max_batch_size(args.max_batch_size)
     return FleetOptions(ray_args.replicas, ray_args.max_replicas,
                         ray_args.target_ongoing_requests or batch,
                         ray_args.max_ongoing_requests or batch + args.queue_high,
-                        ray_args.num_cpus_per_replica, ray_args.upscale_delay_s)
+                        ray_args.num_cpus_per_replica, ray_args.upscale_delay_s, args.shutdown_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

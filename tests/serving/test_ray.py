@@ -173,6 +173,17 @@ def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, mo
         serve_ray.deploy([str(bundle), "--host", "no-such-host.invalid"], serve_ray.FleetOptions())
 
 
+def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown():
+    """Serve's proxy, not uvicorn, serves the replicas: --shutdown-timeout goes to Serve as the time a
+    stopping replica may finish its requests in (0: none)."""
+    ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--shutdown-timeout", "0"])
+    options = serve_ray.fleet_options(ray_args, single.parse_args(serve_argv)).deployment_options()
+    assert options["graceful_shutdown_timeout_s"] == 0
+    deployment = serve.deployment(serve_ray.MarsReplica).options(name="MarsReplica", **options)  # Serve checks them
+    assert deployment._deployment_config.graceful_shutdown_timeout_s == 0  # (no public attribute reads it back)
+    assert FleetOptions().deployment_options()["graceful_shutdown_timeout_s"] == single.DEFAULT_SHUTDOWN_TIMEOUT_S
+
+
 def test_fleet_options_default_to_the_servers_batch():
     """Without --max-batch-size (the README's command) the targets follow the server's default batch."""
     ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2"])

@@ -155,7 +155,7 @@ def run(args, workdir: Path) -> dict:
         raise ValueError(f"the first bundle is {config.dtype}; the builder graph is fed float32 KV: "
                          "pass float32, int8 or int4 bundles (their KV is float32)")
     check_builder_graph(args.builder / BUILDER_FILE, config)
-    ours = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
+    ours = {name: make_session(path, args.threads) for name, (_, path, _) in loaded.items()}
     builders = {name: make_session(path, args.threads)
                 for name, path in builder_graphs(args.builder, args.quantize, workdir).items()}
     rng, rows = np.random.default_rng(0), []

@@ -1,7 +1,7 @@
 """How fast onnxruntime's CPU kernels read a decode step's weights, alone, beside STREAM.
 
     python bench/matmul_kernels.py BUNDLE [--formats fp32 int8-32 int8-128 int4-32 int4-128] [--rows 1 4]
-                                   [--threads N] [--repeats 20] [--stream-mib 512]
+                                   [--threads N] [--repeats 20] [--stream-mib 512] [--pages huge small]
                                    [--out bench/results] [--name matmul_kernels]
 
 Dimension letters: M rows of the activation (B·W of a decode step; ``--rows``), K input and N
@@ -31,6 +31,11 @@ these kernels. Bytes read / that time is compared with the STREAM copy and triad
 thread count (``bench/scaling.py``), and with a pass that only reads (its ``read_gbs``): a kernel
 below that pass leaves bandwidth the machine has unused.
 
+``--pages``: where the session keeps the weights: ``huge``, on transparent huge pages as the runtime
+loads a bundle (:mod:`runtime.backends.huge_pages`; numpy's STREAM arrays get them too), ``small``, on
+onnxruntime's own pages (4 KiB where the kernel's THP mode is ``madvise``). Given both, each (format, M)
+times the two sessions one after the other.
+
 Writes {name}.json (machine, STREAM, shapes, rows), {name}.csv (one row per format and M)
 and {name}.png (bandwidth per format and M against STREAM) to --out, and prints a Markdown
 table.
@@ -53,6 +58,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime import bundle
+from runtime.backends.huge_pages import new_memory_on_huge_pages
 from results_files import write_results  # bench/ is on the path when this file runs as a script
 from scaling import GB, machine_info, stream_bandwidth, time_calls  # bench/ is on the path when this file runs as a script
 
@@ -133,11 +139,18 @@ def weights_graph(shapes: collections.Counter, bits: int, block: int, rng: np.ra
     return model, sum(array.nbytes for array in arrays.values())
 
 
-def time_graph(model: onnx.ModelProto, rows: int, threads: int, repeats: int, rng: np.random.Generator) -> float:
-    """Median wall ms of ``repeats`` runs at M = ``rows`` (after two warm-up runs; ``scaling.time_calls``)."""
+def make_session(model: onnx.ModelProto, threads: int, huge_pages: bool) -> ort.InferenceSession:
+    """A CPU session of ``model`` at ``threads`` intra-op threads, its weights on huge pages if ``huge_pages``."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    with new_memory_on_huge_pages(huge_pages):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def time_graph(session: ort.InferenceSession, model: onnx.ModelProto, rows: int, repeats: int,
+               rng: np.random.Generator) -> float:
+    """Median wall ms of ``repeats`` runs of ``session`` (over ``model``) at M = ``rows`` (after two warm-up runs;
+    ``scaling.time_calls``)."""
     feeds = {i.name: rng.standard_normal((rows, i.type.tensor_type.shape.dim[1].dim_value), dtype=np.float32)
              for i in model.graph.input}
     return time_calls(lambda: session.run(None, feeds), warmup=2, repeats=repeats, max_seconds=0.0,
@@ -155,13 +168,16 @@ def run(args) -> dict:
     for name in args.formats:
         bits, block = parse_format(name)
         model, nbytes = weights_graph(shapes, bits, block, rng)
+        sessions = {pages: make_session(model, args.threads, pages == "huge") for pages in args.pages}
         for m in args.rows:
-            ms = time_graph(model, m, args.threads, args.repeats, rng)
-            gbs = nbytes / (ms / 1000) / GB
-            rows.append({"format": name, "rows": m, "weight_gb": nbytes / GB, "step_weights_ms": ms, "gbs": gbs,
-                         "fraction_of_stream": gbs / reference, "fraction_of_read": gbs / stream["read_gbs"]})
-            print(f"{name} M={m}: {ms:.2f} ms for {nbytes / GB:.3f} GB, {gbs:.1f} GB/s", flush=True)
-        del model
+            for pages, session in sessions.items():
+                ms = time_graph(session, model, m, args.repeats, rng)
+                gbs = nbytes / (ms / 1000) / GB
+                rows.append({"format": name, "pages": pages, "rows": m, "weight_gb": nbytes / GB,
+                             "step_weights_ms": ms, "gbs": gbs, "fraction_of_stream": gbs / reference,
+                             "fraction_of_read": gbs / stream["read_gbs"]})
+                print(f"{name} M={m} ({pages} pages): {ms:.2f} ms for {nbytes / GB:.3f} GB, {gbs:.1f} GB/s", flush=True)
+        del model, sessions
     meta = {"command": "python bench/matmul_kernels.py " + " ".join(sys.argv[1:]), "bundle": str(args.bundle),
             "threads": args.threads, "repeats": args.repeats, "machine": machine_info(),
             "loadavg_end": os.getloadavg()}
@@ -174,9 +190,9 @@ def markdown(result: dict) -> str:
     stream = result["stream"]
     lines = [f"STREAM at {stream['threads']} thread(s): copy {stream['copy_gbs']:.1f} GB/s, triad "
              f"{stream['triad_gbs']:.1f} GB/s; a read-only pass {stream['read_gbs']:.1f} GB/s", "",
-             "| format | M | weights GB | weights-only step ms | GB/s | of STREAM | of the read-only pass |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['rows']} | {r['weight_gb']:.3f} | {r['step_weights_ms']:.2f} | {r['gbs']:.1f} | "
+             "| format | pages | M | weights GB | weights-only step ms | GB/s | of STREAM | of the read-only pass |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['pages']} | {r['rows']} | {r['weight_gb']:.3f} | {r['step_weights_ms']:.2f} | {r['gbs']:.1f} | "
               f"{r['fraction_of_stream']:.2f} | {r['fraction_of_read']:.2f} |" for r in result["rows"]]
     return "\n".join(lines)
 
@@ -188,17 +204,18 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     formats = list(dict.fromkeys(r["format"] for r in result["rows"]))
-    ms = list(dict.fromkeys(r["rows"] for r in result["rows"]))
-    gbs = {(r["format"], r["rows"]): r["gbs"] for r in result["rows"]}
+    bars = list(dict.fromkeys((r["rows"], r["pages"]) for r in result["rows"]))
+    gbs = {(r["format"], r["rows"], r["pages"]): r["gbs"] for r in result["rows"]}
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(ms)
-    for i, m in enumerate(ms):
-        ax.bar([f + i * width for f in range(len(formats))], [gbs[(f, m)] for f in formats], width, label=f"M = {m}")
+    width = 0.8 / len(bars)
+    for i, (m, pages) in enumerate(bars):
+        ax.bar([f + i * width for f in range(len(formats))], [gbs[(f, m, pages)] for f in formats], width,
+               label=f"M = {m}, {pages} pages")
     stream = result["stream"]
     ax.axhline(max(stream["copy_gbs"], stream["triad_gbs"]), color="k", linestyle="--",
                label=f"STREAM, {stream['threads']} thread(s)")
     ax.axhline(stream["read_gbs"], color="k", linestyle=":", label="read-only pass (numpy sum)")
-    ax.set_xticks([f + width * (len(ms) - 1) / 2 for f in range(len(formats))], formats)
+    ax.set_xticks([f + width * (len(bars) - 1) / 2 for f in range(len(formats))], formats)
     ax.set(title="weights-only decode step: bytes read / kernel time", ylabel="GB/s")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -214,6 +231,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per (format, M)")
     p.add_argument("--stream-mib", type=int, default=512, help="STREAM array size in MiB")
+    p.add_argument("--pages", nargs="+", choices=["huge", "small"], default=["huge"],
+                   help="weights on huge pages as the runtime loads them (huge), on onnxruntime's own pages (small), "
+                        "or both")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="matmul_kernels", help="stem of the output files")
     args = p.parse_args()

@@ -1,7 +1,7 @@
 """Time one decode step of one or more bundles, interleaved, and break it down by ONNX op type.
 
     python bench/profile_step.py BUNDLE [BUNDLE ...] [--pasts 128] [--windows 1 4] [--batches 1]
-                                 [--steps 20] [--rounds 5] [--threads N] [--top 12]
+                                 [--steps 20] [--rounds 5] [--threads N] [--top 12] [--pages huge|small|both]
                                  [--out bench/results] [--name profile_step]
 
 Dimension letters: B batch (--batches), W window (--windows), P past length (--pasts),
@@ -32,6 +32,10 @@ the window, two positions for a one-token window; written in place; I/O binding)
    ``--steps`` greedy steps: kernel time per op type (ms per step, share of the profiled total)
    and the node count per op type in the graph as onnxruntime optimized it.
 
+Each session's weights lie on transparent huge pages where the machine allows, as the runtime loads them
+(:mod:`runtime.backends.huge_pages`); ``--pages small`` keeps onnxruntime's own pages, ``--pages both``
+runs every bundle both ways (its second entry named ``BUNDLE [small pages]``).
+
 Writes {name}.json to --out and prints Markdown tables.
 """
 
@@ -53,19 +57,25 @@ import onnxruntime as ort
 
 from runtime import bundle
 from runtime.backends.fused import FusedStep, past_with_room
+from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.backends.kv_binding import KVBinding
 from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
-def make_session(path: Path, threads: int, profile_dir: str | None = None) -> ort.InferenceSession:
-    """A CPU session with ``threads`` intra-op threads; profiling into ``profile_dir`` when given."""
+PAGES = {"huge": [("", True)], "small": [("", False)], "both": [("", True), (" [small pages]", False)]}
+
+
+def make_session(path: Path, threads: int, huge_pages: bool = True, profile_dir: str | None = None) -> ort.InferenceSession:
+    """A CPU session with ``threads`` intra-op threads, its weights on huge pages if ``huge_pages`` (as
+    :class:`runtime.backends.onnx.OnnxBackend` loads them); profiling into ``profile_dir`` when given."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # errors only, as runtime.backends.onnx: num_logits "appears in graph inputs"
     if profile_dir is not None:
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(profile_dir, "step")
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    with new_memory_on_huge_pages(huge_pages):
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def mean_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
@@ -109,14 +119,14 @@ def greedy_call(session: ort.InferenceSession, config: bundle.BundleConfig, inpu
     return lambda: call().argmax(-1)
 
 
-def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int,
+def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int, huge_pages: bool,
                  steps: int) -> tuple[dict[str, dict], float]:
     """(op type -> {"ms": kernel ms per step, "share": of the profiled total, "nodes": count in the optimized
     graph}, ms per step of the whole profiled ``run``). The run's time beyond the sum of its kernels is what the
     executor spends between kernels (dispatch, allocation, thread-pool hand-offs, binding the I/O) plus the
     profiler's own per-node cost, which also inflates the kernel times: compare both with the unprofiled step."""
     with tempfile.TemporaryDirectory() as tmp:
-        session = make_session(path, threads, tmp)
+        session = make_session(path, threads, huge_pages, tmp)
         call = greedy_call(session, config, inputs)
         call()  # warm-up, then profile only the timed steps
         for _ in range(steps):
@@ -159,8 +169,9 @@ def interleaved_times(calls: dict, steps: int, rounds: int, greedy: dict | None 
     return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
 
 
-def load_bundles(bundle_dirs: list[Path]) -> dict[str, tuple[bundle.BundleConfig, Path]]:
-    """name -> (config, ONNX path) of each bundle.
+def load_bundles(bundle_dirs: list[Path], pages: str = "huge") -> dict[str, tuple[bundle.BundleConfig, Path, bool]]:
+    """name -> (config, ONNX path, whether its weights go on huge pages) of each bundle, once per way of
+    ``pages`` (a key of :data:`PAGES`).
 
     Raises:
         BundleError: a bundle is malformed, or its KV shapes or dtype differ from the first's
@@ -169,8 +180,9 @@ def load_bundles(bundle_dirs: list[Path]) -> dict[str, tuple[bundle.BundleConfig
     loaded = {}
     for bundle_dir in bundle_dirs:
         config = bundle.load_config(bundle_dir)
-        loaded[str(bundle_dir)] = config, bundle_dir / config.onnx_file
-    shapes = {(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, c.dtype) for c, _ in loaded.values()}
+        for suffix, huge_pages in PAGES[pages]:
+            loaded[str(bundle_dir) + suffix] = config, bundle_dir / config.onnx_file, huge_pages
+    shapes = {(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, c.dtype) for c, _, _ in loaded.values()}
     if len(shapes) > 1:
         raise bundle.BundleError(f"the bundles differ in (layers, KV heads, head dim, vocab, dtype): {sorted(shapes)}; "
                                  "compare exports of one model")
@@ -180,12 +192,12 @@ def load_bundles(bundle_dirs: list[Path]) -> dict[str, tuple[bundle.BundleConfig
 def run(args) -> dict:
     """All measurements; returns {"meta": ..., "rows": [...]} with one row per (bundle, B, P, W)."""
     rng = np.random.default_rng(0)
-    loaded = load_bundles(args.bundles)
-    fused = [name for name, (c, _) in loaded.items() if c.graph == "fused"]
+    loaded = load_bundles(args.bundles, args.pages)
+    fused = [name for name, (c, _, _) in loaded.items() if c.graph == "fused"]
     if fused and max(args.batches) > 1:
         raise bundle.BundleError(f"{fused[0]} is a fused bundle: it runs batch 1; pass --batches 1")
     step_config = replace(next(iter(loaded.values()))[0], graph="step")  # inputs with a cache of P + W positions
-    sessions = {name: make_session(path, args.threads) for name, (_, path) in loaded.items()}
+    sessions = {name: make_session(path, args.threads, huge) for name, (_, path, huge) in loaded.items()}
     rows = []
     for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
         inputs = decode_inputs(step_config, window, batch, past, rng)
@@ -194,8 +206,9 @@ def run(args) -> dict:
         times = interleaved_times(calls, args.steps, args.rounds, greedy)
         is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
         for name, timing in times.items():
-            config, path = loaded[name]
-            ops, run_ms = op_breakdown(path, config, inputs, args.threads, args.steps) if is_profiled else ({}, 0.0)
+            config, path, huge = loaded[name]
+            ops, run_ms = (op_breakdown(path, config, inputs, args.threads, huge, args.steps) if is_profiled
+                           else ({}, 0.0))
             rows.append({"bundle": name, "window": window, "batch": batch, "past": past, **timing,
                          "ratio_to_first": timing["step_ms"] / next(iter(times.values()))["step_ms"],
                          "cpu_ratio_to_first": timing["cpu_ms"] / next(iter(times.values()))["cpu_ms"],
@@ -237,6 +250,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
     p.add_argument("--top", type=int, default=12, help="op types listed per (bundle, W)")
+    p.add_argument("--pages", choices=sorted(PAGES), default="huge",
+                   help="weights on huge pages as the runtime loads them (huge, the default), on onnxruntime's own "
+                        "pages (small), or each bundle both ways")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="profile_step", help="stem of the output file (default profile_step)")
     args = p.parse_args()

@@ -453,6 +453,16 @@ def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
     assert "| op type | nodes | ms/step | share |" in stdout and "unprofiled step" in stdout
 
 
+def test_profile_step_runs_a_bundle_on_both_kinds_of_pages(smoke_model, tmp_path):
+    """--pages both: each bundle twice, on huge pages (as the runtime loads it) and on onnxruntime's own."""
+    _, bundle = smoke_model
+    python("bench/profile_step.py", bundle, "--pasts", "6", "--windows", "1", "--steps", "2", "--rounds", "1",
+           "--threads", "1", "--pages", "both", "--out", tmp_path, "--name", "p")
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["bundle"] for r in rows] == [str(bundle), f"{bundle} [small pages]"]
+    assert all(r["step_ms"] > 0 and r["ops"] for r in rows)
+
+
 @pytest.fixture(scope="module")
 def smoke_fused(smoke_model, tmp_path_factory) -> Path:
     """The tiny Llama's fused bundle (the model builder's graph), B = W = 4."""
@@ -686,22 +696,23 @@ def test_matmul_kernels_times_all_the_step_weights_in_every_format(smoke_model, 
 
     _, bundle = smoke_model
     stdout = python("bench/matmul_kernels.py", bundle, "--formats", "fp32", "int8-32", "int4-16", "--rows", "1", "2",
-                    "--repeats", "2", "--stream-mib", "8", "--threads", "1", "--out", tmp_path, "--name", "k")
+                    "--repeats", "2", "--stream-mib", "8", "--threads", "1", "--pages", "huge", "small",
+                    "--out", tmp_path, "--name", "k")
     result = assert_results(tmp_path, "k")
     graph = onnx.load(bundle / "model.onnx").graph
     constant = {t.name for t in graph.initializer}
     constant |= {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in constant}
     num_matmuls = sum(n.op_type == "MatMul" and n.input[1] in constant for n in graph.node)
     assert sum(s["count"] for s in result["shapes"]) == num_matmuls > 0
-    assert [(r["format"], r["rows"]) for r in result["rows"]] == \
-        [(f, m) for f in ("fp32", "int8-32", "int4-16") for m in (1, 2)]
+    assert [(r["format"], r["rows"], r["pages"]) for r in result["rows"]] == \
+        [(f, m, pages) for f in ("fp32", "int8-32", "int4-16") for m in (1, 2) for pages in ("huge", "small")]
     fp32_bytes = sum(s["count"] * s["K"] * s["N"] * 4 for s in result["shapes"])
     int8_bytes = sum(s["count"] * s["N"] * (s["K"] + 4 * -(-s["K"] // 32)) for s in result["shapes"])
     assert result["rows"][0]["weight_gb"] * 1e9 == pytest.approx(fp32_bytes)
-    assert result["rows"][2]["weight_gb"] * 1e9 == pytest.approx(int8_bytes)
+    assert result["rows"][4]["weight_gb"] * 1e9 == pytest.approx(int8_bytes)
     assert all(r["step_weights_ms"] > 0 and r["gbs"] > 0 and r["fraction_of_stream"] > 0 for r in result["rows"])
     assert all(r["fraction_of_read"] == pytest.approx(r["gbs"] / result["stream"]["read_gbs"]) for r in result["rows"])
-    assert "| format | M | weights GB |" in stdout
+    assert "| format | pages | M | weights GB |" in stdout
     done = subprocess.run([sys.executable, "bench/matmul_kernels.py", bundle, "--formats", "int3-32"], cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 2 and "unknown format 'int3-32'" in done.stderr

@@ -18,6 +18,7 @@ import numpy as np
 
 from runtime import bundle
 from runtime.backends.fused import FusedKVCache, FusedStep
+from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.backends.kv_binding import KVBinding
 from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
@@ -39,6 +40,12 @@ class OnnxBackend:
         config: its :class:`~runtime.bundle.BundleConfig`.
         provider: execution provider, one of ``cpu``, ``cuda``, ``tensorrt``.
         num_threads: intra-op threads; 0 lets onnxruntime choose.
+        huge_pages: on the cpu provider, move the memory the session allocates at load (its weights) onto
+            transparent huge pages (:mod:`runtime.backends.huge_pages`; best-effort, Linux). False keeps
+            onnxruntime's own pages (for A/B timings).
+
+    Attributes:
+        huge_page_bytes: bytes of the session's memory moved onto huge pages at load (0 where none).
 
     Raises:
         BundleError: the ONNX file is missing, corrupt or truncated, or its I/O names do
@@ -46,7 +53,8 @@ class OnnxBackend:
         ValueError: unknown or unavailable provider, or num_threads outside 0..256.
     """
 
-    def __init__(self, bundle_dir: str | Path, config: BundleConfig, provider: str = "cpu", num_threads: int = 0):
+    def __init__(self, bundle_dir: str | Path, config: BundleConfig, provider: str = "cpu", num_threads: int = 0,
+                 huge_pages: bool = True):
         path = Path(bundle_dir) / config.onnx_file
         if not path.is_file():
             raise BundleError(f"{path} not found; re-export the bundle with mars-export")
@@ -55,7 +63,9 @@ class OnnxBackend:
         if config.graph == "fused" and provider != "cpu":
             raise ValueError(f"a fused bundle runs on the cpu provider only, not {provider}; "
                              "export with --graph step for CUDA or TensorRT")
-        self.session = _make_session(path, provider, num_threads)
+        with new_memory_on_huge_pages(huge_pages and provider == "cpu") as moved:
+            self.session = _make_session(path, provider, num_threads)
+        self.huge_page_bytes = moved.bytes
         self.num_layers = config.num_layers
         self.kv_dtype = np.dtype(config.dtype)
         _check_io(self.session, config, path)

@@ -201,15 +201,16 @@ static void generate(StepGraph *graph, KVCache *cache, const MarsConfig *cfg, co
     free(pending);
 }
 
-static void print_result(const Generation *g) {
+static void print_result(const Generation *g, size_t huge_page_bytes) {
     for (int k = 0; k < g->num_tokens; k++) printf(k ? " %lld" : "%lld", (long long)g->token_ids[k]);
     printf("\n");
     double decode_seconds = g->seconds - g->prefill_seconds;
     fprintf(stderr, "{\"num_tokens\": %d, \"num_forwards\": %d, \"num_prefill_forwards\": %d, \"tpf\": %.6f, "
             "\"seconds\": %.6f, \"prefill_seconds\": %.6f, \"decode_tokens_per_second\": %.3f, "
-            "\"finish_reason\": \"%s\"}\n", g->num_tokens, g->num_forwards, g->num_prefill_forwards,
-            (double)g->num_tokens / (g->num_forwards > 0 ? g->num_forwards : 1), g->seconds, g->prefill_seconds,
-            decode_seconds > 0 ? g->num_tokens / decode_seconds : 0.0, g->is_stopped ? "stop" : "length");
+            "\"finish_reason\": \"%s\", \"huge_page_bytes\": %zu}\n", g->num_tokens, g->num_forwards,
+            g->num_prefill_forwards, (double)g->num_tokens / (g->num_forwards > 0 ? g->num_forwards : 1), g->seconds,
+            g->prefill_seconds, decode_seconds > 0 ? g->num_tokens / decode_seconds : 0.0,
+            g->is_stopped ? "stop" : "length", huge_page_bytes);
 }
 
 int main(int argc, char **argv) {
@@ -241,7 +242,7 @@ int main(int argc, char **argv) {
     Generation result = {0};
     result.token_ids = MALLOC((size_t)args.max_new_tokens * sizeof(int64_t));
     generate(&graph, &cache, &cfg, &args, prompt, num_prompt, &result);
-    print_result(&result);
+    print_result(&result, graph.huge_page_bytes);
 
     free(result.token_ids);
     kv_cache_free(&cache);

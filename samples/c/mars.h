@@ -38,6 +38,17 @@ void *check_malloc(size_t num_bytes, const char *file, int line);
 /* malloc whose failure goes through the same path, reported at the caller's line. */
 #define MALLOC(num_bytes) check_malloc((num_bytes), SOURCE_FILE, __LINE__)
 
+/* ---- weights on huge pages (huge_pages.c) -----------------------------------------
+ * anon_ranges_read() notes the writable private anonymous mappings (and the heap) of this
+ * process; collapse_new_ranges() moves what was mapped since onto transparent huge pages and
+ * returns the bytes moved (0 where THP is off, off Linux, or the kernel refuses). */
+typedef struct {
+    uintptr_t (*ranges)[2];      /* [count] [start, end) byte addresses */
+    size_t count;
+} AnonRanges;
+void anon_ranges_read(AnonRanges *r);
+size_t collapse_new_ranges(const AnonRanges *before);
+
 /* ---- the bundle config (mars_config.json), only the fields this program needs ---- */
 #define MAX_EOS_IDS 16
 #define MAX_NAME 256
@@ -99,6 +110,7 @@ typedef struct {
     int vocab_size;              /* V */
     int is_window_dynamic;       /* 1: the window axis is symbolic (exports since 2026-11-30): T-token prefill */
     int takes_num_logits;        /* 1: num_logits can be fed (exports since 2026-12-02): prefill skips the head */
+    size_t huge_page_bytes;      /* bytes of the session's memory moved onto huge pages at load (huge_pages.c) */
     int64_t *input_ids;          /* [1, w] int64, w <= W the step's window */
     int64_t *position_ids;       /* [1, w] int64 */
     uint8_t *attention_mask;     /* [1, 1, w, S] bool (1 byte), S up to the cache's capacity */

@@ -248,7 +248,11 @@ void step_graph_init(StepGraph *g, const MarsConfig *cfg, const char *bundle_dir
     CHECK(g_ort->CreateEnv(ORT_LOGGING_LEVEL_ERROR, "mars_c", &g->env));
     CHECK(g_ort->CreateSessionOptions(&options));
     CHECK(g_ort->SetIntraOpNumThreads(options, num_threads));
+    AnonRanges before;  /* the session's weights onto huge pages, as the Python runtime (huge_pages.c) */
+    anon_ranges_read(&before);
     CHECK(g_ort->CreateSession(g->env, path, options, &g->session));
+    g->huge_page_bytes = collapse_new_ranges(&before);
+    free(before.ranges);
     g_ort->ReleaseSessionOptions(options);
     make_names(g);
     check_io(g, cfg, path);

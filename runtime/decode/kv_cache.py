@@ -162,8 +162,10 @@ class KVCache:
     def _allocate(self, capacity: int) -> None:
         shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
         keep = min(capacity, self.capacity) if self.keys else 0
-        keys = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        values = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        # One allocation for all 2L buffers: numpy puts arrays of 4 MiB and more on transparent huge pages, which a
+        # batch-1 step's per-layer buffers alone are not (batch 1, P 1024: the step 0.94-0.98x, BENCHMARKS.md).
+        block = np.zeros((2, self.num_layers, *shape), self.dtype)
+        keys, values = list(block[0]), list(block[1])  # per layer a C-contiguous view [N, H, S, D]
         for old, new in zip(self.keys + self.values, keys + values):
             new[:, :, :keep] = old[:, :, :keep]
         self._set_buffers(keys, values)

@@ -25,15 +25,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import numpy_helper
 
 from mars_export.gguf_blocks import BLOCK_TYPES
 from mars_export.gguf_import import GgufImport, import_gguf_matmuls, prepare_gguf_import
+from mars_export.logits_rows import output_head
 from mars_export.model_source import LoadedModel, load_gguf_model
 from mars_export.onnx_export import export_step_graph
 from mars_export.parity import ParityError, measure_parity
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import LOGITS, MAX_INLINE_BYTES, BundleConfig, strip_greedy_head
+from runtime.bundle import MAX_INLINE_BYTES, BundleConfig, strip_greedy_head
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
@@ -81,8 +83,8 @@ def quantize_step_graph(src: Path, dst: Path, weight_dtype: str, include_lm_head
 
     Args:
         weight_dtype: ``"int8"`` or ``"int4"`` (MatMulNBits with bits 8 or 4).
-        include_lm_head: also quantize the output head, the MatMul that writes ``logits``
-            (a tied head is untied first, see the module docstring).
+        include_lm_head: also quantize the output head, the MatMul whose output becomes ``logits``
+            (:func:`_output_head`; a tied head is untied first, see the module docstring).
         block_size, is_symmetric: None = the dtype's :data:`BLOCK_SIZE` / :data:`IS_SYMMETRIC`.
         accuracy_level: MatMulNBits compute type (see :data:`ACCURACY_LEVEL`); None = fp32.
         gguf: the GGUF blocks of ``src``'s weights (``weight_dtype`` int4): the MatMuls they
@@ -259,9 +261,14 @@ def count_quantized_nodes(path: Path) -> int:
 
 
 def _output_head(graph: onnx.GraphProto) -> onnx.NodeProto | None:
-    """The MatMul that writes the ``logits`` output, or None if another op writes it."""
-    node = next(n for n in graph.node if LOGITS in n.output)
-    return node if node.op_type == "MatMul" else None
+    """The MatMul whose output becomes ``logits``, found as the ``num_logits`` cut and the greedy head find it
+    (:func:`mars_export.logits_rows.output_head`: also behind Gemma2's final logit soft-capping), or None if
+    another op computes the logits."""
+    head = output_head(ir.serde.deserialize_graph(graph))
+    if head is None or head.op_type != "MatMul":
+        return None
+    written = head.outputs[0].name
+    return next(node for node in graph.node if written in node.output)
 
 
 def _untie(graph: onnx.GraphProto, head: onnx.NodeProto) -> None:

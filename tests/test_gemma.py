@@ -76,3 +76,13 @@ def test_gemma_exports_and_decodes_as_transformers(arch, config, tmp_path):
     assert greedy.token_ids == out[0, len(ids):].tolist()
     params = DecodeParams(tau=0.5, max_new_tokens=max_new, stop_ids=frozenset())
     assert decoder.generate(ids, params).token_ids == reference.generate(ids, params).token_ids
+
+
+def test_a_gemma2_int8_export_quantizes_the_head_behind_the_soft_capping(tmp_path):
+    """--int8 finds the output head where the num_logits cut finds it (mars_export.logits_rows.output_head), behind
+    Gemma2's final logit soft-capping, and unties and quantizes it as in any other bundle (Gemma2 ties it)."""
+    checkpoint = make_checkpoint("gemma2", tmp_path / "gemma2", tie_word_embeddings=True)  # context 512: room for
+    # the greedy agreement's prompts, which WINDOW's 48 positions do not hold
+    bundle = export(str(checkpoint), tmp_path / "int8", 4, 4, "--mask-token", "<mask>", "--int8")
+    weights = load_config(bundle).parity["weights"]
+    assert weights["lm_head_quantized"] is True and weights["num_quantized"] == 2 * 4 + 1

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from support import export
 
@@ -129,6 +130,33 @@ def test_tied_output_head_is_untied_before_quantizing():
     head = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}[graph.node[1].input[1]]
     np.testing.assert_array_equal(head, table.T)  # [K, V], its own constant; E stays for the Gather
     assert graph.node[0].input[0] == "E"
+
+
+def test_a_head_behind_the_logit_soft_capping_is_quantized(tmp_path):
+    """Gemma2 caps its logits after the tied head, cap · tanh(x / cap): the quantizer finds the head where the
+    num_logits cut and the greedy head find it (mars_export.logits_rows.output_head), unties and quantizes it."""
+    helper = onnx.helper
+    table = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)  # [V, K]
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["h"]),
+         helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "Et"], ["head"], name="head"),
+         helper.make_node("Div", ["head", "cap"], ["scaled"]),
+         helper.make_node("Tanh", ["scaled"], ["capped"]),
+         helper.make_node("Mul", ["capped", "cap"], ["logits"])],
+        "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 4, 64])],
+        [onnx.numpy_helper.from_array(table, "E"), onnx.numpy_helper.from_array(np.array(30.0, np.float32), "cap")])
+    src = tmp_path / "capped.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), str(src))
+    summary = quantize.quantize_step_graph(src, tmp_path / "int8.onnx", "int8")
+    assert summary["lm_head_quantized"] is True and summary["num_quantized"] == 1
+    nodes = onnx.load(str(tmp_path / "int8.onnx")).graph.node
+    assert [n.op_type for n in nodes] == ["Gather", "MatMulNBits", "Div", "Tanh", "Mul"]
+    ids = np.array([[3, 17, 40, 63]], np.int64)
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    want = 30 * np.tanh(table[ids] @ table.T / 30)  # [1, 4, V]
+    np.testing.assert_allclose(session.run(None, {"ids": ids})[0], want, atol=0.5)
 
 
 def error_lines(capsys) -> list[str]:

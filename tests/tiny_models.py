@@ -88,9 +88,9 @@ def _save_random_model(arch: str, directory: Path, tokenizer: PreTrainedTokenize
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
-                        max_position_embeddings=max_context,
-                        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
+                        max_position_embeddings=max_context, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        **{"tie_word_embeddings": False} | extra)  # untied unless extra ties them
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():

@@ -210,10 +210,11 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 
 def load_gguf_model(path: Path) -> PreTrainedModel:
-    """The model of the GGUF file ``path`` as transformers dequantizes it (float32, SDPA attention,
+    """The model of the GGUF file ``path`` as transformers dequantizes it (float32, :func:`attention_implementation`,
     eval mode, no quantization marks); no tokenizer, no mask token."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation=attention_implementation(config))
     # The weights are dequantized to float32 on load, but transformers still marks the model
     # as quantized (hf_quantizer, is_quantized, quantization_method, quantization_config), so
     # save_pretrained, .half() (fp16 export) and .float() refuse it. Its quantizer removes the marks.

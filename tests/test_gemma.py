@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from support import export
 from tiny_models import make_checkpoint
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-from mars_export.model_source import load_checkpoint
+from mars_export.model_source import load_checkpoint, load_gguf_model
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder
 from mars_export.step_module import StepKV, step_attention
@@ -76,6 +77,44 @@ def test_gemma_exports_and_decodes_as_transformers(arch, config, tmp_path):
     assert greedy.token_ids == out[0, len(ids):].tolist()
     params = DecodeParams(tau=0.5, max_new_tokens=max_new, stop_ids=frozenset())
     assert decoder.generate(ids, params).token_ids == reference.generate(ids, params).token_ids
+
+
+def write_tiny_gemma2_gguf(path):
+    """A 2-layer Gemma2 as llama.cpp writes one (float32 tensors, tied head), without a tokenizer."""
+    import gguf
+
+    hidden, intermediate, heads, kv_heads, head_dim, vocab = 64, 128, 4, 2, 16, 96
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    for add, value in [(writer.add_context_length, 256), (writer.add_embedding_length, hidden),
+                       (writer.add_block_count, 2), (writer.add_feed_forward_length, intermediate),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_key_length, head_dim), (writer.add_value_length, head_dim),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_sliding_window, WINDOW),
+                       (writer.add_vocab_size, vocab)]:
+        add(value)
+    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,)}
+    for layer in range(2):
+        shapes |= {f"blk.{layer}.{name}": shape for name, shape in [
+            ("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+            ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
+            ("ffn_gate", (intermediate, hidden)), ("ffn_up", (intermediate, hidden)),
+            ("ffn_down", (hidden, intermediate)), ("attn_norm", (hidden,)), ("post_attention_norm", (hidden,)),
+            ("ffn_norm", (hidden,)), ("post_ffw_norm", (hidden,))]}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.normal(0, 0.1, shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gemma2_gguf_file_loads_with_eager_attention(tmp_path):
+    """A GGUF file loads with the attention its transformers class takes (model_source.attention_implementation),
+    as a checkpoint directory does: Gemma2 refuses SDPA."""
+    model = load_gguf_model(write_tiny_gemma2_gguf(tmp_path / "gemma2.gguf"))
+    assert model.config.model_type == "gemma2" and model.config._attn_implementation == "eager"
 
 
 def test_a_gemma2_int8_export_quantizes_the_head_behind_the_soft_capping(tmp_path):

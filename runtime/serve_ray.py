@@ -376,9 +376,17 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
     deployment = serve.deployment(MarsReplica).options(name="MarsReplica", **fleet.deployment_options())
-    serve.run(deployment.bind(serve_argv, board_name), name=APP_NAME, route_prefix="/")
+    serve.run(deployment.bind(replica_argv(serve_argv, args.api_key), board_name), name=APP_NAME, route_prefix="/")
     wait_for_port(args.host, port)
     return Deployed(http_url(args.host, port), board)
+
+
+def replica_argv(serve_argv: list[str], api_key: str | None) -> list[str]:
+    """The ``python -m runtime.serve`` arguments each replica parses, with ``api_key`` (the key resolved here from
+    ``--api-key`` or ``$MARS_API_KEY``) given explicitly: a replica parses them in its own process, whose
+    environment lacks this one's ``$MARS_API_KEY`` on a cluster started elsewhere (``--address``), and would
+    serve without authentication. Without a key here the arguments stay as they are."""
+    return [*serve_argv, f"--api-key={api_key}"] if api_key else list(serve_argv)  # "=": a key may start with "-"
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -173,6 +173,37 @@ def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, mo
         serve_ray.deploy([str(bundle), "--host", "no-such-host.invalid"], serve_ray.FleetOptions())
 
 
+@pytest.mark.parametrize("given", ["env", "option"])
+def test_replicas_get_the_api_key_resolved_here(tiny_bundle, monkeypatch, given):
+    """A replica parses the server options in its own process, whose environment on a cluster started
+    elsewhere (--address) lacks this one's $MARS_API_KEY: deploy passes the key it resolved, so the
+    replica requires it. Serve itself is stubbed: what matters is what each replica is built from."""
+    _, bundle = tiny_bundle("llama", 4)
+    bound = []
+
+    class Deployment:  # records the arguments each replica would be constructed with
+        def options(self, **kwargs):
+            return self
+
+        def bind(self, *args):
+            bound.append(args)
+            return args
+
+    board = SimpleNamespace(options=lambda **kwargs: SimpleNamespace(remote=lambda: "board"))
+    monkeypatch.setattr(serve_ray, "wait_until_serve_is_gone", lambda: None)
+    monkeypatch.setattr(serve_ray, "wait_for_port", lambda host, port: None)
+    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(serve_ray.serve, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(serve_ray.serve, "deployment", lambda cls: Deployment())
+    monkeypatch.setattr(serve_ray.ray, "remote", lambda **kwargs: lambda cls: board)
+    monkeypatch.setenv(single.API_KEY_ENV, " -sesame " if given == "env" else "")
+    serve_ray.deploy([str(bundle), *(["--api-key=-sesame"] if given == "option" else [])], FleetOptions())
+    [(argv, board_name)] = bound
+    monkeypatch.delenv(single.API_KEY_ENV)  # the replica's environment, on another machine
+    assert single.parse_args(argv).api_key == "-sesame" and board_name.startswith(serve_ray.APP_NAME)
+    assert serve_ray.replica_argv(["BUNDLE"], None) == ["BUNDLE"]  # no key here: the replica's own, as before
+
+
 def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown():
     """Serve's proxy, not uvicorn, serves the replicas: --shutdown-timeout goes to Serve as the time a
     stopping replica may finish its requests in (0: none)."""

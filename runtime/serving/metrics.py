@@ -50,7 +50,7 @@ class ServerMetrics:
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export every outcome from the start, at 0
         self._window_s = window_s
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, forwards) per engine step
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, forwards) per record_output
         self._lock = threading.Lock()
 
     def record_output(self, num_tokens: int, num_forwards: int, now: float | None = None) -> None:

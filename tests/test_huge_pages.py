@@ -73,6 +73,16 @@ def test_memory_mapped_inside_the_block_ends_on_huge_pages():
 
 
 @pytest.mark.runtime_python
+def test_nothing_is_done_where_the_process_maps_cannot_be_read(monkeypatch):
+    monkeypatch.setattr(huge_pages, "thp_available", lambda: True)
+    monkeypatch.setattr(huge_pages, "Path", lambda path: Path("/nonexistent") / path.lstrip("/"))
+    with new_memory_on_huge_pages() as done:
+        memory = mmap.mmap(-1, 8 * HUGE_PAGE)
+        memory.write(b"\x01" * (8 * HUGE_PAGE))
+    assert (done.bytes, done.failed) == (0, 0)
+
+
+@pytest.mark.runtime_python
 def test_nothing_is_done_where_transparent_huge_pages_are_off(monkeypatch, tmp_path):
     mode = tmp_path / "enabled"
     mode.write_text("always madvise [never]\n")

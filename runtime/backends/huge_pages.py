@@ -69,6 +69,14 @@ def new_ranges(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> l
     return out
 
 
+def _anonymous_ranges_now() -> list[tuple[int, int]] | None:
+    """This process's anonymous ranges now (:func:`anonymous_ranges`), or None where /proc/self/maps cannot be read."""
+    try:
+        return anonymous_ranges(Path("/proc/self/maps").read_text())
+    except OSError:
+        return None
+
+
 def thp_available() -> bool:
     """True on Linux where transparent huge pages are not turned off (mode ``always`` or ``madvise``)."""
     if not sys.platform.startswith("linux"):
@@ -89,15 +97,14 @@ def new_memory_on_huge_pages(enabled: bool = True) -> Iterator[Collapsed]:
     ``enabled`` is False, off Linux or where THP is ``never``.
     """
     done = Collapsed()
-    if not enabled or not thp_available():
-        yield done
-        return
-    maps = Path("/proc/self/maps")
-    before = anonymous_ranges(maps.read_text())
+    before = _anonymous_ranges_now() if enabled and thp_available() else None
     yield done
+    after = _anonymous_ranges_now() if before is not None else None
+    if after is None:
+        return
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    for start, end in new_ranges(before, anonymous_ranges(maps.read_text())):
+    for start, end in new_ranges(before, after):
         madvise(start, end - start, MADV_HUGEPAGE)  # later faults in the range get huge pages too
         if madvise(start, end - start, MADV_COLLAPSE) == 0:
             done.bytes += end - start

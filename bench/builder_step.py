@@ -181,7 +181,7 @@ def run(args, workdir: Path) -> dict:
     if args.identity_tokens:
         ids = rng.integers(0, config.vocab_size, args.identity_prompt + args.identity_tokens)  # [prompt + N]
         runs = {name: lambda chunks, c=c, path=path: bundle_logits(path, c, args.threads, ids, chunks)
-                for name, (c, path) in loaded.items()}
+                for name, (c, path, _) in loaded.items()}
         runs |= {name: lambda chunks, s=session: builder_logits(s, config, args.max_context, ids, chunks)
                  for name, session in builders.items()}
         identity = identity_rows(runs, args)

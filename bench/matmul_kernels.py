@@ -164,11 +164,13 @@ def run(args) -> dict:
     shapes = weight_shapes(args.bundle / config.onnx_file)
     stream = stream_bandwidth(args.threads, args.stream_mib, 3)
     reference = max(stream["copy_gbs"], stream["triad_gbs"])
-    rows = []
+    rows, kept = [], []  # every session lives to the end: a session freed earlier would hand its memory, on either
+    # kind of pages, to a later format's sessions, and memory mapped before a load is not moved (runtime.backends.huge_pages)
     for name in args.formats:
         bits, block = parse_format(name)
         model, nbytes = weights_graph(shapes, bits, block, rng)
         sessions = {pages: make_session(model, args.threads, pages == "huge") for pages in args.pages}
+        kept.append(sessions)
         for m in args.rows:
             for pages, session in sessions.items():
                 ms = time_graph(session, model, m, args.repeats, rng)
@@ -177,7 +179,7 @@ def run(args) -> dict:
                              "step_weights_ms": ms, "gbs": gbs, "fraction_of_stream": gbs / reference,
                              "fraction_of_read": gbs / stream["read_gbs"]})
                 print(f"{name} M={m} ({pages} pages): {ms:.2f} ms for {nbytes / GB:.3f} GB, {gbs:.1f} GB/s", flush=True)
-        del model, sessions
+        del model
     meta = {"command": "python bench/matmul_kernels.py " + " ".join(sys.argv[1:]), "bundle": str(args.bundle),
             "threads": args.threads, "repeats": args.repeats, "machine": machine_info(),
             "loadavg_end": os.getloadavg()}

@@ -94,8 +94,9 @@ def new_memory_on_huge_pages(enabled: bool = True) -> Iterator[Collapsed]:
     Wrap a session's load (``with new_memory_on_huge_pages() as done: session = ...``); ``done``, a
     :class:`Collapsed`, says how much moved once the block ends. Memory other threads map meanwhile is
     collapsed too (harmless); memory the process had mapped before the block (e.g. freed by an earlier
-    session, and reused by the allocator) is not, so the first load of a fresh process gains most. Best-effort: never raises for the kernel's refusal; nothing is done when
-    ``enabled`` is False, off Linux or where THP is ``never``.
+    session, and reused by the allocator) is not, so the first load of a fresh process gains most.
+    Best-effort: never raises for the kernel's refusal; nothing is done when ``enabled`` is False, off
+    Linux or where THP is ``never``.
     """
     done = Collapsed()
     before = _anonymous_ranges_now() if enabled and thp_available() else None

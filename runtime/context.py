@@ -15,28 +15,61 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from runtime.model_types import base_model_type
+
+# What a config.json that lacks one of the fields the rule reads means, per model type: transformers' defaults
+# (models/<type>/configuration_<type>.py, transformers 5.x). Qwen2 and Qwen3 slide only with use_sliding_window,
+# from layer max_window_layers on; Gemma2 slides every other layer, Gemma3 five of six (sliding_window_pattern);
+# Mistral slides every layer. A type not listed (Llama) has no default: a missing field is absent.
+FIELD_DEFAULTS: dict[str, dict] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
+    "qwen3": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
+    "gemma2": {"sliding_window": 4096, "sliding_window_pattern": 2, "num_hidden_layers": 26},
+    "gemma3_text": {"sliding_window": 4096, "sliding_window_pattern": 6, "num_hidden_layers": 26},
+}
+
+
+def with_defaults(fields: Mapping) -> dict:
+    """``fields`` with transformers' default of each field it lacks (:data:`FIELD_DEFAULTS`, by the model type
+    or, for a MARS authors' ``a2d-*`` type, its base's: :mod:`runtime.model_types`)."""
+    return {**FIELD_DEFAULTS.get(base_model_type(fields.get("model_type")), {}), **fields}
+
 
 def sliding_window(fields: Mapping) -> int | None:
     """Tokens a query of a sliding-attention layer sees (itself included), or None when no layer slides.
 
     Args:
-        fields: the model's ``config.json`` fields (or a transformers config's ``to_dict()``).
+        fields: the model's ``config.json`` fields (or a transformers config's ``to_dict()``); a field it lacks
+            takes transformers' default for its ``model_type`` (:func:`with_defaults`).
 
     ``sliding_window`` counts unless ``use_sliding_window`` is False (Qwen2, Qwen3), or ``layer_types`` is
-    given and holds no ``"sliding_attention"``. Without ``layer_types``, ``max_window_layers`` gives them as
-    transformers derives them for Qwen2 and Qwen3 (layers from that index on slide); without either, every
-    layer slides (Mistral).
+    given and holds no ``"sliding_attention"``. Without ``layer_types``, they are derived as transformers does:
+    from ``max_window_layers`` (Qwen2, Qwen3: layers from that index on slide), from ``sliding_window_pattern``
+    (Gemma2, Gemma3: every layer but each pattern-th slides); with neither, every layer slides (Mistral).
     """
+    fields = with_defaults(fields)
     window = fields.get("sliding_window")
     if not window or fields.get("use_sliding_window", True) is False:
         return None
     layer_types = fields.get("layer_types")
-    if layer_types is None and fields.get("max_window_layers") is not None:
-        num_layers, first_sliding = fields.get("num_hidden_layers", 0), fields["max_window_layers"]
-        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    if layer_types is None:
+        layer_types = _derived_layer_types(fields)
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window)
+
+
+def _derived_layer_types(fields: Mapping) -> list[str] | None:
+    """transformers' ``layer_types`` of a config without them, or None where every layer slides."""
+    num_layers = fields.get("num_hidden_layers", 0)
+    if fields.get("max_window_layers") is not None:
+        first_sliding = fields["max_window_layers"]
+        return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    if fields.get("sliding_window_pattern") is not None:
+        pattern = fields["sliding_window_pattern"]
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    return None
 
 
 def max_context_of(fields: Mapping) -> tuple[int, str | None]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support import export
 from tiny_models import make_checkpoint
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
@@ -69,6 +69,30 @@ def test_sliding_window_follows_the_configs_attention(config, expected):
 def test_sliding_window_of_config_json_fields(fields, expected):
     """A config.json as published (Qwen2.5: no layer_types, which transformers derives from max_window_layers)."""
     assert sliding_window(fields) == expected
+
+
+@pytest.mark.parametrize("fields", [
+    {"model_type": "qwen2", "sliding_window": 300, "max_window_layers": 0, "num_hidden_layers": 2},
+    {"model_type": "qwen3", "sliding_window": 300, "max_window_layers": 0, "num_hidden_layers": 2},
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 300, "num_hidden_layers": 2},
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 300, "num_hidden_layers": 30},
+    {"model_type": "qwen3", "use_sliding_window": True, "max_window_layers": 0, "num_hidden_layers": 2},
+    {"model_type": "a2d-qwen2", "sliding_window": 300, "max_window_layers": 0, "num_hidden_layers": 2},
+    {"model_type": "mistral"},
+    {"model_type": "gemma2", "num_hidden_layers": 2},
+    {"model_type": "gemma3_text", "sliding_window": 300, "num_hidden_layers": 2},
+    {"model_type": "gemma3_text", "sliding_window": 300, "sliding_window_pattern": 1, "num_hidden_layers": 2},
+    {"model_type": "llama"},
+], ids=["qwen2-no-use-field", "qwen3-no-use-field", "qwen2-no-max-window-layers", "qwen2-layers-past-28",
+        "qwen3-no-window-field", "a2d-qwen2", "mistral-no-window-field", "gemma2-defaults", "gemma3-pattern",
+        "gemma3-pattern-1", "llama"])
+def test_a_config_json_lacking_fields_reads_as_transformers_reads_it(fields):
+    """A field a config.json lacks means transformers' default for its model type (Qwen2's use_sliding_window
+    is False, max_window_layers 28; Mistral's and Gemma's sliding_window 4096; ...): the torch-free rule over
+    the raw fields gives what it gives over the transformers config loaded from them."""
+    model_type = {"a2d-qwen2": "qwen2"}.get(fields["model_type"], fields["model_type"])
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if k != "model_type"})
+    assert sliding_window(fields) == sliding_window(config_fields(config))
 
 
 def test_a_window_wider_than_the_context_caps_nothing():

@@ -156,3 +156,18 @@ def test_sliding_window_caps_the_sized_context(arch, extra, tmp_path):
     assert "max context 48 (the sliding attention window, of 512 positions)" in text
     assert "    1      48" in text and "    1      64" not in text
     assert "Orin Nano 8GB  B=1: 48" in text
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"model_type": "qwen2", "sliding_window": 48, "max_window_layers": 0}, 256),  # Qwen2.5 without the switch
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 48}, 256),  # layers from 28 on slide
+    ({"model_type": "mistral", "max_position_embeddings": 8192}, 4096),  # Mistral's default window
+], ids=["qwen2-no-use-sliding-window", "qwen2-no-max-window-layers", "mistral-no-sliding-window"])
+def test_a_config_json_lacking_fields_is_sized_with_transformers_defaults(fields, expected, tmp_path):
+    """A field the config.json lacks means transformers' default for its model type (runtime.context): the sized
+    context is the one transformers' config of the same file gives."""
+    path = tmp_path / "model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({**TINY, **fields}))
+    sized = memory.from_hf_config(path, "fp16", "fp16")
+    assert sized.max_context == expected == max_context_of(AutoConfig.from_pretrained(path.parent))[0]

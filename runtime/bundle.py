@@ -116,34 +116,30 @@ def check_kv_in_place(past_shape: list, present_shape: list, path) -> None:
 ONNX_KV_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}  # the KV element type of each dtype
 
 
-def check_graph_fits_config(past_type: str, past_shape: list, logits_shape: list, config: "BundleConfig",
-                            path, fix: str = "re-export the bundle") -> None:
-    """Refuse a graph whose KV cache or logits disagree with ``mars_config.json`` (its layer count is checked by
-    the I/O names), before any forward: a disagreeing config would otherwise fail at the first step.
+def check_graph_fits_config(past_shape: list, logits_shape: list, config: "BundleConfig", path,
+                            fix: str = "re-export the bundle") -> None:
+    """Refuse a graph whose KV cache or logits shapes disagree with ``mars_config.json`` (its layer count is
+    checked by the I/O names), before any forward: a disagreeing config would otherwise fail at the first step.
 
     The one rule for every backend: onnxruntime passes its session's declarations, TensorRT its engine's
-    (:mod:`runtime.backends.trt`, a dynamic axis as a symbol and the KV dtype as its ONNX type name).
+    (:mod:`runtime.backends.trt`, a dynamic axis as a symbol). The KV dtype each backend checks with its
+    tensor types (onnxruntime: :data:`ONNX_KV_TYPES`; TensorRT: every I/O tensor's dtype).
 
     Args:
-        past_type: the declared element type of ``past_key_values.0.key``, as onnxruntime reports it
-            (``tensor(float)``).
-        past_shape: its declared shape [n, H, S, D] (symbols as strings, as onnxruntime reports them).
+        past_shape: the declared shape of ``past_key_values.0.key`` [n, H, S, D] (symbols as strings, as
+            onnxruntime reports them).
         logits_shape: the declared shape of ``logits`` [n, W, V].
         config: the bundle's config.
         path: the graph file, for the message.
         fix: what the message tells the user to do.
 
     Raises:
-        BundleError: H, D or V declared as a number other than the config's, or a KV element type other
-            than the config dtype's.
+        BundleError: H, D or V declared as a number other than the config's.
     """
     declared = {"num_kv_heads": past_shape[1], "head_dim": past_shape[3], "vocab_size": logits_shape[-1]}
     for name, dim in declared.items():
         if isinstance(dim, int) and dim != getattr(config, name):
             raise BundleError(f"{path} has {name} {dim} but {CONFIG_FILE} says {getattr(config, name)}; {fix}")
-    if past_type != ONNX_KV_TYPES[config.dtype]:
-        raise BundleError(f"{path} holds its KV cache as {past_type} but {CONFIG_FILE} says dtype {config.dtype}; "
-                          f"{fix}")
 
 
 def check_step_inputs(input_ids, position_ids, attention_mask, past, num_layers: int) -> None:

@@ -230,5 +230,9 @@ def _check_shapes(session: ort.InferenceSession, config: BundleConfig, path: Pat
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
     past, logits = inputs.get(bundle.past_names(0)[0]), outputs.get(bundle.LOGITS)
-    if past is not None and logits is not None:
-        bundle.check_graph_fits_config(past.type, past.shape, logits.shape, config, path)
+    if past is None or logits is None:
+        return
+    bundle.check_graph_fits_config(past.shape, logits.shape, config, path)
+    if past.type != bundle.ONNX_KV_TYPES[config.dtype]:
+        raise BundleError(f"{path} holds its KV cache as {past.type} but {bundle.CONFIG_FILE} says dtype "
+                          f"{config.dtype}; re-export the bundle")

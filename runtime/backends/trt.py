@@ -123,8 +123,8 @@ class TrtBackend:
         self.num_layers = config.num_layers
         self.dtypes = expected_dtypes(config)
         _check_io(self.engine, config, path, trt)
-        _check_shapes(self.engine, config, path, trt, f"rebuild the engine (python -m runtime.trt_build {bundle_dir}) "
-                                                      "or re-export the bundle (mars-export --trt)")
+        _check_shapes(self.engine, config, path, f"rebuild the engine (python -m runtime.trt_build {bundle_dir}) "
+                                                 "or re-export the bundle (mars-export --trt)")
         _check_kv_in_place(self.engine, self.context, config.num_layers, path)
         self.kv_dtype = np.dtype(config.dtype)
         self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
@@ -298,19 +298,16 @@ def _check_io(engine, config: BundleConfig, path: Path, trt) -> None:
                           f"{config.window}; rebuild the engine")
 
 
-def _check_shapes(engine, config: BundleConfig, path: Path, trt, fix: str) -> None:
-    """Refuse an engine whose KV heads H, head dim D, vocabulary V or KV dtype differ from ``config``:
+def _check_shapes(engine, config: BundleConfig, path: Path, fix: str) -> None:
+    """Refuse an engine whose KV heads H, head dim D or vocabulary V differ from ``config``:
     :func:`runtime.bundle.check_graph_fits_config`, the onnxruntime backend's rule, on the engine's I/O
-    (past [n, H, S, D], logits [n, W, V]; -1 on a dynamic axis passed as a symbol, the KV dtype as its
-    ONNX type name). ``fix`` ends the message."""
-    past = bundle.past_names(0)[0]
-    kv_dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(past))).name
+    (past [n, H, S, D], logits [n, W, V]; -1 on a dynamic axis passed as a symbol). The KV dtype is
+    :func:`_check_io`'s, with every other tensor's. ``fix`` ends the message."""
 
     def declared(name: str) -> list:
         return [dim if dim >= 0 else "dynamic" for dim in engine.get_tensor_shape(name)]
 
-    bundle.check_graph_fits_config(bundle.ONNX_KV_TYPES.get(kv_dtype, kv_dtype), declared(past),
-                                   declared(bundle.LOGITS), config, path, fix)
+    bundle.check_graph_fits_config(declared(bundle.past_names(0)[0]), declared(bundle.LOGITS), config, path, fix)
 
 
 def _check_kv_in_place(engine, context, num_layers: int, path: Path) -> None:

@@ -124,6 +124,13 @@ def make_server(app: FastAPI, args: argparse.Namespace) -> Server:
     return Server(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
 
 
+def configure_logging(log_level: str) -> None:
+    """``--log-level`` for this process's Python loggers (ours, and libraries' without a level of their own): the
+    root logger's level, and a stderr handler where the root has none yet (a Ray replica's may have one)."""
+    logging.basicConfig()
+    logging.getLogger().setLevel(log_level.upper())
+
+
 def resolve_max_batch_size(requested: int | None, backend_limit: int | None = None) -> int:
     """The server's KV slots: ``--max-batch-size`` when given, else :data:`DEFAULT_MAX_BATCH`
     within the backend's largest batch (a TensorRT engine's profile; None: no limit)."""
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper())
+    configure_logging(args.log_level)
     server = make_server(app, args)
     try:
         server.run()

@@ -15,7 +15,9 @@ by two routes that exist only here: ``GET /fleet/replicas`` (per replica: pid, q
 slots, base and default tau) and ``GET /fleet/metrics`` (every replica's metrics, labelled
 ``replica="ID"``). Needs the ``serve-ray`` extra. Options after the Ray ones are those of
 ``python -m runtime.serve`` (``--host``/``--port`` are the Serve proxy's, binding 127.0.0.1
-unless told; ``--shutdown-timeout`` is each replica's graceful shutdown in Serve).
+unless told; ``--shutdown-timeout`` is each replica's graceful shutdown in Serve, and on Ctrl-C this
+command waits that long, plus :data:`STOP_MARGIN_S`, for Serve to stop; ``--log-level`` is Serve's
+level for its replicas, controller and proxy, and the level of each replica's own loggers).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray.serve.schema import LoggingConfig
 
 from runtime import serve as single
 from runtime.backends.providers import OnnxRuntimeMissing, import_onnxruntime
@@ -58,6 +61,7 @@ PROXY_START_S = 120.0  # longest wait for Serve's HTTP proxy to open its port af
 PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 PROXY_READY_CHECK_S = 30.0
 SERVE_GONE_S = 120.0  # longest wait for an earlier Serve instance to finish shutting down before serve.start
+STOP_MARGIN_S = 30.0  # on Ctrl-C, the wait for Serve to stop beyond --shutdown-timeout (its controller, the proxy)
 
 
 class FleetBoard:
@@ -194,6 +198,21 @@ def add_fleet_routes(app: FastAPI, board) -> None:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
+def make_replica_app(serve_argv: list[str], board) -> FastAPI:
+    """The app of one replica: ``python -m runtime.serve``'s for ``serve_argv``, with the fleet's engine thread and
+    routes, in a process whose own loggers log at its ``--log-level`` (Serve's logger gets it from the deployment's
+    ``logging_config``, :func:`deploy`).
+
+    Raises:
+        BundleError, ValueError: bad path, bundle or option value.
+    """
+    args = single.parse_args(serve_argv)
+    single.configure_logging(args.log_level)
+    app = single.build_app(args, make_thread=partial(FleetEngineThread, board=board))
+    add_fleet_routes(app, board)
+    return app
+
+
 @serve.ingress()
 class MarsReplica:
     """One Serve replica: the app of ``python -m runtime.serve`` (one engine) for ``serve_argv``.
@@ -204,9 +223,7 @@ class MarsReplica:
 
     def __init__(self, serve_argv: list[str], board_name: str):
         board = ray.get_actor(board_name, namespace=NAMESPACE)
-        args = single.parse_args(serve_argv)
-        self.fastapi_app = single.build_app(args, make_thread=partial(FleetEngineThread, board=board))
-        add_fleet_routes(self.fastapi_app, board)
+        self.fastapi_app = make_replica_app(serve_argv, board)
         self.sync = FleetSync(self.fastapi_app.state.ctx, board, serve.get_replica_context().replica_id.unique_id)
         self.sync.start()
 
@@ -356,7 +373,9 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
 
     Returns once every replica is up and the proxy accepts connections. Serve must not run yet on the cluster (its proxy's
     address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are ``python -m runtime.serve``
-    arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one).
+    arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one), its ``--log-level`` the
+    level of Serve's logs (``LoggingConfig``: the controller's and proxy's through ``serve.start``, the replicas'
+    through the deployment) and of each replica's own loggers (:func:`make_replica_app`).
 
     Raises:
         BundleError, ValueError: bad path, bundle or option value, or a batch the bundle cannot run
@@ -372,13 +391,34 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     check_max_batch_size(single.resolve_max_batch_size(args.max_batch_size, backend.max_batch), backend.max_batch)
     port = args.port or free_port(args.host)
     wait_until_serve_is_gone()
-    serve.start(http_options={"host": args.host, "port": port})
+    logging_config = LoggingConfig(log_level=args.log_level.upper())
+    serve.start(http_options={"host": args.host, "port": port}, logging_config=logging_config)
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
-    deployment = serve.deployment(MarsReplica).options(name="MarsReplica", **fleet.deployment_options())
+    deployment = serve.deployment(MarsReplica).options(name="MarsReplica", logging_config=logging_config,
+                                                       **fleet.deployment_options())
     serve.run(deployment.bind(replica_argv(serve_argv, args.api_key), board_name), name=APP_NAME, route_prefix="/")
     wait_for_port(args.host, port)
     return Deployed(http_url(args.host, port), board)
+
+
+def stop(shutdown_timeout_s: float) -> None:
+    """Stop Serve, giving its replicas ``shutdown_timeout_s`` (``--shutdown-timeout``) to finish their requests,
+    then Ray.
+
+    ``serve.shutdown()`` waits at most 30 s for Serve's controller (Ray's own cap; it takes no timeout). The
+    controller goes on stopping the replicas after that, each within its ``graceful_shutdown_timeout_s``, and exits
+    once everything is gone, whereas ``ray.shutdown()`` of a Ray of our own kills whatever still runs. So the
+    controller gets ``shutdown_timeout_s`` plus :data:`STOP_MARGIN_S` to be gone before Ray is shut down; past that
+    one ``warning:`` line says Ray is shut down regardless.
+    """
+    serve.shutdown()
+    try:
+        wait_until_serve_is_gone(shutdown_timeout_s + STOP_MARGIN_S)
+    except RuntimeError:
+        print(f"warning: Ray Serve did not stop within --shutdown-timeout {shutdown_timeout_s:g} s + "
+              f"{STOP_MARGIN_S:g} s; shutting Ray down", file=sys.stderr, flush=True)
+    ray.shutdown()
 
 
 def replica_argv(serve_argv: list[str], api_key: str | None) -> list[str]:
@@ -394,7 +434,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
                                 epilog="Every option of `python -m runtime.serve` also applies, to each replica "
                                        "(--host and --port to Serve's proxy; --shutdown-timeout is how long Serve "
-                                       "lets a stopping replica finish its requests).")
+                                       "lets a stopping replica finish its requests, and on Ctrl-C this command "
+                                       f"waits that long plus {STOP_MARGIN_S:g} s for Serve to stop; --log-level "
+                                       "is also Serve's, for its replicas, controller and proxy).")
     p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
     p.add_argument("--target-ongoing-requests", type=float, default=None,
@@ -452,12 +494,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     count = fleet.replicas if fleet.max_replicas is None else f"{fleet.replicas} to {fleet.max_replicas}"
     print(f"mars-edge on Ray Serve running on {deployed.url} (replicas: {count}); Ctrl-C stops it", flush=True)
-    stop = threading.Event()
+    stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
-    ray.shutdown()
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    stop(fleet.shutdown_timeout_s)
     return 0
 
 

@@ -8,6 +8,7 @@ condition holds; nothing depends on the machine's speed.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from test_server import MAX_NEW, PROMPTS, chat, complete, runtime_parts  # noqa:
 
 ray = pytest.importorskip("ray", reason="needs the serve-ray extra")
 from ray import serve  # noqa: E402
+from ray.serve.schema import LoggingConfig  # noqa: E402
 
 from runtime.decode.decoder import DecodeParams  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -173,35 +175,97 @@ def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, mo
         serve_ray.deploy([str(bundle), "--host", "no-such-host.invalid"], serve_ray.FleetOptions())
 
 
-@pytest.mark.parametrize("given", ["env", "option"])
-def test_replicas_get_the_api_key_resolved_here(tiny_bundle, monkeypatch, given):
-    """A replica parses the server options in its own process, whose environment on a cluster started
-    elsewhere (--address) lacks this one's $MARS_API_KEY: deploy passes the key it resolved, so the
-    replica requires it. Serve itself is stubbed: what matters is what each replica is built from."""
-    _, bundle = tiny_bundle("llama", 4)
-    bound = []
+@pytest.fixture
+def stubbed_serve(monkeypatch) -> SimpleNamespace:
+    """Serve and Ray stubbed for deploy(): what it asks of them is recorded (``start``: serve.start's keyword
+    arguments, ``options``: the deployment's, ``bound``: the arguments each replica would be constructed with)."""
+    seen = SimpleNamespace(start={}, options={}, bound=[])
 
-    class Deployment:  # records the arguments each replica would be constructed with
+    class Deployment:
         def options(self, **kwargs):
+            seen.options.update(kwargs)
             return self
 
         def bind(self, *args):
-            bound.append(args)
+            seen.bound.append(args)
             return args
 
     board = SimpleNamespace(options=lambda **kwargs: SimpleNamespace(remote=lambda: "board"))
     monkeypatch.setattr(serve_ray, "wait_until_serve_is_gone", lambda: None)
     monkeypatch.setattr(serve_ray, "wait_for_port", lambda host, port: None)
-    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: seen.start.update(kwargs))
     monkeypatch.setattr(serve_ray.serve, "run", lambda app, **kwargs: None)
     monkeypatch.setattr(serve_ray.serve, "deployment", lambda cls: Deployment())
     monkeypatch.setattr(serve_ray.ray, "remote", lambda **kwargs: lambda cls: board)
+    return seen
+
+
+@pytest.mark.parametrize("given", ["env", "option"])
+def test_replicas_get_the_api_key_resolved_here(tiny_bundle, monkeypatch, stubbed_serve, given):
+    """A replica parses the server options in its own process, whose environment on a cluster started
+    elsewhere (--address) lacks this one's $MARS_API_KEY: deploy passes the key it resolved, so the
+    replica requires it. Serve itself is stubbed: what matters is what each replica is built from."""
+    _, bundle = tiny_bundle("llama", 4)
     monkeypatch.setenv(single.API_KEY_ENV, " -sesame " if given == "env" else "")
     serve_ray.deploy([str(bundle), *(["--api-key=-sesame"] if given == "option" else [])], FleetOptions())
-    [(argv, board_name)] = bound
+    [(argv, board_name)] = stubbed_serve.bound
     monkeypatch.delenv(single.API_KEY_ENV)  # the replica's environment, on another machine
     assert single.parse_args(argv).api_key == "-sesame" and board_name.startswith(serve_ray.APP_NAME)
     assert serve_ray.replica_argv(["BUNDLE"], None) == ["BUNDLE"]  # no key here: the replica's own, as before
+
+
+def test_the_log_level_is_serves_for_the_replicas_controller_and_proxy(tiny_bundle, stubbed_serve):
+    """--log-level goes to Serve's LoggingConfig: the deployment's (the replicas' Serve logs, access logs
+    included) and serve.start's (controller and proxy); Serve itself accepts it on the deployment."""
+    _, bundle = tiny_bundle("llama", 4)
+    serve_ray.deploy([str(bundle), "--log-level", "warning"], FleetOptions())
+    assert stubbed_serve.options["logging_config"] == LoggingConfig(log_level="WARNING")
+    assert stubbed_serve.start["logging_config"] == LoggingConfig(log_level="WARNING")
+    deployment = ray.serve.api.deployment(serve_ray.MarsReplica).options(**stubbed_serve.options)  # Serve's own
+    assert deployment.logging_config["log_level"] == "WARNING"
+
+
+@pytest.mark.parametrize("level", ["debug", "error"])
+def test_a_replica_logs_at_the_log_level(tiny_bundle, level):
+    """A replica's own loggers (ours, by the root logger) take --log-level, as the single server's do; the app
+    is the single server's with the fleet routes."""
+    _, bundle = tiny_bundle("llama", 4)
+    root = logging.getLogger()
+    before = root.level
+    try:
+        app = serve_ray.make_replica_app([str(bundle), "--log-level", level], board=None)
+        assert root.level == getattr(logging, level.upper())
+        assert logging.getLogger("runtime.serving.app").getEffectiveLevel() == root.level
+    finally:
+        root.setLevel(before)
+    assert {"/fleet/replicas", "/fleet/metrics", "/v1/chat/completions"} <= {route.path for route in app.routes}
+
+
+@pytest.mark.parametrize("gone_after_polls, timeout_s", [(3, 45.0), (None, 0.0)], ids=["stops", "never-stops"])
+def test_ray_shuts_down_only_once_serve_is_gone_or_past_the_shutdown_timeout(monkeypatch, capsys, gone_after_polls,
+                                                                             timeout_s):
+    """serve.shutdown() gives up waiting after 30 s (Ray's cap) while the controller goes on stopping replicas that
+    have --shutdown-timeout to finish: Ray (which would kill them) is shut down only once the controller is gone,
+    or after --shutdown-timeout plus STOP_MARGIN_S, with one warning line."""
+    calls, polls = [], []
+
+    def get_actor(name, namespace=None):  # Serve's controller: there for gone_after_polls polls
+        polls.append(name)
+        if gone_after_polls is not None and len(polls) > gone_after_polls:
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_ray.ray, "get_actor", get_actor)
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append(("ray.shutdown", len(polls))))
+    monkeypatch.setattr(serve_ray, "STOP_MARGIN_S", 0.0 if gone_after_polls is None else serve_ray.STOP_MARGIN_S)
+    serve_ray.stop(timeout_s)
+    if gone_after_polls is None:  # the deadline passed at the first poll
+        assert calls == ["serve.shutdown", ("ray.shutdown", 1)]
+        assert capsys.readouterr().err == "warning: Ray Serve did not stop within --shutdown-timeout 0 s + 0 s; " \
+                                          "shutting Ray down\n"
+    else:
+        assert calls == ["serve.shutdown", ("ray.shutdown", gone_after_polls + 1)]
+        assert capsys.readouterr().err == ""
 
 
 def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown():

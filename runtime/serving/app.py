@@ -25,7 +25,7 @@ from runtime.decode.engine import check_prompt_ids
 from runtime.decode.params import DecodeParams, ParamError
 from runtime.serving import protocol
 from runtime.serving.engine_thread import EngineThread
-from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_utf8_json
+from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_json_body
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import SSE_DONE, ChatRequest, CompletionRequest, TauRequest, sse_event
 from runtime.serving.request_stream import RequestStream
@@ -93,7 +93,7 @@ def make_app(ctx: ServerContext) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
     install_error_handlers(app, ctx.limits.max_body_bytes, lambda request, status: _count_error(ctx, request, status))
     auth = [Depends(make_auth_check(ctx.api_key))]
-    json_body = [*auth, Depends(require_utf8_json)]  # routes that take a JSON body
+    json_body = [*auth, Depends(require_json_body)]  # routes that take a JSON body
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat(body: ChatRequest, request: Request):

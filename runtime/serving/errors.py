@@ -1,4 +1,4 @@
-"""The HTTP boundary's errors: OpenAI-style error JSON, the body size limit, UTF-8 bodies and the API key.
+"""The HTTP boundary's errors: OpenAI-style error JSON, the body size limit, JSON bodies in UTF-8 and the API key.
 
 Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status and
 a message that names the bad field and what is allowed; the server keeps serving.
@@ -86,8 +86,9 @@ def validation_response(errors, content_type: str | None = None) -> JSONResponse
 
     A ValueError of a validator in :mod:`runtime.serving.protocol` is already one sentence naming
     the field and the value: it is the message as it is (without pydantic's "Value error, ").
-    A body that is no JSON, or was not parsed as JSON (``content_type``, the request's header, is
-    not a JSON one), is said so, with no field.
+    A body that is no JSON is said so, with no field; one sent without a JSON ``content_type`` (the request's
+    header) as :func:`not_json_error` says it (FastAPI before 0.132 parses a body without the header before
+    :func:`require_json_body` runs: its JSON error is answered as that check would have answered).
     """
     messages, params = [], []
     for error in errors:
@@ -98,11 +99,8 @@ def validation_response(errors, content_type: str | None = None) -> JSONResponse
             messages.append(f"unknown field '{field}': this server does not accept it")
         elif error.get("type") == "json_invalid":
             params[-1] = None
-            messages.append(f"the request body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})")
-        elif field == "body" and isinstance(error.get("input"), bytes):  # FastAPI parses only JSON content types
-            params[-1] = None
-            messages.append(f"the request body was not read as JSON (Content-Type: {content_type or 'none'}): send "
-                            "the header 'Content-Type: application/json'")
+            messages.append(f"the request body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})"
+                            if is_json_content_type(content_type) else not_json_error(content_type).message)
         elif isinstance(error.get("ctx", {}).get("error"), ValueError):  # the protocol's own validators
             messages.append(str(error["ctx"]["error"]))  # one sentence that names the field and the value
         else:
@@ -170,10 +168,32 @@ def encoding_error(body: bytes) -> APIError | None:
     return None
 
 
-async def require_utf8_json(request: Request) -> None:
-    """A FastAPI dependency: refuse a body that parsed but is not UTF-8 (UTF-16, UTF-32) by
-    :func:`encoding_error`; bodies json cannot decode at all reach it through the error handler."""
-    error = encoding_error(await request.body())  # already read (and cached) by FastAPI to parse the JSON
+def is_json_content_type(content_type: str | None) -> bool:
+    """Whether a request's Content-Type header says JSON: ``application/json`` or ``application/*+json``,
+    parameters (``charset``) aside, as FastAPI tells a JSON body. No header (None) is no JSON."""
+    main, _, sub = (content_type or "").split(";", 1)[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+def not_json_error(content_type: str | None) -> APIError:
+    """The 400 of a body sent without a JSON Content-Type (none, or curl -d's form type)."""
+    return APIError(400, f"the request body was not read as JSON (Content-Type: {content_type or 'none'}): send the "
+                         "header 'Content-Type: application/json'", code="invalid_value")
+
+
+async def require_json_body(request: Request) -> None:
+    """A FastAPI dependency of the routes that take a JSON body: refuse a body without a JSON Content-Type
+    (:func:`not_json_error`), then one that parsed but is not UTF-8 (UTF-16, UTF-32) by :func:`encoding_error`;
+    bodies json cannot decode at all reach the error handler instead.
+
+    The Content-Type rule is the server's own: FastAPI before 0.132 parsed a body without the header as JSON, and
+    from 0.132 (``strict_content_type``) does not; either way such a body is refused here, with the same answer.
+    """
+    body = await request.body()  # already read (and cached) by FastAPI
+    content_type = request.headers.get("content-type")
+    if body and not is_json_content_type(content_type):
+        raise not_json_error(content_type)
+    error = encoding_error(body)
     if error is not None:
         raise error
 

@@ -47,23 +47,36 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
                          "only a bundle: choose another -o, or move its files away")
 
 
-def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str) -> None:
+def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str, what: str = "the model") -> None:
     """Raise ValueError if ``out_dir`` is or contains one of ``model_paths``, or what a link in one of them points
     to (a Hugging Face hub snapshot's files link into ``../../blobs/``): writing there (``mars-export``,
     ``mars-train``) could overwrite the model's files, and replacing it (``--force``) would delete them. An output
-    inside a model's folder is fine. ``flag`` names the option in the message."""
-    target = out_dir.resolve()
+    inside a model's folder is fine. ``flag`` names the option in the message, ``what`` the paths ("the model",
+    "the adapter"). A link that cannot be resolved (a loop) points at nothing to overwrite and is skipped; an
+    ``out_dir`` that cannot be resolved is refused."""
+    target = _resolved(out_dir)
+    if target is None:
+        raise ValueError(f"{flag} {out_dir} cannot be resolved (a symbolic link loop on its path); "
+                         f"choose another {flag}")
     for path in model_paths:
-        source = path.resolve()
-        if target == source or target in source.parents:
+        source = _resolved(path)
+        if source is not None and (target == source or target in source.parents):
             how = "is" if target == source else "contains"
-            raise ValueError(f"{flag} {out_dir} {how} the model {path}; writing there could overwrite or delete "
+            raise ValueError(f"{flag} {out_dir} {how} {what} {path}; writing there could overwrite or delete "
                              f"its files: choose another {flag}")
         for link in _links_under(path):
-            real = link.resolve()
-            if target == real or target in real.parents:
-                raise ValueError(f"{flag} {out_dir} {'is' if target == real else 'holds'} {real}, which the model's "
+            real = _resolved(link)
+            if real is not None and (target == real or target in real.parents):
+                raise ValueError(f"{flag} {out_dir} {'is' if target == real else 'holds'} {real}, which {what}'s "
                                  f"{link} links to; writing there could overwrite or delete it: choose another {flag}")
+
+
+def _resolved(path: Path) -> Path | None:
+    """``path`` with every symbolic link resolved, or None where that cannot be done (a link loop)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # Python 3.10-3.12 raise RuntimeError on a loop (3.13 resolves what it can)
+        return None
 
 
 def _links_under(folder: Path) -> list[Path]:

@@ -1,21 +1,26 @@
 """Where ``mars-train`` may write (``--output DIR``), checked before the model loads so that nothing is lost.
 
-Training writes straight into ``--output``: checkpoints (``checkpoint-N/``) as it goes, then the final model
-(``config.json``, the weights, the tokenizer files, a LoRA run's ``adapter/``), replacing files of those names.
-The checkpoints are the run's resumable state, so unlike ``mars-export -o`` (:mod:`mars_export.output_dir`) nothing
-is written elsewhere first and renamed. Hence: a fresh run takes a missing or empty directory; ``--resume`` takes
-one that holds a run's checkpoints (that run's own ``--output``); neither a file, nor the model it trains, the
-adapter it starts from (``--lora-init``) or a folder holding them.
+Training writes checkpoints (``checkpoint-N/``) straight into ``--output`` as it goes: they are the run's
+resumable state. The final model (``config.json``, the weights, the tokenizer files, a LoRA run's ``adapter/``) is
+written to a hidden folder there first (:data:`FINAL_WORK_DIR`) and moved in, replacing files of those names, once
+complete (:func:`move_final_model`): a run killed while saving it leaves no half-written model among them. Hence: a
+fresh run takes a missing or empty directory; ``--resume`` takes one that holds a run's checkpoints (that run's own
+``--output``); neither a file, nor the model it trains, the adapter it starts from (``--lora-init``) or a folder
+holding them.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
 from mars_export.output_dir import check_apart_from_model, model_paths
 from mars_export.training.config import TrainConfig
+
+FINAL_WORK_DIR = ".final-model.partial"  # in --output: the final model while it is written
 
 
 def find_resume_checkpoint(config: TrainConfig) -> str | None:
@@ -27,17 +32,37 @@ def find_resume_checkpoint(config: TrainConfig) -> str | None:
             checkpoint in ``--output``.
     """
     output = Path(config.output)
-    sources = model_paths(config.model) + ([Path(config.lora.init)] if config.lora and config.lora.init else [])
-    check_apart_from_model(output, sources, "--output")
+    check_apart_from_model(output, model_paths(config.model), "--output")
+    if config.lora and config.lora.init:
+        check_apart_from_model(output, [Path(config.lora.init)], "--output", "the adapter")
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {output} is a file, not a directory; choose another --output")
     last = get_last_checkpoint(str(output)) if output.is_dir() else None
     if config.resume and last is None:
-        raise ValueError(f"--resume: no checkpoint-* directory in {output}")
+        raise ValueError(f"--resume: no checkpoint-* directory in {output}; point --output at the folder holding "
+                         "the run's checkpoint-N directories, or drop --resume to start a fresh run into a new or "
+                         "empty folder")
     if not config.resume and last is not None:
         raise ValueError(f"{output} already holds {Path(last).name}; pass --resume to continue "
                          "from it, or choose another --output")
-    if not config.resume and output.is_dir() and any(output.iterdir()):
+    held = sorted(path.name for path in output.iterdir()) if output.is_dir() and not config.resume else []
+    if held == [FINAL_WORK_DIR]:
+        raise ValueError(f"--output {output} holds only {FINAL_WORK_DIR}, the unfinished final model of a run killed "
+                         f"while saving it, and no checkpoint-N to --resume: remove {output} or "
+                         "choose another --output")
+    if held:
         raise ValueError(f"--output {output} is not empty and holds no checkpoint-N to --resume; training would "
-                         "overwrite files there (config.json, the weights): choose a new or empty directory")
+                         "overwrite files there (config.json, the weights): choose a new or empty --output, or, if "
+                         f"it is what a run left that stopped before its first checkpoint, remove {output}")
     return last
+
+
+def move_final_model(work: Path, output: Path) -> None:
+    """Move the final model's files from ``work`` (:data:`FINAL_WORK_DIR`) into ``output``, replacing those of the
+    same names (an earlier final model's, a folder such as ``adapter/`` as a whole), then remove ``work``."""
+    for path in sorted(work.iterdir()):
+        target = output / path.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(path, target)
+    work.rmdir()

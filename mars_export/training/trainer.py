@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 import weakref
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from mars_export.model_source import load_model
 from mars_export.training.config import LoraSettings, TrainConfig
 from mars_export.training.data import ExampleDataset, MarsCollator, load_examples
 from mars_export.training.objective import MarsLoss, compute_mars_loss
-from mars_export.training.output_dir import find_resume_checkpoint
+from mars_export.training.output_dir import FINAL_WORK_DIR, find_resume_checkpoint, move_final_model
 
 ADAPTER_DIR = "adapter"
 log = logging.getLogger(__name__)
@@ -163,19 +164,34 @@ def save_final_model(trainer: MarsTrainer, config: TrainConfig) -> None:
     """Write the trained model to ``config.output`` as a plain checkpoint (LoRA merged).
 
     ``config.json`` keeps ``mars_mask_token(_id)`` and gains ``mars_block_size``. A LoRA run
-    also writes its adapter (safetensors) to ``output/adapter``.
+    also writes its adapter (safetensors) to ``output/adapter``. The files are written to
+    ``output/`` :data:`~mars_export.training.output_dir.FINAL_WORK_DIR` first (one left by a run
+    killed while saving is replaced) and moved in when all are written, so a run killed meanwhile
+    leaves no half-written model among them. Every process calls it (under ``accelerate launch``).
     """
+    work = Path(config.output) / FINAL_WORK_DIR
+    if trainer.is_world_process_zero():
+        shutil.rmtree(work, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    write_final_model(trainer, config, work)
+    trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():
+        move_final_model(work, Path(config.output))
+
+
+def write_final_model(trainer: MarsTrainer, config: TrainConfig, path: Path) -> None:
+    """Write the trained model to ``path`` as :func:`save_final_model` describes (the adapter to ``path/adapter``)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if isinstance(model, PeftModel):
-        trainer.save_model(str(Path(config.output) / ADAPTER_DIR))
+        trainer.save_model(str(path / ADAPTER_DIR))
         if trainer.is_world_process_zero():
             merged = model.merge_and_unload()
             merged.config.mars_block_size = config.block_size
-            merged.save_pretrained(config.output)
-            trainer.processing_class.save_pretrained(config.output)
+            merged.save_pretrained(path)
+            trainer.processing_class.save_pretrained(path)
         return
     model.config.mars_block_size = config.block_size
-    trainer.save_model(config.output)
+    trainer.save_model(str(path))
 
 
 def end_process_group(trainer: MarsTrainer) -> None:

@@ -33,7 +33,7 @@ def model(tiny_checkpoint, tmp_path) -> Path:
 @pytest.mark.parametrize("make_output, extra, message", [
     (lambda tmp, model: model, [], "is the model"),
     (lambda tmp, model: model.parent, [], "contains the model"),
-    (lambda tmp, model: tmp / "models" / "adapter", ["--lora", "--lora-init"], "is the model"),
+    (lambda tmp, model: tmp / "models" / "adapter", ["--lora", "--lora-init"], "is the adapter"),
     (lambda tmp, model: tmp / "notes.txt", [], "is a file, not a directory"),
     (lambda tmp, model: tmp / "mine", [], "is not empty and holds no checkpoint-N to --resume"),
     (lambda tmp, model: model, ["--resume"], "is the model"),
@@ -70,7 +70,8 @@ def test_a_fresh_run_takes_a_new_or_empty_folder_and_resume_its_own(tmp_path):
     assert find_resume_checkpoint(config(run, resume=True)) == str(run / "checkpoint-5")
     with pytest.raises(ValueError, match="already holds checkpoint-5; pass --resume"):
         find_resume_checkpoint(config(run))
-    with pytest.raises(ValueError, match="--resume: no checkpoint-"):
+    with pytest.raises(ValueError, match="--resume: no checkpoint-.*; point --output at the folder holding the run's "
+                                         "checkpoint-N directories, or drop --resume to start a fresh run"):
         find_resume_checkpoint(config(tmp_path / "new", resume=True))
 
 
@@ -81,3 +82,17 @@ def test_a_run_may_write_inside_the_models_folder(tmp_path):
     lora = LoraSettings(init=str(adapter))
     assert find_resume_checkpoint(config(model / "run", model=str(model), lora=lora)) is None
     assert find_resume_checkpoint(config(adapter / "run", model=str(model), lora=lora)) is None
+
+
+def test_a_link_loop_in_the_models_folder_is_passed_by(tmp_path):
+    """A link that cannot be resolved (a loop, on which Path.resolve raises) points at nothing training could
+    overwrite: the check passes it by and still finds an overlap; an --output on a loop is refused."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "a").symlink_to("b")
+    (model / "b").symlink_to("a")
+    assert find_resume_checkpoint(config(tmp_path / "run", model=str(model))) is None
+    with pytest.raises(ValueError, match="is the model"):
+        find_resume_checkpoint(config(model, model=str(model)))
+    with pytest.raises(ValueError, match=r"cannot be resolved \(a symbolic link loop on its path\); choose another"):
+        find_resume_checkpoint(config(model / "a" / "run", model=str(model)))

@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 from tiny_mars import MASK_ID, make_tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from mars_export.model_source import load_model
 from mars_export.training.cli import main
@@ -57,6 +57,39 @@ def test_resume_errors(tiny_checkpoint, tiny_jsonl, tmp_path):
     (tmp_path / "busy" / "checkpoint-1").mkdir(parents=True)
     with pytest.raises(SystemExit):
         train(tiny_checkpoint, tiny_jsonl, tmp_path / "busy", "--max-steps", "1")
+
+
+class Killed(Exception):
+    """Stands for the process being killed."""
+
+
+def test_a_run_killed_while_saving_its_final_model_leaves_none_of_it(tiny_checkpoint, tiny_jsonl, tmp_path,
+                                                                    monkeypatch, capsys):
+    """The final model is written to a hidden folder in --output and moved in once complete: a run killed while
+    writing it (here at the tokenizer, after the weights) leaves no config.json or weights there. Rerun, a run
+    without checkpoints is refused naming what to do; one with a checkpoint resumes and replaces the leftover."""
+    save = PreTrainedTokenizerFast.save_pretrained
+
+    def killed_after_the_checkpoints(self, directory, *args, **kwargs):
+        if not Path(directory).name.startswith("checkpoint-"):
+            raise Killed
+        return save(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", killed_after_the_checkpoints)
+    bare, resumable = tmp_path / "bare", tmp_path / "resumable"
+    with pytest.raises(Killed):
+        train(tiny_checkpoint, tiny_jsonl, bare, "--max-steps", "1", "--save-steps", "0")
+    with pytest.raises(Killed):
+        train(tiny_checkpoint, tiny_jsonl, resumable, "--max-steps", "1", "--save-steps", "1")
+    monkeypatch.undo()
+    for run in (bare, resumable):
+        assert not (run / "config.json").exists() and not (run / "model.safetensors").exists()
+    with pytest.raises(SystemExit):
+        train(tiny_checkpoint, tiny_jsonl, bare, "--max-steps", "1", "--save-steps", "0")
+    assert f"remove {bare} or choose another --output" in capsys.readouterr().err
+    assert train(tiny_checkpoint, tiny_jsonl, resumable, "--max-steps", "1", "--save-steps", "1", "--resume") == 0
+    assert load_model(str(resumable)).mask_token_id == MASK_ID
+    assert not [path.name for path in resumable.iterdir() if path.name.startswith(".")]
 
 
 def test_lora_output_is_a_merged_plain_checkpoint(tiny_checkpoint, tiny_jsonl, tmp_path):

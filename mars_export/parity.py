@@ -51,13 +51,12 @@ def measure_parity(model: PreTrainedModel, backend, config: BundleConfig, prompt
         own logits, the mask token excluded) and ``"greedy_head_max_gap"`` (the largest amount by which
         its id's logit falls below that argmax's: a near-tie, both being float32 sums in other orders).
 
-    A prompt longer than the bundle's ``max_context`` is cut to the whole windows that fit in it (a model
-    with sliding attention has its context capped to the window, :mod:`mars_export.context`).
+    A prompt longer than the bundle's ``max_context`` is cut to the whole windows that fit in it
+    (:func:`fit_prompts`).
     """
     max_diff, agree, total, head_agree, head_gap = 0.0, 0, 0, 0, 0.0
     takes_greedy = getattr(backend, "takes_num_greedy", False)
-    max_tokens = config.max_context // config.window * config.window
-    for ids in (ids[:max_tokens] for ids in prompts):
+    for ids in fit_prompts(prompts, config):
         onnx_logits = _graph_logits(backend, config, ids)  # [T_padded, V]
         padded = ids + [config.mask_token_id] * (len(onnx_logits) - len(ids))
         with torch.no_grad():
@@ -74,6 +73,29 @@ def measure_parity(model: PreTrainedModel, backend, config: BundleConfig, prompt
     greedy = {"greedy_head_agreement": head_agree / total, "greedy_head_max_gap": head_gap} if takes_greedy else {}
     return {"max_abs_logit_diff": max_diff, "top1_agreement": agree / total,
             "num_positions": total, "num_prompts": len(prompts), **greedy}
+
+
+def fit_prompts(prompts: list[list[int]], config: BundleConfig,
+                num_new_tokens: int | None = None) -> list[list[int]]:
+    """``prompts`` cut to what a measurement can feed within the bundle's ``max_context`` (a model with sliding
+    attention, or longrope scaling, has a small one: :mod:`mars_export.context`).
+
+    Args:
+        num_new_tokens: None to feed each prompt W at a time, the last window padded (:func:`measure_parity`):
+            cut to the whole windows that fit; else the tokens generated after it: cut so that prompt + new
+            tokens + one window fit, as the engine requires (:meth:`runtime.decode.engine.Engine.room`).
+
+    Raises:
+        ValueError: no prompt token fits beside ``num_new_tokens``.
+    """
+    if num_new_tokens is None:
+        max_tokens = config.max_context // config.window * config.window
+    else:
+        max_tokens = config.max_context - config.window - num_new_tokens
+    if max_tokens < 1:
+        raise ValueError(f"no prompt token fits in the bundle's max context of {config.max_context} beside "
+                         f"{num_new_tokens} new tokens and a window of {config.window}; generate fewer tokens")
+    return [ids[:max_tokens] for ids in prompts]
 
 
 def _graph_logits(backend, config: BundleConfig, ids: list[int], greedy_ids: bool = False) -> np.ndarray:

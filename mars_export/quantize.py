@@ -33,7 +33,7 @@ from mars_export.gguf_import import GgufImport, import_gguf_matmuls, prepare_ggu
 from mars_export.logits_rows import output_head
 from mars_export.model_source import LoadedModel, load_gguf_model
 from mars_export.onnx_export import export_step_graph
-from mars_export.parity import ParityError, measure_parity
+from mars_export.parity import ParityError, fit_prompts, measure_parity
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import MAX_INLINE_BYTES, BundleConfig, strip_greedy_head
 from runtime.decode.decoder import Decoder
@@ -224,10 +224,15 @@ def measure_greedy_agreement(reference, backend, config: BundleConfig, prompts: 
                              num_tokens: int = AGREEMENT_TOKENS) -> dict:
     """Greedy (tau = 1) output of ``backend`` against ``reference`` on ``prompts``, up to ``num_tokens`` each.
 
+    In a small context (a sliding window's, :mod:`mars_export.context`) ``num_tokens`` is lowered to half of what
+    one window leaves, and the prompts are cut to fit beside them (:func:`mars_export.parity.fit_prompts`).
+
     Returns:
-        ``{"num_prompts", "num_tokens", "identical_fraction"`` (prompts whose ids are all equal),
-        ``"mean_common_prefix"`` (tokens before the first difference), ``"mean_reference_tokens"}``.
+        ``{"num_prompts", "num_tokens"`` (the tokens generated per prompt), ``"identical_fraction"`` (prompts whose
+        ids are all equal), ``"mean_common_prefix"`` (tokens before the first difference), ``"mean_reference_tokens"}``.
     """
+    num_tokens = min(num_tokens, (config.max_context - config.window) // 2)
+    prompts = fit_prompts(prompts, config, num_tokens)
     params = DecodeParams(tau=1.0, max_new_tokens=num_tokens)
     pairs = [(Decoder(reference, config).generate(ids, params).token_ids,
               Decoder(backend, config).generate(ids, params).token_ids) for ids in prompts]

@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from support import export
+from tiny_models import make_checkpoint
 
 from mars_export import cli as export_cli
 from mars_export import quantize
@@ -190,6 +191,17 @@ def test_quant_block_sets_the_block_of_every_quantized_weight(tiny_bundle, tmp_p
     assert len(nodes) == 2 * 4 + 1
     assert {onnx.helper.get_attribute_value(a) for n in nodes for a in n.attribute if a.name == "block_size"} == {64}
     assert load_config(bundle).parity["weights"]["block_size"] == 64
+
+
+def test_a_small_context_measures_the_greedy_agreement_on_prompts_cut_to_fit(tmp_path):
+    """A sliding-window model's bundle holds 48 positions (runtime.context), too few for the parity prompts and
+    64 tokens: the greedy agreement generates half of what a window leaves, after the prompts cut to fit beside
+    them (mars_export.parity.fit_prompts, which also cuts the parity's prompts to the windows that fit)."""
+    ckpt = make_checkpoint("mistral", tmp_path / "ckpt", sliding_window=48)
+    config = load_config(export(str(ckpt), tmp_path / "int8", 4, 4, "--mask-token", "<mask>", "--int8"))
+    agreement = config.parity["greedy_vs_float32"]
+    assert config.max_context == 48 and agreement["num_tokens"] == (48 - 4) // 2
+    assert agreement["num_prompts"] == config.parity["num_prompts"] and agreement["mean_reference_tokens"] > 0
 
 
 def test_agreement_below_floor_fails_and_leaves_nothing(tiny_bundle, tmp_path, capsys):

@@ -33,7 +33,8 @@ from runtime.backends.onnx import PROVIDERS, OnnxBackend, ort
 
 def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str = "float32") -> BundleConfig:
     """The bundle config for ``loaded`` exported in ``dtype`` (parity not yet measured); its ``max_context``
-    is the model's, capped to a sliding attention window (:func:`mars_export.context.max_context_of`).
+    is the model's, capped to a sliding attention window or a longrope model's original context
+    (:func:`mars_export.context.max_context_of`).
 
     Raises:
         BundleError: block_size not in 1..window, the window leaves no room in the context for

@@ -18,5 +18,5 @@ def config_fields(config: PretrainedConfig) -> dict:
 
 def max_context_of(config: PretrainedConfig) -> tuple[int, str | None]:
     """:func:`runtime.context.max_context_of` of ``config``: ``(max_context, note)``, ``note`` the export log's
-    line when the sliding window caps the context (None when not capped)."""
+    line when the sliding window or a longrope model's original context caps the context (None when not capped)."""
     return context.max_context_of(config_fields(config))

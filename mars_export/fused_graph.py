@@ -100,6 +100,9 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         config_file = checkpoint / "config.json"
         config = json.loads(config_file.read_text())
         config.pop("quantization_config", None)  # a GGUF-loaded model is dequantized already (DESIGN.md §8)
+        rope = config.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_type" in rope:  # the builder reads longrope's older key (Phi-3 128k)
+            rope.setdefault("type", rope["rope_type"])
         config_file.write_text(json.dumps(config, indent=2))
         done = subprocess.run([sys.executable, "-m", BUILDER, "-i", str(checkpoint), "-o", str(out), "-p", "fp32",
                                "-e", "cpu", "-c", str(Path(tmp) / "cache")], capture_output=True, text=True)

@@ -9,6 +9,13 @@ its last ``sliding_window`` tokens (Mistral; Qwen2 and Qwen3 with ``use_sliding_
 ``layer_types`` holds a ``"sliding_attention"`` layer) computes the same thing as long as every key a query
 may see lies in the window (transformers' sliding mask lets query q see keys q - window + 1 .. q), so its
 bundle's context is capped to the window: beyond it the graph's logits would be wrong.
+
+A model with longrope rope scaling (Phi-3 128k, Phi-3.5) rotates every position with its short factors while a
+forward's positions stay within ``original_max_position_embeddings``, and every position with its long factors
+once one passes it (transformers picks the set by the forward's largest position). Keys already in the cache were
+rotated with the short factors, so step-wise decoding cannot follow that switch: the bundle's context is capped to
+``original_max_position_embeddings``, within which the step graph (and the fused graph, which picks its cache by
+the attention mask's length) uses the short factors throughout, as transformers does.
 """
 
 from __future__ import annotations
@@ -72,17 +79,42 @@ def _derived_layer_types(fields: Mapping) -> list[str] | None:
     return None
 
 
+LONGROPE_TYPES = ("longrope", "su")  # "su": Phi-3's first name for longrope
+
+
+def longrope_original_context(fields: Mapping) -> int | None:
+    """The positions a model with longrope rope scaling keeps its short factors for (its
+    ``original_max_position_embeddings``), or None without longrope scaling.
+
+    Args:
+        fields: as for :func:`sliding_window`; the rope settings are ``rope_parameters`` (transformers 5) or
+            ``rope_scaling`` (older files), their type ``rope_type`` or ``type``. A top-level
+            ``original_max_position_embeddings`` comes first, as transformers reads Phi3's.
+    """
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) not in LONGROPE_TYPES:
+        return None
+    original = fields.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    return int(original) if original else None
+
+
 def max_context_of(fields: Mapping) -> tuple[int, str | None]:
-    """``(max_context, note)``: the model's ``max_position_embeddings``, or its sliding window where that is
-    smaller, with ``note`` the line saying so (None when not capped).
+    """``(max_context, note)``: the model's ``max_position_embeddings``, or its sliding window or its longrope
+    ``original_max_position_embeddings`` where smaller, with ``note`` the line saying so (None when not capped).
 
     Args:
         fields: as for :func:`sliding_window`; ``max_position_embeddings`` is read (0 when absent).
     """
     positions = fields.get("max_position_embeddings") or 0
-    window = sliding_window(fields)
-    if window is None or window >= positions:
-        return positions, None
-    return window, (f"max context {window} tokens, the model's sliding attention window (it has {positions} "
-                    "positions): the step graph attends over the whole cache, which is sliding attention only "
-                    "within the window")
+    window, original = sliding_window(fields), longrope_original_context(fields)
+    caps = []
+    if window is not None and window < positions:
+        caps.append((window, f"max context {window} tokens, the model's sliding attention window (it has {positions} "
+                             "positions): the step graph attends over the whole cache, which is sliding attention "
+                             "only within the window"))
+    if original is not None and original < positions:
+        caps.append((original, f"max context {original} tokens, the model's original_max_position_embeddings (it has "
+                               f"{positions} positions): longrope rope scaling switches every position to its long "
+                               "factors once a sequence passes them, which keys cached with the short ones cannot "
+                               "follow"))
+    return min(caps, default=(positions, None))

@@ -1,0 +1,74 @@
+"""Phi3 with longrope rope scaling (Phi-3 128k): the bundle's context is capped to its
+``original_max_position_embeddings`` (runtime.context), as a sliding window caps it.
+
+transformers rotates every position with the short factors while a forward's largest position stays below
+``original_max_position_embeddings``, and every position with the long ones once it passes (modeling_rope_utils'
+``longrope_frequency_update``); keys cached with the short factors cannot follow that switch, so past it neither
+graph can match. Within the cap both graphs pass parity, and the runtime's greedy ids are transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from support import export
+from tiny_models import make_checkpoint
+
+from mars_export.model_source import load_checkpoint
+from mars_export.parity import chat_prompt_ids
+from runtime.backends.onnx import OnnxBackend
+from runtime.bundle import load_config
+from runtime.context import max_context_of
+from runtime.decode.decoder import Decoder
+from runtime.decode.params import DecodeParams
+
+ORIGINAL = 64  # original_max_position_embeddings of the tiny model, which has 512 positions
+NUM_FACTORS = 8  # one per rotary frequency: head dim 16 / 2
+# Short and long factors far apart and away from 1, so that a graph using the wrong set (or none) fails parity.
+LONGROPE = {"original_max_position_embeddings": ORIGINAL,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                "short_factor": [1.0 + 0.25 * i for i in range(NUM_FACTORS)],
+                                "long_factor": [4.0 + 2.0 * i for i in range(NUM_FACTORS)]}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("phi3", tmp_path_factory.mktemp("phi3-longrope") / "ckpt", **LONGROPE)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "longrope"}}, 4096),  # a Phi-3 128k config.json
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "su"}}, 4096),  # its first name
+    ({"max_position_embeddings": 8192, "rope_parameters": {"rope_type": "longrope",
+                                                           "original_max_position_embeddings": 4096}}, 4096),
+    ({"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "longrope"}}, 4096),  # Phi-3 4k: nothing to cap
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_scaling": None}, 131072),
+], ids=["longrope", "su", "rope-parameters", "no-cap", "no-scaling"])
+def test_longrope_caps_the_context_of_config_json_fields(fields, expected):
+    assert max_context_of(fields)[0] == expected
+
+
+@pytest.mark.parametrize("graph", ["step", "fused"])
+def test_both_graphs_pass_parity_within_the_original_context(checkpoint, graph, tmp_path, capsys):
+    bundle = export(str(checkpoint), tmp_path / graph, 4, 4, "--mask-token", "<mask>", "--graph", graph)
+    assert f"max context {ORIGINAL} tokens, the model's original_max_position_embeddings" in capsys.readouterr().err
+    config = load_config(bundle)
+    assert config.max_context == ORIGINAL and config.parity["max_abs_logit_diff"] <= 1e-3
+
+
+def test_tau_one_equals_transformers_generate(checkpoint, tmp_path):
+    bundle = export(str(checkpoint), tmp_path / "step", 4, 4, "--mask-token", "<mask>")
+    config = load_config(bundle)
+    model, tokenizer = load_checkpoint(checkpoint)
+    ids = chat_prompt_ids(tokenizer, "hi there")  # 27 byte tokens: with 30 new and W = 4, 61 positions
+    result = Decoder(OnnxBackend(bundle, config), config).generate(ids, DecodeParams(tau=1.0, max_new_tokens=30))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False,
+                             pad_token_id=model.config.pad_token_id, suppress_tokens=[config.mask_token_id])
+    assert result.token_ids == out[0, len(ids):].tolist()
+    assert max_context_of(json.loads((checkpoint / "config.json").read_text()))[0] == ORIGINAL  # the file as saved

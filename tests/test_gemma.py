@@ -120,8 +120,7 @@ def test_a_gemma2_gguf_file_loads_with_eager_attention(tmp_path):
 def test_a_gemma2_int8_export_quantizes_the_head_behind_the_soft_capping(tmp_path):
     """--int8 finds the output head where the num_logits cut finds it (mars_export.logits_rows.output_head), behind
     Gemma2's final logit soft-capping, and unties and quantizes it as in any other bundle (Gemma2 ties it)."""
-    checkpoint = make_checkpoint("gemma2", tmp_path / "gemma2", tie_word_embeddings=True)  # context 512: room for
-    # the greedy agreement's prompts, which WINDOW's 48 positions do not hold
+    checkpoint = make_checkpoint("gemma2", tmp_path / "gemma2", tie_word_embeddings=True)
     bundle = export(str(checkpoint), tmp_path / "int8", 4, 4, "--mask-token", "<mask>", "--int8")
     weights = load_config(bundle).parity["weights"]
     assert weights["lm_head_quantized"] is True and weights["num_quantized"] == 2 * 4 + 1

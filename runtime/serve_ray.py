@@ -409,12 +409,14 @@ def stop(shutdown_timeout_s: float) -> None:
     ``serve.shutdown()`` waits at most 30 s for Serve's controller (Ray's own cap; it takes no timeout). The
     controller goes on stopping the replicas after that, each within its ``graceful_shutdown_timeout_s``, and exits
     once everything is gone, whereas ``ray.shutdown()`` of a Ray of our own kills whatever still runs. So the
-    controller gets ``shutdown_timeout_s`` plus :data:`STOP_MARGIN_S` to be gone before Ray is shut down; past that
-    one ``warning:`` line says Ray is shut down regardless.
+    controller gets ``shutdown_timeout_s`` plus :data:`STOP_MARGIN_S`, counted from this call (``serve.shutdown()``'s
+    own wait included), to be gone before Ray is shut down; past that one ``warning:`` line says Ray is shut down
+    regardless.
     """
+    deadline = time.monotonic() + shutdown_timeout_s + STOP_MARGIN_S
     serve.shutdown()
     try:
-        wait_until_serve_is_gone(shutdown_timeout_s + STOP_MARGIN_S)
+        wait_until_serve_is_gone(max(deadline - time.monotonic(), 0.0))
     except RuntimeError:
         print(f"warning: Ray Serve did not stop within --shutdown-timeout {shutdown_timeout_s:g} s + "
               f"{STOP_MARGIN_S:g} s; shutting Ray down", file=sys.stderr, flush=True)
@@ -498,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C while Serve drains ends the command at once
+        signal.signal(sig, signal.SIG_DFL)
     stop(fleet.shutdown_timeout_s)
     return 0
 

@@ -59,8 +59,9 @@ def find_resume_checkpoint(config: TrainConfig) -> str | None:
 
 def move_final_model(work: Path, output: Path) -> None:
     """Move the final model's files from ``work`` (:data:`FINAL_WORK_DIR`) into ``output``, replacing those of the
-    same names (an earlier final model's, a folder such as ``adapter/`` as a whole), then remove ``work``."""
-    for path in sorted(work.iterdir()):
+    same names (an earlier final model's, a folder such as ``adapter/`` as a whole), ``config.json`` last (a folder
+    without it is no checkpoint a loader takes), then remove ``work``."""
+    for path in sorted(work.iterdir(), key=lambda path: (path.name == "config.json", path.name)):
         target = output / path.name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)

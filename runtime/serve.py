@@ -34,9 +34,8 @@ API_KEY_ENV = "MARS_API_KEY"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 256  # max_tokens of a request that sets none, unless --max-tokens-limit is lower
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM / Ctrl-C, how long open requests may still run before they are aborted
-
-
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (uvicorn.config.STARTUP_FAILURE, 0.31+)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options (argparse itself exits, with its usage, on a malformed one).

@@ -85,6 +85,23 @@ def test_engine_modes(smoke_model, tmp_path):
     assert not (tmp_path / "long").exists()
 
 
+@pytest.mark.usefixtures("shared_data")
+def test_confidence_bounds(smoke_model, tmp_path):
+    """Every row the acceptance rule reads is counted once as rejected, accepted or undecided, and its exact
+    probability lies within its bounds; the steps reading the head are those with an undecided row."""
+    ckpt, _ = smoke_model
+    python("bench/confidence_bounds.py", ckpt, "--mask-token", "<mask>", "--taus", "0.9", "0.0",
+           "--num-prompts", "2", "--max-new-tokens", "6", "--out", tmp_path, "--name", "bounds")
+    rows = assert_results(tmp_path, "bounds")["rows"]
+    assert [r["tau"] for r in rows] == [0.9, 0.0]
+    for r in rows:
+        assert r["violations"] == 0 and r["rows_read"] == r["rejected"] + r["accepted"] + r["undecided"]
+        assert r["steps"] >= 1 and r["steps_reading_head"] <= min(r["steps"], r["undecided"])
+        assert r["tokens"] >= r["steps"]
+    at_zero = rows[1]  # every p > 0 and every lower bound too: each row read is decided as accepted
+    assert at_zero["rows_read"] == at_zero["accepted"] > 0 and at_zero["steps_reading_head"] == 0
+
+
 def test_runtime_vs_transformers(smoke_model, tmp_path):
     ckpt, bundle = smoke_model
     python("bench/runtime_vs_transformers.py", bundle, "--checkpoint", ckpt, "--taus", "1.0", "--max-new-tokens", "8",

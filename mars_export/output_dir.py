@@ -72,10 +72,13 @@ def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str, wh
 
 
 def _resolved(path: Path) -> Path | None:
-    """``path`` with every symbolic link resolved, or None where that cannot be done (a link loop)."""
+    """``path`` with every symbolic link resolved, or None where that cannot be done (a link loop). Read with
+    ``os.path.realpath``, which on a loop leaves the looping link in the path on every Python version (where
+    ``Path.resolve`` raises on 3.10-3.12 and, from 3.13, returns such a path), so a link left in it marks a loop."""
     try:
-        return path.resolve()
-    except (RuntimeError, OSError):  # Python 3.10-3.12 raise RuntimeError on a loop (3.13 resolves what it can)
+        real = Path(os.path.realpath(path))
+        return None if any(part.is_symlink() for part in (real, *real.parents)) else real
+    except OSError:
         return None
 
 

@@ -2,11 +2,11 @@
 
 Training writes checkpoints (``checkpoint-N/``) straight into ``--output`` as it goes: they are the run's
 resumable state. The final model (``config.json``, the weights, the tokenizer files, a LoRA run's ``adapter/``) is
-written to a hidden folder there first (:data:`FINAL_WORK_DIR`) and moved in, replacing files of those names, once
-complete (:func:`move_final_model`): a run killed while saving it leaves no half-written model among them. Hence: a
-fresh run takes a missing or empty directory; ``--resume`` takes one that holds a run's checkpoints (that run's own
-``--output``); neither a file, nor the model it trains, the adapter it starts from (``--lora-init``) or a folder
-holding them.
+written to a hidden folder there first (:data:`FINAL_WORK_DIR`) and moved in once complete, replacing an earlier
+final model's (:func:`move_final_model`): a run killed while saving it leaves no half-written model among them.
+Hence: a fresh run takes a missing or empty directory; ``--resume`` takes one that holds a run's checkpoints (that
+run's own ``--output``); neither a file, nor the model it trains, the adapter it starts from (``--lora-init``) or a
+folder holding them.
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ def find_resume_checkpoint(config: TrainConfig) -> str | None:
 
 
 def move_final_model(work: Path, output: Path) -> None:
-    """Move the final model's files from ``work`` (:data:`FINAL_WORK_DIR`) into ``output``, replacing those of the
-    same names (an earlier final model's, a folder such as ``adapter/`` as a whole), ``config.json`` last (a folder
-    without it is no checkpoint a loader takes), then remove ``work``."""
+    """Move the final model's files from ``work`` (:data:`FINAL_WORK_DIR`) into ``output``, then remove ``work``.
+
+    They replace those of the same names (a folder such as ``adapter/`` as a whole). An earlier final model's
+    ``config.json`` is removed first and the new one moved in last, so that until the move is done ``output`` is no
+    checkpoint a loader takes: a kill meanwhile leaves no mix of the two models that loads.
+    """
+    (output / "config.json").unlink(missing_ok=True)
     for path in sorted(work.iterdir(), key=lambda path: (path.name == "config.json", path.name)):
         target = output / path.name
         if target.is_dir() and not target.is_symlink():

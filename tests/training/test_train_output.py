@@ -3,6 +3,7 @@ would overwrite; a fresh run takes a new or empty folder, ``--resume`` the run's
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from mars_export.training.cli import main
 from mars_export.training.config import LoraSettings, TrainConfig
-from mars_export.training.output_dir import find_resume_checkpoint
+from mars_export.training.output_dir import FINAL_WORK_DIR, find_resume_checkpoint, move_final_model
 
 
 def files_under(path: Path) -> dict[str, bytes]:
@@ -100,3 +101,39 @@ def test_a_link_loop_in_the_models_folder_is_passed_by(tmp_path):
         find_resume_checkpoint(config(model / "a" / "run", model=str(model)))
     with pytest.raises(ValueError, match="cannot be resolved"):
         find_resume_checkpoint(config(model / "a" / "b" / "run", model=str(model)))
+
+
+class Killed(Exception):
+    """Stands for the process being killed."""
+
+
+def make_final_model(path: Path, weights: list[str], tag: str) -> Path:
+    """A stand-in final model in ``path``: ``config.json``, the weight files named, a tokenizer; contents ``tag``."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ["config.json", *weights, "tokenizer.json"]:
+        (path / name).write_text(tag)
+    return path
+
+
+@pytest.mark.parametrize("num_renames", range(3))  # config.json, model.safetensors, tokenizer.json
+def test_a_kill_while_the_final_model_moves_in_leaves_no_config(tmp_path, monkeypatch, num_renames):
+    """Over an earlier final model (a --resume after a finished run), a kill at any point of the move leaves no
+    config.json, so no loader takes a mix of the two models for a checkpoint; the move done, all is the new one."""
+    output = make_final_model(tmp_path / "run", ["model.safetensors"], "old")
+    work = make_final_model(output / FINAL_WORK_DIR, ["model.safetensors"], "new")
+    replace = os.replace
+
+    def killed_after_renames(source, target):
+        if killed_after_renames.num_done == num_renames:
+            raise Killed
+        killed_after_renames.num_done += 1
+        replace(source, target)
+
+    killed_after_renames.num_done = 0
+    monkeypatch.setattr(os, "replace", killed_after_renames)
+    with pytest.raises(Killed):
+        move_final_model(work, output)
+    assert not (output / "config.json").exists()
+    monkeypatch.undo()
+    move_final_model(work, output)
+    assert files_under(output) == {name: b"new" for name in ("config.json", "model.safetensors", "tokenizer.json")}

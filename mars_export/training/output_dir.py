@@ -12,6 +12,7 @@ folder holding them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from mars_export.output_dir import check_apart_from_model, model_paths
 from mars_export.training.config import TrainConfig
 
 FINAL_WORK_DIR = ".final-model.partial"  # in --output: the final model while it is written
+# a Hugging Face checkpoint's weights: one file, or shards NNNNN-of-NNNNN and their index; safetensors or torch's .bin
+WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)|"
+                          r"(model\.safetensors|pytorch_model\.bin)\.index\.json")
 
 
 def find_resume_checkpoint(config: TrainConfig) -> str | None:
@@ -62,9 +66,16 @@ def move_final_model(work: Path, output: Path) -> None:
 
     They replace those of the same names (a folder such as ``adapter/`` as a whole). An earlier final model's
     ``config.json`` is removed first and the new one moved in last, so that until the move is done ``output`` is no
-    checkpoint a loader takes: a kill meanwhile leaves no mix of the two models that loads.
+    checkpoint a loader takes: a kill meanwhile leaves no mix of the two models that loads. The earlier model's
+    weight files (:data:`WEIGHTS_FILE`) that the new one does not have (other shards, a single file where it has
+    shards, or the reverse) are removed before the move: a loader prefers ``model.safetensors`` to an index, and
+    would take an old one beside new shards.
     """
+    new_names = {path.name for path in work.iterdir()}
     (output / "config.json").unlink(missing_ok=True)
+    for path in output.iterdir():
+        if WEIGHTS_FILE.fullmatch(path.name) and path.name not in new_names and path.is_file():
+            path.unlink()
     for path in sorted(work.iterdir(), key=lambda path: (path.name == "config.json", path.name)):
         target = output / path.name
         if target.is_dir() and not target.is_symlink():

@@ -8,6 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from tiny_mars import make_model
+from transformers import AutoModelForCausalLM
 
 from mars_export.training.cli import main
 from mars_export.training.config import LoraSettings, TrainConfig
@@ -118,7 +121,8 @@ def make_final_model(path: Path, weights: list[str], tag: str) -> Path:
 @pytest.mark.parametrize("num_renames", range(3))  # config.json, model.safetensors, tokenizer.json
 def test_a_kill_while_the_final_model_moves_in_leaves_no_config(tmp_path, monkeypatch, num_renames):
     """Over an earlier final model (a --resume after a finished run), a kill at any point of the move leaves no
-    config.json, so no loader takes a mix of the two models for a checkpoint; the move done, all is the new one."""
+    config.json, so no loader takes a mix of the two models for a checkpoint; a rerun that writes the final model
+    again and moves it in leaves the new one only."""
     output = make_final_model(tmp_path / "run", ["model.safetensors"], "old")
     work = make_final_model(output / FINAL_WORK_DIR, ["model.safetensors"], "new")
     replace = os.replace
@@ -135,5 +139,38 @@ def test_a_kill_while_the_final_model_moves_in_leaves_no_config(tmp_path, monkey
         move_final_model(work, output)
     assert not (output / "config.json").exists()
     monkeypatch.undo()
-    move_final_model(work, output)
+    shutil.rmtree(work)
+    move_final_model(make_final_model(work, ["model.safetensors"], "new"), output)
     assert files_under(output) == {name: b"new" for name in ("config.json", "model.safetensors", "tokenizer.json")}
+
+
+SINGLE = ["model.safetensors"]
+TWO_SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+THREE_SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + ["model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("old_weights, new_weights", [(SINGLE, TWO_SHARDS), (TWO_SHARDS, SINGLE),
+                                                      (TWO_SHARDS, THREE_SHARDS), (SINGLE, SINGLE)],
+                         ids=["single-to-shards", "shards-to-single", "two-to-three-shards", "same"])
+def test_the_final_model_moved_in_leaves_only_its_own_weight_files(tmp_path, old_weights, new_weights):
+    """An earlier final model's weight files that the new one lacks are removed; checkpoints and other files stay."""
+    output = make_final_model(tmp_path / "run", old_weights, "old")
+    make_final_model(output / "checkpoint-2", SINGLE, "checkpoint")
+    (output / "training_args.bin").write_text("old")
+    move_final_model(make_final_model(output / FINAL_WORK_DIR, new_weights, "new"), output)
+    expected = {name: b"new" for name in ["config.json", *new_weights, "tokenizer.json"]}
+    expected |= {f"checkpoint-2/{name}": b"checkpoint" for name in ["config.json", *SINGLE, "tokenizer.json"]}
+    assert files_under(output) == expected | {"training_args.bin": b"old"}
+
+
+def test_a_sharded_final_model_over_a_single_file_one_loads_as_the_new_model(tmp_path):
+    """The case a stale file would break: a loader takes model.safetensors before model.safetensors.index.json."""
+    output, new = tmp_path / "run", make_model()
+    make_model().save_pretrained(output)
+    with torch.no_grad():
+        new.model.embed_tokens.weight.add_(1.0)
+    new.save_pretrained(output / FINAL_WORK_DIR, max_shard_size="100KB")
+    assert (output / FINAL_WORK_DIR / "model.safetensors.index.json").exists()
+    move_final_model(output / FINAL_WORK_DIR, output)
+    loaded = AutoModelForCausalLM.from_pretrained(output)
+    assert torch.equal(loaded.model.embed_tokens.weight, new.model.embed_tokens.weight)

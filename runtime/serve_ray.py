@@ -248,8 +248,10 @@ class FleetOptions:
         num_cpus: Ray CPUs reserved per replica (fractions allowed).
         upscale_delay_s: how long the load must stay above target before a replica is added
             (Serve's default, 30 s).
-        shutdown_timeout_s: how long a replica being stopped (Ctrl-C, a redeploy, a downscale)
-            lets its open requests run before Serve kills it (Serve's ``graceful_shutdown_timeout_s``).
+
+    A replica's graceful shutdown is not here: it is the server options' ``--shutdown-timeout``, which
+    :func:`deploy` gives Serve as ``graceful_shutdown_timeout_s`` (how long a replica being stopped, on Ctrl-C, a
+    redeploy or a downscale, lets its open requests run before Serve kills it).
     """
 
     replicas: int = 1
@@ -258,21 +260,19 @@ class FleetOptions:
     max_ongoing_requests: int = 24
     num_cpus: float = 1.0
     upscale_delay_s: float = 30.0
-    shutdown_timeout_s: float = single.DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self):
         if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
             raise ValueError(f"need --replicas >= 1 and --max-replicas >= --replicas, got {self.replicas}, "
                              f"{self.max_replicas}")
-        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or min(
-                self.num_cpus, self.upscale_delay_s, self.shutdown_timeout_s) < 0:
+        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or \
+                min(self.num_cpus, self.upscale_delay_s) < 0:
             raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1, "
-                             "--num-cpus-per-replica >= 0, --upscale-delay-s >= 0 and --shutdown-timeout >= 0")
+                             "--num-cpus-per-replica >= 0 and --upscale-delay-s >= 0")
 
     def deployment_options(self) -> dict:
         """Keyword arguments of ``Deployment.options``."""
-        options = {"ray_actor_options": {"num_cpus": self.num_cpus}, "max_ongoing_requests": self.max_ongoing_requests,
-                   "graceful_shutdown_timeout_s": self.shutdown_timeout_s}
+        options = {"ray_actor_options": {"num_cpus": self.num_cpus}, "max_ongoing_requests": self.max_ongoing_requests}
         if self.max_replicas is None:
             return options | {"num_replicas": self.replicas}
         return options | {"autoscaling_config": {"min_replicas": self.replicas, "max_replicas": self.max_replicas,
@@ -375,7 +375,8 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are ``python -m runtime.serve``
     arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one), its ``--log-level`` the
     level of Serve's logs (``LoggingConfig``: the controller's and proxy's through ``serve.start``, the replicas'
-    through the deployment) and of each replica's own loggers (:func:`make_replica_app`).
+    through the deployment) and of each replica's own loggers (:func:`make_replica_app`), its ``--shutdown-timeout``
+    each replica's graceful shutdown in Serve (pass the same to :func:`stop`).
 
     Raises:
         BundleError, ValueError: bad path, bundle or option value, or a batch the bundle cannot run
@@ -396,6 +397,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
     deployment = serve.deployment(MarsReplica).options(name="MarsReplica", logging_config=logging_config,
+                                                       graceful_shutdown_timeout_s=args.shutdown_timeout,
                                                        **fleet.deployment_options())
     serve.run(deployment.bind(replica_argv(serve_argv, args.api_key), board_name), name=APP_NAME, route_prefix="/")
     wait_for_port(args.host, port)
@@ -460,13 +462,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> FleetOptions:
     """Ray's options from both command lines; the request targets default to the replicas' batch
-    (``--max-batch-size``, else the server's default, before any engine is loaded), and the
-    server's ``--shutdown-timeout`` is each replica's graceful shutdown."""
+    (``--max-batch-size``, else the server's default, before any engine is loaded)."""
     batch = single.resolve_max_batch_size(args.max_batch_size)
     return FleetOptions(ray_args.replicas, ray_args.max_replicas,
                         ray_args.target_ongoing_requests or batch,
                         ray_args.max_ongoing_requests or batch + args.queue_high,
-                        ray_args.num_cpus_per_replica, ray_args.upscale_delay_s, args.shutdown_timeout)
+                        ray_args.num_cpus_per_replica, ray_args.upscale_delay_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping.wait()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C while Serve drains ends the command at once
         signal.signal(sig, signal.SIG_DFL)
-    stop(fleet.shutdown_timeout_s)
+    stop(serve_args.shutdown_timeout)
     return 0
 
 

@@ -268,15 +268,17 @@ def test_ray_shuts_down_only_once_serve_is_gone_or_past_the_shutdown_timeout(mon
         assert capsys.readouterr().err == ""
 
 
-def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown():
-    """Serve's proxy, not uvicorn, serves the replicas: --shutdown-timeout goes to Serve as the time a
-    stopping replica may finish its requests in (0: none)."""
-    ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--shutdown-timeout", "0"])
-    options = serve_ray.fleet_options(ray_args, single.parse_args(serve_argv)).deployment_options()
-    assert options["graceful_shutdown_timeout_s"] == 0
-    deployment = serve.deployment(serve_ray.MarsReplica).options(name="MarsReplica", **options)  # Serve checks them
-    assert deployment._deployment_config.graceful_shutdown_timeout_s == 0  # (no public attribute reads it back)
-    assert FleetOptions().deployment_options()["graceful_shutdown_timeout_s"] == single.DEFAULT_SHUTDOWN_TIMEOUT_S
+@pytest.mark.parametrize("options, timeout_s", [(["--shutdown-timeout", "0"], 0), (["--shutdown-timeout", "60"], 60),
+                                                ([], single.DEFAULT_SHUTDOWN_TIMEOUT_S)])
+def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown(tiny_bundle, stubbed_serve, options, timeout_s):
+    """Serve's proxy, not uvicorn, serves the replicas: the server options' --shutdown-timeout, and nothing else,
+    goes to Serve as the time a stopping replica may finish its requests in (0: none); deploy() with FleetOptions'
+    defaults takes it too."""
+    _, bundle = tiny_bundle("llama", 4)
+    serve_ray.deploy([str(bundle), *options], FleetOptions())
+    assert stubbed_serve.options["graceful_shutdown_timeout_s"] == timeout_s
+    deployment = ray.serve.api.deployment(serve_ray.MarsReplica).options(**stubbed_serve.options)  # Serve checks
+    assert deployment._deployment_config.graceful_shutdown_timeout_s == timeout_s  # (no public attribute reads it)
 
 
 def test_fleet_options_default_to_the_servers_batch():

@@ -95,13 +95,20 @@ def test_token_id_prompt_and_multi_token_steps(tiny_server, runtime_parts):
 @pytest.mark.parametrize("tau, block_size", [(1.0, None), (0.5, None), (0.5, 2)])
 def test_step_tokens_count_each_forward_streamed_as_not(tiny_server, tau, block_size):
     """``return_step_tokens``: the tokens each decode forward accepted, whole in the response and
-    split over the streamed chunks (each content chunk has the forwards it is the first to show)."""
+    split over the streamed chunks (each content chunk has the forwards it is the first to show).
+
+    At tau 0.5 the split is tested only if some forward accepted several tokens: that the tiny model
+    (fixed seed, greedy) does so for this prompt is checked, not assumed."""
     extra = {"tau": tau, "return_step_tokens": True} | ({"block_size": block_size} if block_size else {})
     _, _, mars, usage = chat(tiny_server, "Hi", extra_body=extra)
     steps = mars["step_tokens"]
     assert len(steps) == mars["num_forwards"] and sum(steps) == usage.completion_tokens == len(mars["token_ids"])
     assert min(steps) >= 1 and max(steps) <= (block_size or 4)
-    assert max(steps) == 1 if tau == 1.0 else max(steps) > 1  # multi-token forwards on the tiny model at 0.5
+    if tau >= 1.0:
+        assert max(steps) == 1
+    else:
+        assert max(steps) > 1, (f"no forward accepted more than one token at tau {tau} (step_tokens {steps}): the "
+                                "test's premise failed (the tiny model changed?); pick a prompt or tau where it does")
 
     kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_NEW}
     chunks = list(tiny_server.client.chat.completions.create(**kwargs, stream=True, extra_body=extra))

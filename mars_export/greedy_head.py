@@ -44,6 +44,8 @@ The full ``logits`` output stays, on ``num_logits`` rows (:mod:`mars_export.logi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
@@ -85,12 +87,37 @@ def bound_coefficients(weight: np.ndarray, dequantized: np.ndarray) -> tuple[np.
     return up((error + RELATIVE_SLACK * largest) * 1.001), up(block_l1 / 254 * 1.001)
 
 
-def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = False) -> bool:
+@dataclass(frozen=True)
+class Screening:
+    """The greedy head's values a later addition reads (:mod:`mars_export.confidence_gate`); nG rows, C candidates.
+
+    Attributes:
+        head: the float32 output head (MatMul) writing ``logits``; weight: its [K, V] float32 array.
+        rows: float32 [n, G, K], the window's last G = min(num_greedy, W) rows; x: the same [nG, K].
+        l1: float32 [nG, 1], |x|_1. approx: float32 [nG, V], the screening logits, the mask token's
+            lowered by 1e30. bound: float32 [nG, V], their error bounds e_v.
+        candidates: int64 [C], ascending; rescored: float32 [nG, C], their float32 logits; best: int64 [nG],
+            each row's argmax among them.
+    """
+
+    head: ir.Node
+    weight: np.ndarray
+    rows: ir.Value
+    x: ir.Value
+    l1: ir.Value
+    approx: ir.Value
+    bound: ir.Value
+    candidates: ir.Value
+    rescored: ir.Value
+    best: ir.Value
+
+
+def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = False) -> Screening | None:
     """Give ``graph`` the ``num_greedy`` input and the ``greedy_ids`` output (module docstring), in place.
 
     Returns:
-        True; False, changing nothing, where the head's K is not a multiple of :data:`BLOCK` (the
-        runtime then reads the logits).
+        the head's :class:`Screening` values; None, changing nothing, where the head's K is not a multiple of
+        :data:`BLOCK` (the runtime then reads the logits).
 
     Args:
         graph: a graph whose ``logits`` output is written by a float32 MatMul over a constant [K, V]
@@ -130,7 +157,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     if not 0 <= mask_token_id < v:
         raise ValueError(f"mask token id {mask_token_id} is outside the head's vocabulary of {v}")
     if k % BLOCK:
-        return False
+        return None
     packed, scales, dequantized = quantize_columns(weight)
     per_l1, per_block_max = bound_coefficients(weight, dequantized)
     penalty = np.zeros(v, np.float32)
@@ -190,7 +217,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     out.shape, out.type = ir.Shape(["batch", "greedy_rows"]), ir.TensorType(ir.DataType.INT64)
     graph.extend(nodes)
     graph.outputs.append(out)
-    return True
+    return Screening(head, weight, rows, x, l1, approx, bound, candidates, logits, best)
 
 
 def _constant_head(head: ir.Node | None) -> tuple[np.ndarray, ir.Value | None] | None:

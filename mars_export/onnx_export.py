@@ -20,6 +20,7 @@ from torch.export import Dim
 from transformers import PreTrainedModel
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
+from mars_export.confidence_gate import add_confidence_gate
 from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
 from mars_export.step_module import StepModule, step_graph_model
@@ -45,7 +46,8 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     projections that share an input (Q/K/V, gate/up) are fused into one MatMul each
     (:mod:`mars_export.fuse_projections`); the output head runs on the window's last
     ``num_logits`` rows (:mod:`mars_export.logits_rows`). ``greedy_mask_token``: add the greedy head
-    (:mod:`mars_export.greedy_head`, ``num_greedy`` defaulting to 0), which never returns that token;
+    (:mod:`mars_export.greedy_head`, ``num_greedy`` defaulting to 0), which never returns that token, and its
+    confidence gate (:mod:`mars_export.confidence_gate`, ``confidence_tau`` defaulting to never skipping the head);
     None: none (fp16, graphs to be quantized, and graphs for TensorRT, whose parser has no ``MatMulNBits``).
 
     Raises:
@@ -74,7 +76,9 @@ def export_step_graph(model: PreTrainedModel, path: Path, window: int, max_conte
     fuse_shared_input_matmuls(program.model.graph)
     compute_logits_of_last_rows(program.model.graph)  # the num_logits input: prefill skips the output head
     if greedy_mask_token is not None:
-        add_greedy_head(program.model.graph, greedy_mask_token, has_default=True)
+        screening = add_greedy_head(program.model.graph, greedy_mask_token, has_default=True)
+        if screening is not None:  # threshold steps skip the float32 head where every tau test provably fails
+            add_confidence_gate(program.model.graph, screening, greedy_mask_token)
     program.save(str(path))  # external data above torch's threshold (1.5 GiB of initializers, the greedy head's included)
 
 

@@ -52,6 +52,8 @@ LOGITS = "logits"
 NUM_LOGITS = "num_logits"  # optional: logits of the window's last rows only (mars_export.logits_rows)
 NUM_GREEDY, GREEDY_IDS = "num_greedy", "greedy_ids"  # optional: argmax ids of the last rows (mars_export.greedy_head)
 GREEDY_HEAD_PREFIX = "/mars_edge/greedy_head"  # the names of the greedy head's nodes and initializers begin so
+# optional: a threshold step skips the float32 head where tau tests provably fail (mars_export.confidence_gate)
+CONFIDENCE_TAU, HEAD_SKIPPED = "confidence_tau", "head_skipped"
 # The most rows (batch x window) a forward asks the greedy head for. Its rescoring takes the union of the rows'
 # candidates against every row, so it grows with the rows: on the default model (2-core EPYC, P 128) the greedy
 # step with the head / reading the logits was 0.87-0.99x at 1-8 rows in two runs, 1.03-1.07x at 16, 1.21x at 32,
@@ -196,15 +198,31 @@ def has_greedy_head(config: "BundleConfig") -> bool:
 
 
 def strip_greedy_head(model) -> None:
-    """Remove the greedy head (mars_export.greedy_head) from ``model`` (an onnx ModelProto), in place: its nodes
-    and initializers (named from :data:`GREEDY_HEAD_PREFIX`), the ``num_greedy`` input and the
-    ``greedy_ids`` output; the graph is then the step graph as ``mars-export --trt`` writes it (for TensorRT,
-    :func:`runtime.trt_build.graph_for_tensorrt`; for weight-only quantizing, :mod:`mars_export.quantize`)."""
+    """Remove the greedy head (mars_export.greedy_head) and its confidence gate (mars_export.confidence_gate) from
+    ``model`` (an onnx ModelProto), in place: their nodes and initializers (named from :data:`GREEDY_HEAD_PREFIX`),
+    the ``num_greedy`` and ``confidence_tau`` inputs and the ``greedy_ids`` and ``head_skipped`` outputs; a gate
+    node on the model's own path (named ``.../bypass``) is replaced by its first input. The graph is then the
+    step graph as ``mars-export --trt`` writes it (for TensorRT, :func:`runtime.trt_build.graph_for_tensorrt`;
+    for weight-only quantizing, :mod:`mars_export.quantize`)."""
     graph, prefix = model.graph, GREEDY_HEAD_PREFIX + "/"
+    removed_inputs, removed_outputs = {NUM_GREEDY, CONFIDENCE_TAU}, {GREEDY_IDS, HEAD_SKIPPED}
+    renamed = {}  # a bypassed node's output -> its first input
+    for node in graph.node:
+        if node.name.startswith(prefix) and node.name.endswith("/bypass"):
+            renamed[node.output[0]] = node.input[0]
+    outputs_named = {value.name for value in graph.output}
     nodes = [node for node in graph.node if not node.name.startswith(prefix)]
-    initializers = [t for t in graph.initializer if not t.name.startswith(prefix) and t.name != NUM_GREEDY]
-    inputs = [value for value in graph.input if value.name != NUM_GREEDY]
-    outputs = [value for value in graph.output if value.name != GREEDY_IDS]
+    for bypassed, source in renamed.items():
+        if bypassed in outputs_named:  # the producer of the source writes the graph output again
+            old, new = source, bypassed
+        else:
+            old, new = bypassed, source
+        for node in nodes:
+            node.input[:] = [new if name == old else name for name in node.input]
+            node.output[:] = [new if name == old else name for name in node.output]
+    initializers = [t for t in graph.initializer if not t.name.startswith(prefix) and t.name not in removed_inputs]
+    inputs = [value for value in graph.input if value.name not in removed_inputs]
+    outputs = [value for value in graph.output if value.name not in removed_outputs]
     for field, kept in ((graph.node, nodes), (graph.initializer, initializers), (graph.input, inputs),
                         (graph.output, outputs)):
         del field[:]

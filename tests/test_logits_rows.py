@@ -11,7 +11,7 @@ from support import export
 from mars_export import onnx_export
 from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import LOGITS, NUM_GREEDY, NUM_LOGITS, load_config, step_feeds
+from runtime.bundle import CONFIDENCE_TAU, LOGITS, NUM_GREEDY, NUM_LOGITS, load_config, step_feeds
 from runtime.decode.batch import scratch_past, window_mask
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -37,7 +37,7 @@ def test_num_logits_gives_the_last_rows_bit_for_bit_and_defaults_to_all(tiny_bun
     bundle_dir = tiny_bundle(arch, 4)[1]
     config = load_config(bundle_dir)
     session = ort.InferenceSession(str(bundle_dir / config.onnx_file), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_overridable_initializers()] == [NUM_LOGITS, NUM_GREEDY]  # not feeding them is allowed
+    assert [i.name for i in session.get_overridable_initializers()] == [NUM_LOGITS, NUM_GREEDY, CONFIDENCE_TAU]  # not feeding them is allowed
     feeds = window_feeds(config)
     full, *kv = session.run(None, feeds)
     assert full.shape == (2, T, config.vocab_size)

@@ -5,8 +5,9 @@ shapes: the step graph scatters the window's entries into the past, the fused gr
 GroupQueryAttention writes them after the committed ones. Bound to the past's own buffer, each
 present is that buffer, so a step writes W entries per layer into the cache and copies nothing
 (onnxruntime's CPU scatter skips its copy when its output is its input). A step that feeds an input
-with a default (``num_logits``, ``num_greedy``: a binding cannot bind one) runs through onnxruntime's
-``run_with_ortvaluevector`` with the same buffers as preallocated outputs (:meth:`KVBinding.run_step_without_head`).
+with a default (``num_logits``, ``num_greedy``, ``confidence_tau``: a binding cannot bind one) runs through
+onnxruntime's ``run_with_ortvaluevector`` with the same buffers as preallocated outputs
+(:meth:`KVBinding.run_step_without_head`, :meth:`KVBinding.run_gated_step`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import threading
 
 import numpy as np
 
-from runtime.bundle import (ATTENTION_MASK, GREEDY_IDS, INPUT_IDS, LOGITS, NUM_GREEDY, NUM_LOGITS, POSITION_IDS, past_names,
-                            present_names)
+from runtime.bundle import (ATTENTION_MASK, CONFIDENCE_TAU, GREEDY_IDS, HEAD_SKIPPED, INPUT_IDS, LOGITS, NUM_GREEDY,
+                            NUM_LOGITS, POSITION_IDS, past_names, present_names)
 
 
 class KVBinding:
@@ -121,13 +122,48 @@ class KVBinding:
             ValueError: ``past`` is not C-contiguous and writeable (:meth:`bind_kv`).
         """
         n, window = input_ids.shape
-        counts, outputs = {NUM_LOGITS: 0}, {LOGITS: np.empty((n, 0, vocab_size), np.float32)}
+        counts, outputs = {NUM_LOGITS: np.array(0, np.int64)}, {LOGITS: np.empty((n, 0, vocab_size), np.float32)}
         if greedy_ids:
-            counts[NUM_GREEDY] = window
+            counts[NUM_GREEDY] = np.array(window, np.int64)
             outputs[GREEDY_IDS] = np.empty((n, window), np.int64)
+        self._run_vector(input_ids, position_ids, attention_mask, past, counts, outputs)
+        return outputs[GREEDY_IDS if greedy_ids else LOGITS]
+
+    def run_gated_step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                       past: list[tuple[np.ndarray, np.ndarray]], vocab_size: int,
+                       confidence_tau: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """As :meth:`run_step` on a step graph with the confidence gate (mars_export.confidence_gate): the greedy
+        head's ids of every row, and the logits unless the gate skipped the float32 head, through
+        ``run_with_ortvaluevector`` as :meth:`run_step_without_head`.
+
+        Args:
+            confidence_tau: float32 [n], per row the tau of its probability test (module docstring of
+                mars_export.confidence_gate: -1 for a row that reads its logits whatever they say, >= 1 for
+                one that tests no confidence).
+
+        Returns:
+            each row's argmax token int64 [n, W] (the mask token excluded), and the logits float32 [n, W, V], or
+            None where the head was skipped: then every row's output at its first mask token has a
+            probability at most its ``confidence_tau``.
+
+        Raises:
+            ValueError: ``past`` is not C-contiguous and writeable (:meth:`bind_kv`).
+        """
+        n, window = input_ids.shape
+        counts = {NUM_LOGITS: np.array(window, np.int64), NUM_GREEDY: np.array(window, np.int64),
+                  CONFIDENCE_TAU: np.ascontiguousarray(confidence_tau, np.float32)}
+        outputs = {LOGITS: np.empty((n, window, vocab_size), np.float32), GREEDY_IDS: np.empty((n, window), np.int64),
+                   HEAD_SKIPPED: np.empty((), np.bool_)}
+        self._run_vector(input_ids, position_ids, attention_mask, past, counts, outputs)
+        return outputs[GREEDY_IDS], None if outputs[HEAD_SKIPPED] else outputs[LOGITS]
+
+    def _run_vector(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                    past: list[tuple[np.ndarray, np.ndarray]], counts: dict[str, np.ndarray],
+                    outputs: dict[str, np.ndarray]) -> None:
+        """One run through ``run_with_ortvaluevector``: the window inputs and ``counts`` (inputs with a default) fed
+        by name, ``outputs`` preallocated and written in place, ``past`` both the past and the present."""
         self.bind_kv(past)  # checks the buffers and keeps their OrtValues (self._local.values)
-        feeds = {**_window_feeds(input_ids, position_ids, attention_mask),  # held until the run
-                 **{name: np.array(count, np.int64) for name, count in counts.items()}}
+        feeds = {**_window_feeds(input_ids, position_ids, attention_mask), **counts}  # held until the run
         feed_values, fetch_values = self._vector(feeds.values()), self._vector(outputs.values())
         for value in self._local.values:
             feed_values.push_back(value._ortvalue)
@@ -137,7 +173,6 @@ class KVBinding:
         kv_out = [name for layer in layers for name in present_names(layer)]
         self.session.run_with_ortvaluevector(self.ort.RunOptions(), [*feeds, *kv_in], feed_values, [*outputs, *kv_out],
                                              fetch_values, [self.cpu] * (len(outputs) + len(kv_out)))
-        return outputs[GREEDY_IDS if greedy_ids else LOGITS]
 
     def _vector(self, arrays):
         """An OrtValueVector of ``arrays`` (CPU numpy, held by the caller until the run ends)."""

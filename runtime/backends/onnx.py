@@ -82,6 +82,9 @@ class OnnxBackend:
         # fourteenth session, float32 step graphs since the seventeenth (not on GPUs: 8-bit MatMulNBits is a CPU kernel)
         self.takes_num_greedy = (self.fused.takes_num_greedy if self.fused
                                  else provider == "cpu" and bundle.NUM_GREEDY in defaults)
+        # threshold steps that skip the float32 head where every tau test provably fails (mars_export.confidence_gate):
+        # float32 step graphs since the twenty-seventh session
+        self.takes_confidence_gate = self.takes_num_greedy and not self.fused and bundle.CONFIDENCE_TAU in defaults
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
         self.kv = KVBinding(self.session, ort)
@@ -96,7 +99,8 @@ class OnnxBackend:
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]],
-             logits: bool = True, greedy_ids: bool = False) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+             logits: bool = True, greedy_ids: bool = False,
+             confidence_tau: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         """Run one forward over a window, its KV written into ``past`` in place.
 
         Args:
@@ -111,10 +115,14 @@ class OnnxBackend:
             greedy_ids: return each row's argmax token, the mask token excluded, instead of its logits
                 (graphs with the greedy head only, ``takes_num_greedy``: mars_export.greedy_head; the float32
                 output head is skipped).
+            confidence_tau: float32 [n], with ``greedy_ids``: a threshold step through the confidence gate
+                (``takes_confidence_gate``: mars_export.confidence_gate), per row the tau of its probability
+                test (-1: the row reads its logits; >= 1: it tests no confidence).
 
         Returns:
             logits float32 [n, W, V] ([n, 0, V] when ``logits`` is False; with ``greedy_ids`` the ids
-            int64 [n, W] instead), and the presents: per layer
+            int64 [n, W] instead; with ``confidence_tau`` the pair (ids int64 [n, W], logits float32 [n, W, V] or
+            None where the gate skipped the head)), and the presents: per layer
             (key, value) [n, H, S, D], ``past`` itself with the new entries written (step graphs without
             ``num_logits``, exported before 2026-12-02, compute a prefill's logits and drop them).
 
@@ -122,16 +130,23 @@ class OnnxBackend:
             ValueError: inputs whose shapes disagree, a position outside the past (no room for the window),
                 or, where the step writes into it, a past that is not C-contiguous and writeable
                 (:func:`runtime.bundle.check_step_inputs`, :class:`~runtime.backends.kv_binding.KVBinding`);
-                ``greedy_ids`` on a graph without the greedy head.
+                ``greedy_ids`` on a graph without the greedy head, ``confidence_tau`` without ``greedy_ids`` or on a
+                graph without the gate.
 
         A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
         past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
+        if confidence_tau is not None and not (greedy_ids and self.takes_confidence_gate):
+            raise ValueError("confidence_tau needs greedy_ids and a step graph with the confidence gate "
+                             "(takes_confidence_gate); re-export the bundle with mars-export --graph step")
         if self.fused:
             return self.fused(input_ids, position_ids, past, logits, greedy_ids)
         if greedy_ids and not self.takes_num_greedy:
             raise ValueError("this step graph has no greedy head (num_greedy input) on this provider; read the logits")
         bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
+        if confidence_tau is not None:
+            return self.kv.run_gated_step(input_ids, position_ids, attention_mask, past, self.vocab_size,
+                                          confidence_tau), past
         if greedy_ids or not logits and self.takes_num_logits:  # the output head skipped: num_logits 0
             out = self.kv.run_step_without_head(input_ids, position_ids, attention_mask, past, self.vocab_size,
                                                 greedy_ids)
@@ -212,7 +227,8 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
                               f"{got_in[:3]}...); re-export the bundle with mars-export --graph fused")
         return
     if bundle.NUM_GREEDY in {i.name for i in session.get_overridable_initializers()}:
-        got_out = [name for name in got_out if name != bundle.GREEDY_IDS]  # the greedy head's (mars_export.greedy_head)
+        # the greedy head's (mars_export.greedy_head) and its confidence gate's (mars_export.confidence_gate)
+        got_out = [name for name in got_out if name not in (bundle.GREEDY_IDS, bundle.HEAD_SKIPPED)]
     if got_in != bundle.input_names(config.num_layers) or got_out != bundle.output_names(config.num_layers):
         raise BundleError(f"{path} does not match {bundle.CONFIG_FILE}: expected {config.num_layers} layers of "
                           f"past_key_values/present I/O, got inputs {got_in[:4]}... outputs {got_out[:3]}...; "

@@ -91,6 +91,38 @@ class Confidences:
         return np.array([self[row] for row in range(len(self))], dtype or np.float32)
 
 
+class ProvenRejection:
+    """The confidences of a step whose float32 output head the confidence gate skipped
+    (mars_export.confidence_gate): row ``row`` is proven not above tau; no other row is known.
+
+    Reads as :class:`Confidences` does (``c[j]``, ``len(c)``, ``c[a:b]``): ``c[row]`` is -inf, and reading any
+    other row raises, so a caller that would read past the proven rejection fails loudly instead of
+    deciding on a number nobody computed.
+
+    Args:
+        length: M, the step's prediction rows; row: the row proven not above tau (0 <= row < M).
+
+    Raises:
+        LookupError: on reading a row other than ``row``.
+    """
+
+    def __init__(self, length: int, row: int):
+        self.length, self.row = length, row
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, _ = index.indices(self.length)
+            return ProvenRejection(max(stop - start, 0), self.row - start)
+        row = range(self.length)[index]
+        if row != self.row:
+            raise LookupError(f"confidence row {row} was not computed (the gate skipped the output head; only row "
+                              f"{self.row} is known: not above tau)")
+        return np.float32(-np.inf)
+
+
 def probability_confidence(probs: np.ndarray, metric: str = "probability") -> np.ndarray:
     """Confidence of the most likely token of each row of probabilities; [M, V] -> [M] float32.
 

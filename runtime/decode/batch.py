@@ -29,7 +29,8 @@ def window_mask(lengths: np.ndarray, capacity: int, window: int) -> np.ndarray:
     return (keys[None, None, :] <= last[:, :, None])[:, None]  # [n, 1, W, S]
 
 
-def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int, greedy_ids: bool = False):
+def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int, greedy_ids: bool = False,
+              confidence_tau: np.ndarray | None = None):
     """One forward over slots 0..n-1.
 
     Args:
@@ -38,10 +39,13 @@ def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int
         rows: for each slot, W token ids, or None for an idle row.
         pad_id: id fed in idle rows.
         greedy_ids: return each position's argmax id instead of its logits (the backend's greedy head).
+        confidence_tau: float32 [n], with ``greedy_ids``: a threshold step through the backend's confidence gate
+            (``takes_confidence_gate``, mars_export.confidence_gate), per row the tau of its probability test.
 
     Returns:
         logits float32 [n, W, V] (with ``greedy_ids``, a backend with ``takes_num_greedy``: each position's
-        argmax token int64 [n, W] instead), and per layer the presents (key, value) [n, H, S, D] (the step's
+        argmax token int64 [n, W] instead; with ``confidence_tau`` the pair (ids, logits or None where the gate
+        skipped the head)), and per layer the presents (key, value) [n, H, S, D] (the step's
         new entries at their positions; the cache's own buffers where the backend writes in place).
     """
     window = next(len(r) for r in rows if r is not None)
@@ -49,6 +53,8 @@ def run_batch(backend, cache: KVCache, rows: list[list[int] | None], pad_id: int
     ids = np.array([r if r is not None else [pad_id] * window for r in rows], np.int64)  # [n, W]
     positions = lengths[:, None] + np.arange(window, dtype=np.int64)[None]              # [n, W]
     mask = window_mask(lengths, cache.capacity, window)
+    if confidence_tau is not None:
+        return backend.step(ids, positions, mask, cache.past(len(rows)), greedy_ids=True, confidence_tau=confidence_tau)
     if greedy_ids:
         return backend.step(ids, positions, mask, cache.past(len(rows)), greedy_ids=True)
     return backend.step(ids, positions, mask, cache.past(len(rows)))

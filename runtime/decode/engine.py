@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.bundle import GREEDY_HEAD_MAX_ROWS, BundleConfig
-from runtime.decode.acceptance import Accepted, accept, max_accept
+from runtime.decode.acceptance import Accepted, ProvenRejection, accept, max_accept
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
@@ -249,8 +249,8 @@ class Engine:
                 self._prefill_first_chunks(group)
         if not plan.rows:
             return []
-        outputs, presents, are_ids = self._run(plan)  # logits [n, w, V], or the argmax ids [n, w]
-        accepted = [self._accept(seq, outputs[seq.slot], plan.is_block, are_ids) for seq in plan.rows]
+        outputs, presents, reads = self._run(plan)  # logits [n, w, V], or the argmax ids [n, w]
+        accepted = [self._accept(seq, outputs[seq.slot], plan.is_block, reads) for seq in plan.rows]
         return self._commit(plan, accepted, presents)
 
     def generate(self, prompts: list[list[int]], params: DecodeParams) -> list[GenerationResult]:
@@ -293,34 +293,81 @@ class Engine:
         if not seq.is_prefilling:
             seq.result.prefill_seconds = time.perf_counter() - seq.start_time
 
-    def _run(self, plan: StepPlan) -> tuple[np.ndarray, list, bool]:
-        """One batch forward of the plan's rows (other slots idle). Returns the logits [n, w, V], the mask
-        token's logit suppressed, or, where the backend has the greedy head, the forward has at most
-        ``GREEDY_HEAD_MAX_ROWS`` rows n·w and every row reads argmaxes only (:meth:`_reads_ids_only`), each
-        position's argmax id [n, w] (the float32 output head skipped);
-        the presents; and whether the outputs are ids."""
+    def _run(self, plan: StepPlan) -> tuple[np.ndarray, list, str]:
+        """One batch forward of the plan's rows (other slots idle). Returns the outputs, the presents and what the
+        outputs are (``reads``):
+
+        - ``"ids"``: each position's argmax id [n, w], the float32 output head skipped, where the backend has the
+          greedy head, the forward has at most ``GREEDY_HEAD_MAX_ROWS`` rows n·w and every row reads argmaxes
+          only (:meth:`_reads_ids_only`);
+        - ``"proven"``: the same ids, from a threshold step whose confidence gate skipped the head
+          (:meth:`_gate_taus`): every row's first confidence read is proven not above its tau;
+        - ``"logits"``: the logits [n, w, V], the mask token's logit suppressed."""
         rows: list[list[int] | None] = [None] * plan.num_rows
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
         self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
-        are_ids = (getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
-                   and all(map(self._reads_ids_only, plan.rows)))
-        outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id, greedy_ids=are_ids)
-        if not are_ids:  # the greedy head excludes the mask token itself
+        fits = getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
+        if fits and all(map(self._reads_ids_only, plan.rows)):
+            reads = "ids"
+            outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id, greedy_ids=True)
+        elif fits and (taus := self._gate_taus(plan, rows)) is not None:
+            (ids, outputs), presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id,
+                                                 greedy_ids=True, confidence_tau=taus)
+            reads = "logits" if outputs is not None else "proven"
+            outputs = ids if outputs is None else outputs
+        else:
+            reads = "logits"
+            outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)
+        if reads == "logits":  # the greedy head excludes the mask token itself
             outputs[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
         self.num_steps += 1
-        return outputs, presents, are_ids
+        return outputs, presents, reads
 
     def _reads_ids_only(self, seq: Sequence) -> bool:
         """Whether the row's step reads no more than each prediction's argmax: a prefill chunk, or greedy
         decoding that tests no confidence (tau >= 1, as ``select(with_confidence=tau < 1)``)."""
         return seq.is_prefilling or is_greedy(seq.params.temperature) and seq.tau(self.default_tau) >= 1.0
 
-    def _accept(self, seq: Sequence, outputs: np.ndarray, is_block: bool, are_ids: bool = False) -> Accepted:
-        """What this row keeps from its logits [w, V] (or, ``are_ids``, its argmax ids [w]): a W-token
-        prefill commits its chunk; else the acceptance rule over its drafts and the predictions from the
-        last real token on."""
+    def _gate_taus(self, plan: StepPlan, rows: list[list[int] | None]) -> np.ndarray | None:
+        """The confidence gate's ``confidence_tau`` float32 [n] for this step (mars_export.confidence_gate), or None
+        where the step reads its logits anyway: no gate in the backend, or a row that samples, tests another
+        metric, or whose first confidence read is not at its window's first mask token (a draft equal to the
+        mask token). A row reading no confidence, and an idle one, gets 1 (never tested); the others their
+        tau, rounded down to float32 so that the gate's ``p_ub <= tau`` implies the rule's ``p > tau`` fails."""
+        if not getattr(self.backend, "takes_confidence_gate", False):
+            return None
+        taus = np.ones(plan.num_rows, np.float32)
+        for seq in plan.rows:
+            if self._reads_ids_only(seq):
+                continue
+            if not is_greedy(seq.params.temperature) or seq.params.metric != "probability":
+                return None
+            position = self._first_read_position(seq, plan.width)
+            if position is None:
+                continue
+            row = rows[seq.slot]
+            if self.config.mask_token_id not in row or row.index(self.config.mask_token_id) != position:
+                return None
+            tau = seq.tau(self.default_tau)
+            tau32 = np.float32(tau)
+            taus[seq.slot] = np.nextafter(tau32, np.float32(-np.inf)) if tau32 > tau else tau32
+        return taus
+
+    def _first_read_position(self, seq: Sequence, width: int) -> int | None:
+        """The window position (0..w-1) whose output's confidence the acceptance rule reads first in this step of
+        the decoding row ``seq`` (as :meth:`_accept` slices its predictions and :func:`accept` reads them: the
+        output after its real tokens and drafts), or None where it reads none."""
+        num_real = min(len(seq.uncached), width)
+        end = min(self.scheduler.solo_width(seq, self.default_tau), width)
+        position = num_real + min(len(seq.drafts), end - num_real)
+        return position if position < end else None
+
+    def _accept(self, seq: Sequence, outputs: np.ndarray, is_block: bool, reads: str) -> Accepted:
+        """What this row keeps from its logits [w, V] (or, ``reads`` "ids" / "proven", its argmax ids [w]:
+        :meth:`_run`): a W-token prefill commits its chunk; else the acceptance rule over its drafts and the
+        predictions from the last real token on."""
         if seq.is_prefilling:
             return Accepted([], len(seq.prefill_chunk(self.config.window)))
         num_real = min(len(seq.uncached), len(outputs))
@@ -332,7 +379,10 @@ class Engine:
         if budget == 0:  # block scheme: a full block re-run until every row is ready
             return Accepted([], 0)
         params, tau = seq.params, seq.tau(self.default_tau)
-        if are_ids:
+        position = self._first_read_position(seq, len(outputs)) if reads == "proven" and tau < 1.0 else None
+        if position is not None:  # the gate proved the first confidence read not above tau
+            ids, scores = predictions, ProvenRejection(len(predictions), position - (num_real - 1))
+        elif reads != "logits":
             ids, scores = predictions, np.zeros(len(predictions), np.float32)  # no confidence is tested
         else:
             ids, scores = select(predictions, params.temperature, params.top_k, params.top_p, params.metric,

@@ -9,9 +9,11 @@
  *            past_key_values.{i}.value kv      [1, H, S, D]      (kv = float32 or float16)
  *            num_logits                int64   []                optional (an initializer with a default)
  *            num_greedy                int64   []                optional, default 0: not fed here
+ *            confidence_tau            float32 [1]               optional, default -1 (the head always runs): not fed
  *   outputs  logits                    float32 [1, W, V]
  *            present.{i}.key / .value  kv      [1, H, S, D]      the past with entry j written at position_ids[j]
  *            greedy_ids                int64   [1, G]            with num_greedy (float32 graphs): not fetched
+ *            head_skipped              bool    []                with confidence_tau: not fetched
  * Each present is bound to its past's own buffer (one OrtValue over the cache, passed to Run as
  * both the input and the pre-allocated output; ORT writes an output into a pre-allocated value),
  * so the graph writes the window's W entries into the cache in place and a commit copies nothing:
@@ -172,9 +174,12 @@ static void check_io(StepGraph *g, const MarsConfig *cfg, const char *path) {
     CHECK(g_ort->GetAllocatorWithDefaultOptions(&allocator));
     CHECK(g_ort->SessionGetInputCount(g->session, &num_in));
     CHECK(g_ort->SessionGetOutputCount(g->session, &num_out));
-    /* A float32 graph's greedy head (mars_export/greedy_head.py) adds the output greedy_ids after the presents; its
-       input num_greedy defaults to 0 (no rows), so this program neither feeds nor fetches it. */
-    size_t head = (size_t)has_overridable_initializer(g, "num_greedy");
+    /* A float32 graph's greedy head (mars_export/greedy_head.py) adds the output greedy_ids after the presents, and its
+       confidence gate (mars_export/confidence_gate.py) the output head_skipped; their inputs num_greedy and
+       confidence_tau default to no rows and to always running the output head, so this program neither feeds nor
+       fetches them. */
+    size_t head = (size_t)has_overridable_initializer(g, "num_greedy")
+                  + (size_t)has_overridable_initializer(g, "confidence_tau");
     CHECK(require(num_in == 3 + 2 * L && num_out == 1 + 2 * L + head, "%s has %zu inputs and %zu outputs, but "
                   "mars_config.json says %zu layers (%zu inputs, %zu outputs); re-export the bundle", path, num_in,
                   num_out, L, 3 + 2 * L, 1 + 2 * L + head));

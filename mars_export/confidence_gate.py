@@ -1,0 +1,156 @@
+"""The confidence gate: a threshold step skips the float32 output head when its screening proves every tau test fails (GitHub issue 11).
+
+A threshold step (tau < 1, the probability metric, greedy decoding) reads each prediction row's
+top-1 probability ``p`` from the float32 logits, left to right, from the output at the window's
+first mask token on (:func:`runtime.decode.acceptance.accept`: the outputs before it are the exact
+next token and the drafts' checks, read as argmaxes). Most such tests fail (91% of tau 0.9 steps of
+the default MARS model, ``bench/confidence_bounds.py``), and a failure can be proven from what the
+greedy head (:mod:`mars_export.greedy_head`) already computes. Per greedy row, with ``l*`` the
+rescored top logit and ``s_v = 2 gamma_K |x|_1 max|W_v|`` the float32 dot product's error bound
+(``gamma_K = K u / (1 - K u)``, u = 2^-24; the rescored logits and the full head's differ by at most
+``s_v``):
+
+    lower_v = rescored_v - s_v            for the candidates v (the top one included)
+    lower_v = a_v - e_v - s_v / 2         for the others (the screening logit and its bound)
+    Z_lb    = sum_v exp(lower_v - l* - s*)
+    p_ub    = min(1, (1 + SLACK) / Z_lb)
+
+``p`` as the runtime computes it (float32 softmax of the full head's logits, mask token excluded)
+is at most ``p_ub``; SLACK covers the float32 rounding of both sums over V and of the exponentials
+(:func:`slack`). The gate skips the head when, for every row b of the batch, ``p_ub`` at its first
+mask is at most ``confidence_tau[b]``: the runtime then knows that test fails without the logits.
+
+Graph I/O added (:func:`add_confidence_gate`; float32 step graphs with the greedy head)::
+
+    confidence_tau  float32 [n]  per row, tau of a probability test that may skip the head; default
+                                 [-1]: never skips (every ``p_ub`` passes it); >= 1: the row reads no
+                                 confidence. The runtime feeds -1 for rows that read their logits anyway
+                                 (sampling, another metric).
+    head_skipped    bool []      True: the head did not run and ``logits`` holds zeros; the greedy
+                                 head's ids are the argmaxes and every row's first mask has p <= its tau.
+
+The ``logits`` output keeps its shape [n, min(num_logits, W), V] either way (zeros padded in front of
+the head's 0 rows), so the runtime's preallocated outputs fit every step. The rows the gate tests
+are the greedy rows' (``num_greedy``); a first mask outside them (or no greedy rows) never skips.
+:func:`runtime.bundle.strip_greedy_head` removes the gate with the greedy head, leaving the step graph
+as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mars_export.greedy_head import Screening
+from runtime.bundle import CONFIDENCE_TAU, GREEDY_HEAD_PREFIX, HEAD_SKIPPED, INPUT_IDS, LOGITS, NUM_LOGITS
+
+UNIT = 2.0 ** -24  # float32 unit roundoff
+NEVER = np.float32(2.0)  # p_ub of a row the gate does not test: above every tau a row can skip with
+PREFIX = f"{GREEDY_HEAD_PREFIX}/gate"  # under the greedy head's prefix: stripped with it
+BYPASS = "/bypass"  # a gate node on the model's own path: stripping it joins its first input to its consumers
+
+
+def slack(vocab_size: int) -> float:
+    """Relative widening of ``p_ub`` for float32 rounding: two sums of V positive terms in any order (each
+    within (V - 1) u, relative), the exponentials (1e-5) and the exponents' own rounding (1e-3, logits up to
+    ~1e4)."""
+    return 2 * vocab_size * UNIT + 1e-5 + 1e-3
+
+
+def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: int) -> bool:
+    """Give ``graph`` the ``confidence_tau`` input and the ``head_skipped`` output (module docstring), in place.
+
+    Args:
+        graph: a step graph after :func:`mars_export.greedy_head.add_greedy_head` (``num_logits`` with a
+            default: the gate's input gets one too), with an ``input_ids`` input int64 [n, W].
+        screening: what ``add_greedy_head`` returned.
+        mask_token_id: the mask token, as given to ``add_greedy_head``.
+
+    Returns:
+        True; False, changing nothing, where the head does not write ``logits`` directly (an element-wise
+        op between them, e.g. Gemma2's soft-capping: the bound is on the head's logits).
+
+    Raises:
+        ValueError: no ``input_ids`` or ``num_logits`` input, or a ``confidence_tau`` input already.
+    """
+    names = {value.name: value for value in graph.inputs}
+    if INPUT_IDS not in names or NUM_LOGITS not in names:
+        raise ValueError(f"the confidence gate needs the {INPUT_IDS!r} and {NUM_LOGITS!r} inputs")
+    if CONFIDENCE_TAU in names:
+        raise ValueError(f"the graph already has a {CONFIDENCE_TAU!r} input")
+    head = screening.head
+    outputs = [value.name for value in graph.outputs]
+    if head.outputs[0].name != LOGITS:
+        return False
+    k, v = screening.weight.shape
+    gamma = k * UNIT / (1 - k * UNIT)
+    half_rounding = np.nextafter((gamma * np.abs(screening.weight.astype(np.float64)).max(axis=0)).astype(np.float32),
+                                 np.float32(np.inf))  # s_v / 2 per unit of |x|_1, rounded up
+
+    nodes: list[ir.Node] = []
+
+    def const(name: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=f"{PREFIX}/{name}", const_value=ir.tensor(array))
+        graph.register_initializer(value)
+        return value
+
+    def op(op_type: str, inputs: list, name: str = "", **attributes) -> ir.Value:
+        node = ir.node(op_type, inputs, attributes=attributes)
+        node.name = f"{PREFIX}/{op_type}_{len(nodes)}{name}"
+        nodes.append(node)
+        return node.outputs[0]
+
+    tau = ir.Value(name=CONFIDENCE_TAU, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch"]))
+    tau.const_value = ir.tensor(np.array([-1], np.float32), name=CONFIDENCE_TAU)
+    graph.inputs.append(tau)
+    graph.register_initializer(tau)
+
+    # p_ub of each greedy row [nG]
+    half_s = op("Mul", [screening.l1, const("half_rounding", half_rounding)])  # [nG, V]: s_v / 2
+    lower = op("Sub", [op("Sub", [screening.approx, screening.bound]), half_s])  # [nG, V]
+    candidate_s = op("Mul", [op("Gather", [half_s, screening.candidates], axis=1), const("two", np.array(2, np.float32))])
+    candidate_lower = op("Sub", [screening.rescored, candidate_s])  # [nG, C]
+    where = op("Expand", [op("Unsqueeze", [screening.candidates, const("axis0", np.array([0], np.int64))]),
+                          op("Shape", [candidate_lower])])  # [nG, C]
+    lower = op("ScatterElements", [lower, where, candidate_lower], axis=1)
+    best = op("Unsqueeze", [screening.best, const("axis1", np.array([1], np.int64))])  # [nG, 1]
+    upper_top = op("Add", [op("GatherElements", [screening.rescored, best], axis=1),
+                           op("GatherElements", [candidate_s, best], axis=1)])  # [nG, 1]: l* + s*
+    z_lower = op("ReduceSum", [op("Exp", [op("Sub", [lower, upper_top])]), const("axis_v", np.array([1], np.int64))],
+                 keepdims=0)  # [nG]
+    p_upper = op("Min", [op("Div", [const("numerator", np.array(1 + slack(v), np.float32)), z_lower]),
+                         const("one", np.array(1, np.float32))])
+    # at each batch row's first mask [n]
+    p_rows = op("Reshape", [p_upper, op("Shape", [screening.rows], start=0, end=2)], allowzero=1)  # [n, G]
+    ids = names[INPUT_IDS]
+    untested = op("Sub", [op("Shape", [ids], start=1, end=2), op("Shape", [screening.rows], start=1, end=2)])  # [1]
+    pads = op("Concat", [const("pad_zeros", np.array([0], np.int64)), untested,
+                         const("pad_tail", np.array([0, 0], np.int64))], axis=0)
+    p_window = op("Pad", [p_rows, pads, const("never", NEVER)])  # [n, W]
+    is_mask = op("Cast", [op("Equal", [ids, const("mask", np.array(mask_token_id, np.int64))])], to=ir.DataType.INT32)
+    first_mask = op("ArgMax", [is_mask], axis=1, keepdims=1)  # [n, 1]; 0 without a mask (no test is read)
+    p_first = op("Reshape", [op("GatherElements", [p_window, first_mask], axis=1), const("flat", np.array([-1], np.int64))])
+    proven = op("LessOrEqual", [p_first, tau])  # [n]; a NaN bound proves nothing
+    skipped = op("Cast", [op("ReduceMin", [op("Cast", [proven], to=ir.DataType.INT64)], keepdims=0)], to=ir.DataType.BOOL)
+    skipped.name, skipped.shape, skipped.type = HEAD_SKIPPED, ir.Shape([]), ir.TensorType(ir.DataType.BOOL)
+    # the head on no rows when skipped, its logits padded back to the rows asked
+    runs = op("Cast", [op("Not", [skipped])], to=ir.DataType.INT64)
+    count = names[NUM_LOGITS]
+    gated_count = op("Mul", [count, runs], name=BYPASS)
+    for use, index in list(count.uses()):
+        if use.name.startswith("/mars_edge/num_logits/"):
+            use.replace_input_with(index, gated_count)
+    asked = op("Min", [op("Reshape", [count, const("one_dim", np.array([1], np.int64))]),
+                       op("Shape", [ids], start=1, end=2)])  # [1]: min(num_logits, W)
+    head_rows = head.outputs[0]
+    head_rows.name = f"{PREFIX}/head_rows"
+    front = op("Sub", [asked, op("Shape", [head_rows], start=1, end=2)])
+    logits = op("Pad", [head_rows, op("Concat", [const("zero1", np.array([0], np.int64)), front,
+                                                  const("zeros4", np.array([0, 0, 0, 0], np.int64))], axis=0)],
+                name=BYPASS)
+    logits.name, logits.shape, logits.type = LOGITS, head_rows.shape, head_rows.type
+    graph.extend(nodes)
+    graph.outputs[outputs.index(LOGITS)] = logits
+    graph.outputs.append(skipped)
+    graph.sort()
+    return True

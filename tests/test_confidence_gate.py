@@ -1,0 +1,178 @@
+"""mars_export.confidence_gate: a threshold step skips the float32 output head only where every tau test fails.
+
+The gate's guarantee: when it reports ``head_skipped``, each batch row's probability at its first mask token,
+as the runtime computes it from the full head's logits, is at most that row's ``confidence_tau``. These tests
+hold the graph to that on a head of the greedy-head tests' shape, check that stripping it gives back the plain
+step graph, and hold the engine to the logits path, token for token and forward for forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mars_export import confidence_gate, greedy_head
+from mars_export.logits_rows import compute_logits_of_last_rows
+from runtime import bundle
+from runtime.backends.onnx import OnnxBackend
+from runtime.bundle import load_config, strip_greedy_head
+from runtime.decode.acceptance import ProvenRejection, confidence
+from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.params import DecodeParams
+from test_greedy_head import K, MASK, V, head_weight, session
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [40, 41, 42, 43, 44, 45, 46], [1, 2, 3]]
+
+
+def gated_graph(weight: np.ndarray) -> onnx.ModelProto:
+    """input_ids [n, W] and hidden [n, W, K] -> logits = hidden · weight (num_logits rows), the greedy head and the gate."""
+    k, v = weight.shape
+    graph = helper.make_graph([helper.make_node("MatMul", ["hidden", "head"], ["logits"])], "gated",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n", "w"]),
+                               helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["n", "w", k])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", "w", v])],
+                              [numpy_helper.from_array(weight, "head")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    compute_logits_of_last_rows(model.graph)
+    screening = greedy_head.add_greedy_head(model.graph, MASK, has_default=True)
+    assert confidence_gate.add_confidence_gate(model.graph, screening, MASK)
+    return ir.to_proto(model)
+
+
+def runtime_probability(logits: np.ndarray) -> np.ndarray:
+    """The probability metric per row of ``logits`` float32 [M, V] as the engine computes it (mask token suppressed)."""
+    logits = logits.copy()
+    logits[:, MASK] = np.finfo(np.float32).min
+    return confidence(logits, "probability")
+
+
+def test_a_skipped_head_means_every_first_mask_fails_its_tau():
+    rng = np.random.default_rng(0)
+    weight = head_weight(rng)
+    sess = session(gated_graph(weight))
+    skipped = fired = 0
+    for trial in range(120):
+        n, window = (1, 4) if trial % 2 else (2, 4)
+        hidden = rng.standard_normal((n, window, K)).astype(np.float32) * rng.uniform(0.2, 8)
+        ids = rng.integers(20, 200, (n, window))
+        first = rng.integers(1, window, n)  # real tokens, then masks from `first` on
+        for b in range(n):
+            ids[b, first[b]:] = MASK
+        feeds = {"input_ids": ids, "hidden": hidden, "num_logits": np.array(window), "num_greedy": np.array(window)}
+        full = sess.run(["logits"], feeds)[0]  # confidence_tau's default: the head always runs
+        p = np.array([runtime_probability(full[b, first[b]:first[b] + 1])[0] for b in range(n)])
+        # taus on both sides of p, within 10% of it in half the trials: the bound decides near its edge too
+        tau = (p * rng.uniform(0.9, 1.1, n) if trial % 4 < 2 else rng.uniform(0.05, 0.99, n)).astype(np.float32)
+        logits, greedy_ids, head_skipped = sess.run(["logits", "greedy_ids", "head_skipped"],
+                                                    {**feeds, "confidence_tau": tau})
+        if head_skipped:
+            skipped += 1
+            assert np.all(p <= tau), (p, tau)
+            assert not logits.any() and logits.shape == full.shape  # zeros in the rows asked
+        else:
+            fired += 1
+            assert np.array_equal(logits, full)
+        assert np.array_equal(greedy_ids, sess.run(["greedy_ids"], feeds)[0])
+    assert skipped >= 10 and fired >= 20, (skipped, fired)  # both ways taken
+
+
+def test_the_gate_never_skips_by_default_or_outside_the_greedy_rows():
+    rng = np.random.default_rng(1)
+    sess = session(gated_graph(head_weight(rng)))
+    hidden = rng.standard_normal((1, 4, K)).astype(np.float32) * 0.01  # flat logits: p far below every tau
+    ids = np.array([[30, MASK, MASK, MASK]])
+    base = {"input_ids": ids, "hidden": hidden, "num_logits": np.array(4)}
+    assert not sess.run(["head_skipped"], {**base, "num_greedy": np.array(4)})[0]  # confidence_tau's default -1
+    tau = np.array([0.9], np.float32)
+    assert sess.run(["head_skipped"], {**base, "num_greedy": np.array(4), "confidence_tau": tau})[0]
+    assert not sess.run(["head_skipped"], {**base, "num_greedy": np.array(2), "confidence_tau": tau})[0]  # mask at 1
+    assert not sess.run(["head_skipped"], {**base, "confidence_tau": tau})[0]  # no greedy rows
+
+
+def test_stripping_the_greedy_head_takes_the_gate_too():
+    rng = np.random.default_rng(2)
+    weight = head_weight(rng, v=300)
+    model = gated_graph(weight)
+    strip_greedy_head(model)
+    onnx.checker.check_model(model)
+    names = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
+    assert not names & {bundle.NUM_GREEDY, bundle.CONFIDENCE_TAU, bundle.GREEDY_IDS, bundle.HEAD_SKIPPED}
+    assert not any(node.name.startswith(bundle.GREEDY_HEAD_PREFIX) for node in model.graph.node)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    hidden = rng.standard_normal((2, 3, K)).astype(np.float32)
+    logits = sess.run(["logits"], {"input_ids": np.zeros((2, 3), np.int64), "hidden": hidden,
+                                   "num_logits": np.array(2)})[0]
+    assert np.allclose(logits, hidden[:, 1:] @ weight, rtol=1e-5, atol=1e-4)
+
+
+def test_a_head_behind_soft_capping_gets_no_gate():
+    weight = head_weight(np.random.default_rng(3), v=200)
+    graph = helper.make_graph([helper.make_node("MatMul", ["hidden", "head"], ["raw"]),
+                               helper.make_node("Tanh", ["raw"], ["logits"])], "capped",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n", "w"]),
+                               helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["n", "w", K])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", "w", 200])],
+                              [numpy_helper.from_array(weight, "head")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    compute_logits_of_last_rows(model.graph)
+    screening = greedy_head.add_greedy_head(model.graph, MASK, has_default=True)
+    assert not confidence_gate.add_confidence_gate(model.graph, screening, MASK)
+    assert bundle.CONFIDENCE_TAU not in {value.name for value in model.graph.inputs}
+
+
+def test_a_proven_rejection_reads_its_row_only():
+    scores = ProvenRejection(5, 3)
+    assert len(scores) == 5 and scores[3] == -np.inf and scores[1:][2] == -np.inf and len(scores[1:]) == 4
+    with pytest.raises(LookupError, match="row 2 was not computed"):
+        scores[2]
+
+
+@pytest.fixture(scope="module")
+def step_bundle(tiny_bundle):
+    _, path = tiny_bundle("llama", 4)
+    config = load_config(path)
+    return config, OnnxBackend(path, config)
+
+
+def decode(backend, config, params: list[DecodeParams], batch: int):
+    engine = Engine(backend, config, EngineConfig(max_batch_size=batch, max_seq_len=96))
+    ids = [engine.add_request(p, param) for p, param in zip(PROMPTS, params)]
+    results = {}
+    while len(results) < len(ids):
+        results.update((out.request_id, out.result) for out in engine.step() if out.finished)
+    return [(results[i].token_ids, results[i].num_forwards) for i in ids]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("draft", ["masks", "both"])
+def test_the_engine_decodes_the_same_tokens_through_the_gate(step_bundle, monkeypatch, batch, draft):
+    """Threshold mode at several taus (one per request, rows beside each other at batch 2): the gated steps give
+    the logits path's tokens and forwards, and some steps did skip the head."""
+    config, backend = step_bundle
+    assert backend.takes_confidence_gate
+    params = [DecodeParams(tau=tau, draft=draft, max_new_tokens=24) for tau in (0.5, 0.9, 0.2, 0.05)]
+    steps = []
+    run = backend.kv.run_gated_step
+
+    def counted(*args):
+        ids, logits = run(*args)
+        steps.append(logits is None)
+        return ids, logits
+    monkeypatch.setattr(backend.kv, "run_gated_step", counted)
+    gated = decode(backend, config, params, batch)
+    monkeypatch.setattr(backend, "takes_confidence_gate", False)
+    assert gated == decode(backend, config, params, batch)
+    assert any(steps) and not all(steps), steps  # both ways taken
+
+
+def test_a_sampling_row_reads_its_logits_without_the_gate(step_bundle, monkeypatch):
+    config, backend = step_bundle
+    calls = []
+    monkeypatch.setattr(backend.kv, "run_gated_step", lambda *a: calls.append(a))
+    decode(backend, config, [DecodeParams(tau=0.5, temperature=0.8, seed=1, max_new_tokens=8),
+                             DecodeParams(tau=0.5, metric="margin", max_new_tokens=8)], 1)
+    assert not calls

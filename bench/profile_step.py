@@ -27,7 +27,11 @@ the window, two positions for a one-token window; written in place; I/O binding)
    on a shared machine; at ``--threads 1`` the CPU time is the steadier one).
 2. A greedy step, timed the same way, as a greedy engine (tau >= 1) runs it: the step plus copying the
    logits [B, W, V] out and taking their argmax, or, for a bundle with the greedy head
-   (``mars_export.greedy_head``: float32 bundles), the step reading its argmax ids instead.
+   (``mars_export.greedy_head``: float32 bundles), the step reading its argmax ids instead. For a
+   bundle with the confidence gate (``mars_export.confidence_gate``: float32 step graphs), also a
+   threshold step whose gate skips the float32 head (``skipped_ms``: ``confidence_tau`` 1, which every
+   row's bound meets) and one whose gate runs it (``fired_ms``: -1, the head always runs); the
+   step's own ``step_ms`` is a threshold step of a graph without the gate.
 3. Op breakdown at the first B and P, per bundle and W: onnxruntime's profiler over
    ``--steps`` greedy steps: kernel time per op type (ms per step, share of the profiled total)
    and the node count per op type in the graph as onnxruntime optimized it.
@@ -119,6 +123,16 @@ def greedy_call(session: ort.InferenceSession, config: bundle.BundleConfig, inpu
     return lambda: call().argmax(-1)
 
 
+def gated_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple, tau: float):
+    """As :func:`step_call`, a threshold step through the confidence gate (``KVBinding.run_gated_step``) with
+    ``confidence_tau`` ``tau`` in every row; returns (ids, logits or None); None for a graph without the gate."""
+    if bundle.CONFIDENCE_TAU not in {i.name for i in session.get_overridable_initializers()}:
+        return None
+    ids, positions, mask, past = inputs
+    kv, taus = KVBinding(session, ort), np.full(len(ids), tau, np.float32)
+    return lambda: kv.run_gated_step(ids, positions, mask, past, config.vocab_size, taus)
+
+
 def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads: int, huge_pages: bool,
                  steps: int) -> tuple[dict[str, dict], float]:
     """(op type -> {"ms": kernel ms per step, "share": of the profiled total, "nodes": count in the optimized
@@ -149,24 +163,27 @@ def op_breakdown(path: Path, config: bundle.BundleConfig, inputs: tuple, threads
 SETTLE_CALLS = 2  # untimed calls per turn: after another session ran, a session's first steps run ~13% slower
 
 
-def interleaved_times(calls: dict, steps: int, rounds: int, greedy: dict | None = None) -> dict[str, dict]:
-    """name -> {"step_ms", "cpu_ms"[, "greedy_ms"]}: medians over ``rounds`` of the mean over ``steps`` of each
-    call, the calls taking turns; each turn starts with :data:`SETTLE_CALLS` untimed calls (measured on the
-    default int8 bundle: a session's first 20 steps after another session's were 1.13-1.16x its next 20).
-    greedy_ms times ``greedy[name]`` (:func:`greedy_call`), where given: the step as a greedy engine runs it.
+def interleaved_times(calls: dict, steps: int, rounds: int, others: dict | None = None) -> dict[str, dict]:
+    """name -> {"step_ms", "cpu_ms", and a key of ``others`` each}: medians over ``rounds`` of the mean over
+    ``steps`` of each call, the calls taking turns; each turn starts with :data:`SETTLE_CALLS` untimed calls
+    (measured on the default int8 bundle: a session's first 20 steps after another session's were 1.13-1.16x its
+    next 20). ``others``: figure name (e.g. "greedy_ms") -> name -> a call timed the same way after the step
+    (:func:`greedy_call`, :func:`gated_call`), or None where the bundle has no such step.
     cpu_ms is this process's CPU time per step (all its threads, spinning included): at ``--threads 1`` it
     hardly moves with other processes' load, so it is the steadier A/B figure."""
-    kinds = ("step_ms", "cpu_ms", "greedy_ms") if greedy else ("step_ms", "cpu_ms")
-    samples = {name: {kind: [] for kind in kinds} for name in calls}
+    others = others or {}
+    samples = {name: {kind: [] for kind in ("step_ms", "cpu_ms", *others)} for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
             for _ in range(SETTLE_CALLS):
                 call()
             samples[name]["step_ms"].append(mean_seconds(call, steps) * 1000)
             samples[name]["cpu_ms"].append(mean_seconds(call, steps, time.process_time) * 1000)
-            if greedy:
-                samples[name]["greedy_ms"].append(mean_seconds(greedy[name], steps) * 1000)
-    return {name: {key: float(np.median(values)) for key, values in s.items()} for name, s in samples.items()}
+            for kind, other in others.items():
+                if other[name] is not None:
+                    samples[name][kind].append(mean_seconds(other[name], steps) * 1000)
+    return {name: {key: float(np.median(values)) if values else None for key, values in s.items()}
+            for name, s in samples.items()}
 
 
 def load_bundles(bundle_dirs: list[Path], pages: str = "huge") -> dict[str, tuple[bundle.BundleConfig, Path, bool]]:
@@ -202,8 +219,10 @@ def run(args) -> dict:
     for batch, past, window in itertools.product(args.batches, args.pasts, args.windows):
         inputs = decode_inputs(step_config, window, batch, past, rng)
         calls = {name: step_call(session, loaded[name][0], inputs) for name, session in sessions.items()}
-        greedy = {name: greedy_call(session, loaded[name][0], inputs) for name, session in sessions.items()}
-        times = interleaved_times(calls, args.steps, args.rounds, greedy)
+        others = {"greedy_ms": {name: greedy_call(session, loaded[name][0], inputs) for name, session in sessions.items()},
+                  "skipped_ms": {name: gated_call(session, loaded[name][0], inputs, 1.0) for name, session in sessions.items()},
+                  "fired_ms": {name: gated_call(session, loaded[name][0], inputs, -1.0) for name, session in sessions.items()}}
+        times = interleaved_times(calls, args.steps, args.rounds, others)
         is_profiled = (batch, past) == (args.batches[0], args.pasts[0])
         for name, timing in times.items():
             config, path, huge = loaded[name]
@@ -225,11 +244,12 @@ def run(args) -> dict:
 def markdown(result: dict, top: int) -> str:
     """Timing table, then per (bundle, W) the top op types."""
     rows = result["rows"]
-    lines = ["| bundle | B | P | W | step ms | vs first | CPU ms | vs first | greedy step ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    shown = lambda ms: "" if ms is None else f"{ms:.2f}"  # noqa: E731
+    lines = ["| bundle | B | P | W | step ms | vs first | CPU ms | vs first | greedy step ms | gate skipped ms | "
+             "gate fired ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['bundle']} | {r['batch']} | {r['past']} | {r['window']} | {r['step_ms']:.2f} | "
-              f"{r['ratio_to_first']:.3f} | {r['cpu_ms']:.2f} | {r['cpu_ratio_to_first']:.3f} | {r['greedy_ms']:.2f} |"
-              for r in rows]
+              f"{r['ratio_to_first']:.3f} | {r['cpu_ms']:.2f} | {r['cpu_ratio_to_first']:.3f} | {r['greedy_ms']:.2f} | "
+              f"{shown(r['skipped_ms'])} | {shown(r['fired_ms'])} |" for r in rows]
     for r in (r for r in rows if r["ops"]):
         lines += ["", f"{r['bundle']}, W = {r['window']}, B = {r['batch']}, P = {r['past']}: {r['num_nodes']} nodes "
                   f"after onnxruntime's optimizer, {r['profiled_ms']:.2f} ms kernel time per greedy step of a profiled run of "

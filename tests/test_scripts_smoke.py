@@ -462,6 +462,7 @@ def test_profile_step_writes_times_and_op_breakdown(smoke_model, tmp_path):
         [(p, w, str(b)) for p in (6, 0) for w in (1, 3) for b in (bundle, copy)]
     for row in rows:
         assert min(row["step_ms"], row["cpu_ms"], row["greedy_ms"], row["ratio_to_first"], row["cpu_ratio_to_first"]) > 0
+        assert row["skipped_ms"] > 0 and row["fired_ms"] > 0  # a float32 step graph's confidence gate, both ways
     assert [r["ratio_to_first"] for r in rows[0::2]] == [1.0] * 4
     for row in rows[:4]:  # the op breakdown is taken at the first past
         assert row["ops"]["MatMul"]["nodes"] > 0 and abs(sum(o["share"] for o in row["ops"].values()) - 1) < 1e-6
@@ -503,6 +504,7 @@ def test_profile_step_runs_a_fused_bundle_as_its_backend_does(smoke_model, smoke
     # the greedy step of a float32 fused bundle reads its greedy head's ids: the int8 screening runs, and
     # the float32 output head on no rows
     assert all(row["ops"]["MatMulNBits"]["nodes"] == 1 and row["greedy_ms"] > 0 for row in rows[1:4:2])
+    assert all(row["skipped_ms"] is None and row["fired_ms"] is None for row in rows[1::2])  # no gate in a fused graph
     refused = subprocess.run([sys.executable, "bench/profile_step.py", fused, "--batches", "2"], cwd=ROOT,
                              capture_output=True, text=True, timeout=TIMEOUT_S)
     assert refused.returncode != 0 and "fused bundle: it runs batch 1; pass --batches 1" in refused.stderr

@@ -62,11 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
     g = p.add_argument_group("tau and the load policy")
-    g.add_argument("--tau", type=float, default=1.0, help="base default tau for requests without tau (default 1.0)")
-    g.add_argument("--tau-min", type=float, default=None,
-                   help="lowest default tau the load policy sets under load (default: --tau, i.e. policy off)")
-    g.add_argument("--tau-max", type=float, default=None, help="highest base tau /admin/tau accepts (default: "
-                                                               "max(--tau, 1.0))")
+    g.add_argument("--tau", type=_tau, default=1.0,
+                   help="base default tau for requests without tau, 0..1 (default 1.0)")
+    g.add_argument("--tau-min", type=_tau, default=None,
+                   help="lowest default tau the load policy sets under load, and the lowest base tau /admin/tau "
+                        "accepts, 0..--tau (default: --tau, i.e. policy off)")
+    g.add_argument("--tau-max", type=_tau, default=None, help="highest base tau /admin/tau accepts, --tau..1 "
+                                                              "(default 1.0)")
     g.add_argument("--queue-low", type=int, default=0, help="waiting requests at or below which the default tau "
                                                             "is the base tau (default 0)")
     g.add_argument("--queue-high", type=int, default=16, help="waiting requests at or above which the default tau "
@@ -108,6 +110,17 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _tau(text: str) -> float:
+    try:
+        tau = float(text)
+    except ValueError:
+        tau = -1.0
+    if not 0 <= tau <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
+                                         f"tau decodes the same), got {text}")
+    return tau
+
+
 def _non_negative_seconds(text: str) -> float:
     try:
         seconds = float(text)
@@ -145,14 +158,29 @@ def server_settings(args: argparse.Namespace) -> tuple[LoadPolicy, ServerLimits]
         ValueError: an option value out of range, or two that contradict each other (the message
             names the options).
     """
-    policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
-                        tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
-                        queue_low=args.queue_low, queue_high=args.queue_high)
-    policy.check_base(args.tau)
+    tau_min, tau_max = tau_range(args)
+    policy = LoadPolicy(tau_min=tau_min, tau_max=tau_max, queue_low=args.queue_low, queue_high=args.queue_high)
     default_max_tokens = args.default_max_tokens
     if default_max_tokens is None:
         default_max_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_limit)
     return policy, ServerLimits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_limit, default_max_tokens)
+
+
+def tau_range(args: argparse.Namespace) -> tuple[float, float]:
+    """The base taus ``/admin/tau`` accepts, ``(--tau-min, --tau-max)``, defaults applied (--tau, 1.0).
+
+    Raises:
+        ValueError: ``--tau`` below ``--tau-min`` or above ``--tau-max`` (the message names the options and their
+            values; each is in 0..1 already, by :func:`parse_args`).
+    """
+    tau_min = args.tau if args.tau_min is None else args.tau_min
+    tau_max = 1.0 if args.tau_max is None else args.tau_max
+    need = "need --tau-min <= --tau <= --tau-max (the base taus /admin/tau accepts)"
+    if args.tau < tau_min:
+        raise ValueError(f"--tau {args.tau:g} is below --tau-min {tau_min:g}: {need}")
+    if args.tau > tau_max:
+        raise ValueError(f"--tau {args.tau:g} is above --tau-max {tau_max:g}: {need}")
+    return tau_min, tau_max
 
 
 def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:

@@ -60,6 +60,40 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
         assert f"({flag}) must be >= 1, got 0" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--tau", "1.5"], "argument --tau: must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
+                       "tau decodes the same), got 1.5"),
+    (["--tau", "-1"], "argument --tau: must be a number in 0..1"),
+    (["--tau-min", "nan"], "argument --tau-min: must be a number in 0..1"),
+    (["--tau-max", "1.5"], "argument --tau-max: must be a number in 0..1"),
+    (["--tau", "0.5", "--tau-min", "0.9"], "error: --tau 0.5 is below --tau-min 0.9: need --tau-min <= --tau <= "
+                                           "--tau-max (the base taus /admin/tau accepts)\n"),
+    (["--tau", "0.9", "--tau-max", "0.8"], "error: --tau 0.9 is above --tau-max 0.8: need --tau-min <= --tau <= "
+                                           "--tau-max (the base taus /admin/tau accepts)\n"),
+    (["--tau-min", "0.9", "--tau-max", "0.8"], "error: --tau 1 is above --tau-max 0.8")])
+def test_a_tau_option_out_of_range_stops_the_server_before_the_bundle_loads(tiny_bundle, monkeypatch, capsys,
+                                                                            options, message):
+    """--tau 1.5 was accepted, and /admin/tau then accepted only [1.5, 1.5], refusing 1.0; --tau -1 was refused in
+    the load policy's terms (tau_min). Each tau option is in 0..1, and --tau-min <= --tau <= --tau-max, refused with
+    exit status 2 in the options' names before the bundle loads."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr("runtime.backends.loading.load_backend", lambda *a: pytest.fail("the bundle was loaded"))
+    try:
+        code = main([str(bundle), *options])
+    except SystemExit as e:  # argparse's refusal: its usage, then one error line
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("error:") == 1, err
+
+
+def test_the_default_tau_range_is_tau_to_1(tmp_path):
+    policy = server_settings(parse_args([str(tmp_path), "--tau", "0.9"]))[0]
+    assert (policy.tau_min, policy.tau_max) == (0.9, 1.0)
+    policy = server_settings(parse_args([str(tmp_path), "--tau", "1", "--tau-min", "0.5", "--tau-max", "1"]))[0]
+    assert (policy.tau_min, policy.tau_max) == (0.5, 1.0)
+
+
 def test_the_default_max_tokens_follows_a_lower_limit_and_an_explicit_one_above_it_is_refused(tmp_path):
     assert server_settings(parse_args([str(tmp_path)]))[1].default_max_tokens == 256
     assert server_settings(parse_args([str(tmp_path), "--max-tokens-limit", "100"]))[1].default_max_tokens == 100

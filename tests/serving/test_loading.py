@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
 from runtime.backends.loading import load_backend
 from runtime.backends.onnx import OnnxBackend
 from runtime import generate
-from runtime.bundle import BundleError
+from runtime.bundle import BundleError, load_config
 from runtime.serve import API_KEY_ENV, main, parse_args, server_settings
 
 
@@ -43,6 +44,28 @@ def test_other_paths_are_refused(tiny_bundle, name):
         path.write_bytes(b"")
     with pytest.raises(BundleError):
         load_backend(path)
+
+
+def test_a_path_that_is_no_bundle_is_named_with_what_a_bundle_is(tmp_path, capsys, monkeypatch):
+    """``python -m runtime.serve README.md`` said ". is not a MARS bundle": the folder of the file, not the path
+    given. Each message names the path given and says what a bundle is and how to make one."""
+    monkeypatch.chdir(tmp_path)
+    Path("README.md").write_text("# notes")
+    Path("model.onnx").write_bytes(b"")
+    Path("folder").mkdir()
+    what = "a MARS bundle is the folder mars-export writes (mars_config.json, the ONNX graph, the tokenizer files); " \
+           "make one with 'mars-export MODEL -o DIR'"
+    paths = "give a bundle directory, its .onnx file or its engine.plan"
+    for path, start in (("README.md", f"README.md is a file, not a MARS bundle: {paths}; "),
+                        ("model.onnx", f"model.onnx is not in a MARS bundle: its folder . holds no mars_config.json; "
+                                       f"{paths}; "),
+                        ("folder", "folder is not a MARS bundle: it holds no mars_config.json; ")):
+        assert main([path]) == 2
+        assert capsys.readouterr().err == f"error: {start}{what}\n"
+    for path, why in (("README.md", "it is a file"), ("gone", "it does not exist")):  # generate, mars-eval, ...
+        with pytest.raises(BundleError) as refused:
+            load_config(path)
+        assert str(refused.value) == f"{path} is not a MARS bundle: {why}; {what}"
 
 
 def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):

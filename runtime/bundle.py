@@ -350,8 +350,10 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
         raise BundleError(f"{bundle_dir} is not a MARS bundle: {_why_not_a_bundle(Path(bundle_dir))}; "
                           f"{WHAT_A_BUNDLE_IS}")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path} is not UTF-8 text ({e}); re-export the bundle") from e
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays or objects nested too deeply
         raise BundleError(f"{path} is not valid JSON ({e}); re-export the bundle") from e
     if not isinstance(raw, dict):
         raise BundleError(f"{path} must hold a JSON object; re-export the bundle")

@@ -11,8 +11,10 @@ inside it. Binds 127.0.0.1 unless told.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -136,6 +138,43 @@ def make_server(app: FastAPI, args: argparse.Namespace) -> Server:
     return Server(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
 
 
+class CannotListen(Exception):
+    """``--host``/``--port`` cannot be bound now (:func:`check_can_listen`); the message names the option."""
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind a TCP socket to each address of ``host:port``, as uvicorn will (SO_REUSEADDR on POSIX, IPv6 sockets
+    IPv6 only, as asyncio's ``create_server``), and close it: a port in use is found before the model loads, not
+    after. uvicorn binds again later; a port taken in between still fails there, with its own error line.
+
+    Raises:
+        ValueError: ``host`` does not resolve (the message names ``--host``).
+        CannotListen: ``port`` is in use, or the address cannot be bound (the message names the address and
+            ``--port``).
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e.strerror}): pass an IP address or a name of this "
+                         "machine, e.g. --host 127.0.0.1") from None
+    if port == 0:  # uvicorn picks a free one
+        return
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            if os.name == "posix":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise CannotListen(f"port {port} on {host} is in use: stop what listens there, or choose another "
+                                       "--port (--port 0 picks a free one)") from None
+                raise CannotListen(f"cannot listen on {host} port {port} ({e.strerror}): check --host and "
+                                   "--port") from None
+
+
 def configure_logging(log_level: str) -> None:
     """``--log-level`` for this process's Python loggers (ours, and libraries' without a level of their own): the
     root logger's level, and a stderr handler where the root has none yet (a Ray replica's may have one)."""
@@ -211,10 +250,16 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) for a bad option or
-    bundle, 3 (uvicorn's code, after its error line) if it cannot start serving, e.g. a port in use."""
+    bundle, 3 (uvicorn's code) if it cannot start serving: after one ``error:`` line for a port in use
+    (checked before the bundle loads), after uvicorn's own for one taken while it loaded."""
     try:
         args = parse_args(argv)
+        server_settings(args)  # a bad option before the port, and both before the bundle loads (build_app)
+        check_can_listen(args.host, args.port)
         app = build_app(args)
+    except CannotListen as e:
+        print(f"error: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
     except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from runtime.backends.loading import load_backend
 from runtime.backends.onnx import OnnxBackend
 from runtime import generate
 from runtime.bundle import BundleError, load_config
-from runtime.serve import API_KEY_ENV, main, parse_args, server_settings
+from runtime.serve import API_KEY_ENV, STARTUP_FAILURE, check_can_listen, main, parse_args, server_settings
 
 
 def test_bundle_dir_and_its_onnx_file(tiny_bundle):
@@ -132,6 +133,29 @@ def test_a_port_outside_0_to_65535_is_refused(tmp_path, capsys, port):
         parse_args([str(tmp_path), "--port", port])
     assert f"--port: must be a port number in 1..65535 (0 picks a free one), got {port}" in capsys.readouterr().err
     assert [parse_args([str(tmp_path), "--port", p]).port for p in ("0", "1", "65535")] == [0, 1, 65535]
+
+
+def test_a_port_in_use_stops_the_server_before_the_bundle_loads(tiny_bundle, monkeypatch, capsys):
+    """uvicorn's "address already in use" came only once the model had loaded: the port is bound (and closed)
+    first, a port in use is one error line naming it and --port, exit status 3 (uvicorn's). Once free, the same
+    check passes again and again: it leaves nothing bound, and uvicorn binds the port itself later."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr("runtime.backends.loading.load_backend", lambda *a: pytest.fail("the bundle was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([str(bundle), "--port", str(port)]) == STARTUP_FAILURE
+        assert capsys.readouterr().err == (f"error: port {port} on 127.0.0.1 is in use: stop what listens there, or "
+                                           "choose another --port (--port 0 picks a free one)\n")
+    for _ in range(2):
+        check_can_listen("127.0.0.1", port)
+    with socket.socket() as server:  # as uvicorn binds it after the check
+        server.bind(("127.0.0.1", port))
+        server.listen()
+    assert main([str(bundle), "--host", "no-such-host.invalid"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host 'no-such-host.invalid' does not resolve (")
 
 
 def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch):

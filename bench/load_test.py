@@ -96,8 +96,8 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "runtime.serve", args.bundle, "--host", HOST, "--port", "0",
            "--max-batch-size", str(args.max_batch_size), "--threads", str(args.threads),
            "--tau-min", str(args.tau_min), "--queue-high", str(args.queue_high), "--log-level", "info"]
-    log = log_path.open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with log_path.open("w") as log:  # the child keeps its own copy of the file
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         found = re.search(r"running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
@@ -105,7 +105,9 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
             return proc, f"http://{HOST}:{found.group(1)}"
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the server did not start; see {log_path}")
+    proc.wait()
+    tail = "\n".join(log_path.read_text().splitlines()[-20:])  # the log's folder is removed after this
+    raise RuntimeError(f"the server did not start; the end of its log:\n{tail}")
 
 
 def rss_mb(pid: int) -> float:
@@ -319,13 +321,14 @@ def fixed_checks(fixed: dict) -> dict:
 
 def run_single(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[str]]:
     """Both phases against one ``python -m runtime.serve`` process; (result, keys to print)."""
-    proc, url = start_server(args, Path(tempfile.mkdtemp(prefix="mars-load-")) / "server.log")
-    try:
-        run = LoadRun(url, proc.pid, prompts, solo, tokenizer, args.max_tokens)
-        asyncio.run(run.run(args))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with tempfile.TemporaryDirectory(prefix="mars-load-") as work:  # the server's log, removed after the run
+        proc, url = start_server(args, Path(work) / "server.log")
+        try:
+            run = LoadRun(url, proc.pid, prompts, solo, tokenizer, args.max_tokens)
+            asyncio.run(run.run(args))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     fixed = summarize_phase(run.records, run.samples, "fixed")
     ramp = summarize_phase(run.records, run.samples, "ramp")
     levels = ramp_levels(run.samples, args.ramp)

@@ -64,6 +64,9 @@ DTYPES = ("float32", "float16")
 WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
 # The step graph (ours, any batch, any backend) or the fused model-builder graph (batch 1, onnxruntime CPU).
 GRAPHS = ("step", "fused")
+# What a bundle is, for the messages of a path that is none.
+WHAT_A_BUNDLE_IS = (f"a MARS bundle is the folder mars-export writes ({CONFIG_FILE}, the ONNX graph, the tokenizer "
+                    "files); make one with 'mars-export MODEL -o DIR'")
 
 
 class BundleError(ValueError):
@@ -362,10 +365,13 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
     """
     path = Path(bundle_dir) / CONFIG_FILE
     if not path.is_file():
-        raise BundleError(f"{path} not found: {bundle_dir} is not a MARS bundle (export one with mars-export)")
+        raise BundleError(f"{bundle_dir} is not a MARS bundle: {_why_not_a_bundle(Path(bundle_dir))}; "
+                          f"{WHAT_A_BUNDLE_IS}")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{path} is not UTF-8 text ({e}); re-export the bundle") from e
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays or objects nested too deeply
         raise BundleError(f"{path} is not valid JSON ({e}); re-export the bundle") from e
     if not isinstance(raw, dict):
         raise BundleError(f"{path} must hold a JSON object; re-export the bundle")
@@ -383,3 +389,10 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
     except BundleError as e:  # a field of the wrong JSON type or value
         raise BundleError(f"{path}: {e}") from e
 
+
+def _why_not_a_bundle(path: Path) -> str:
+    if not path.exists():
+        return "it does not exist"
+    if not path.is_dir():
+        return "it is a file"
+    return f"it holds no {CONFIG_FILE}"

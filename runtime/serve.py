@@ -11,8 +11,10 @@ inside it. Binds 127.0.0.1 unless told.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -62,11 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
     g = p.add_argument_group("tau and the load policy")
-    g.add_argument("--tau", type=float, default=1.0, help="base default tau for requests without tau (default 1.0)")
-    g.add_argument("--tau-min", type=float, default=None,
-                   help="lowest default tau the load policy sets under load (default: --tau, i.e. policy off)")
-    g.add_argument("--tau-max", type=float, default=None, help="highest base tau /admin/tau accepts (default: "
-                                                               "max(--tau, 1.0))")
+    g.add_argument("--tau", type=_tau, default=1.0,
+                   help="base default tau for requests without tau, 0..1 (default 1.0)")
+    g.add_argument("--tau-min", type=_tau, default=None,
+                   help="lowest default tau the load policy sets under load, and the lowest base tau /admin/tau "
+                        "accepts, 0..--tau (default: --tau, i.e. policy off)")
+    g.add_argument("--tau-max", type=_tau, default=None, help="highest base tau /admin/tau accepts, --tau..1 "
+                                                              "(default 1.0)")
     g.add_argument("--queue-low", type=int, default=0, help="waiting requests at or below which the default tau "
                                                             "is the base tau (default 0)")
     g.add_argument("--queue-high", type=int, default=16, help="waiting requests at or above which the default tau "
@@ -108,6 +112,17 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _tau(text: str) -> float:
+    try:
+        tau = float(text)
+    except ValueError:
+        tau = -1.0
+    if not 0 <= tau <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
+                                         f"tau decodes the same), got {text}")
+    return tau
+
+
 def _non_negative_seconds(text: str) -> float:
     try:
         seconds = float(text)
@@ -121,6 +136,43 @@ def _non_negative_seconds(text: str) -> float:
 def make_server(app: FastAPI, args: argparse.Namespace) -> Server:
     """uvicorn's server of ``app`` for the options (the one place they are mapped)."""
     return Server(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
+
+
+class CannotListen(Exception):
+    """``--host``/``--port`` cannot be bound now (:func:`check_can_listen`); the message names the option."""
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind a TCP socket to each address of ``host:port``, as uvicorn will (SO_REUSEADDR on POSIX, IPv6 sockets
+    IPv6 only, as asyncio's ``create_server``), and close it: a port in use is found before the model loads, not
+    after. uvicorn binds again later; a port taken in between still fails there, with its own error line.
+
+    Raises:
+        ValueError: ``host`` does not resolve (the message names ``--host``).
+        CannotListen: ``port`` is in use, or the address cannot be bound (the message names the address and
+            ``--port``).
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e.strerror}): pass an IP address or a name of this "
+                         "machine, e.g. --host 127.0.0.1") from None
+    if port == 0:  # uvicorn picks a free one
+        return
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            if os.name == "posix":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise CannotListen(f"port {port} on {host} is in use: stop what listens there, or choose another "
+                                       "--port (--port 0 picks a free one)") from None
+                raise CannotListen(f"cannot listen on {host} port {port} ({e.strerror}): check --host and "
+                                   "--port") from None
 
 
 def configure_logging(log_level: str) -> None:
@@ -145,14 +197,29 @@ def server_settings(args: argparse.Namespace) -> tuple[LoadPolicy, ServerLimits]
         ValueError: an option value out of range, or two that contradict each other (the message
             names the options).
     """
-    policy = LoadPolicy(tau_min=args.tau if args.tau_min is None else args.tau_min,
-                        tau_max=max(args.tau, 1.0) if args.tau_max is None else args.tau_max,
-                        queue_low=args.queue_low, queue_high=args.queue_high)
-    policy.check_base(args.tau)
+    tau_min, tau_max = tau_range(args)
+    policy = LoadPolicy(tau_min=tau_min, tau_max=tau_max, queue_low=args.queue_low, queue_high=args.queue_high)
     default_max_tokens = args.default_max_tokens
     if default_max_tokens is None:
         default_max_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_limit)
     return policy, ServerLimits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens_limit, default_max_tokens)
+
+
+def tau_range(args: argparse.Namespace) -> tuple[float, float]:
+    """The base taus ``/admin/tau`` accepts, ``(--tau-min, --tau-max)``, defaults applied (--tau, 1.0).
+
+    Raises:
+        ValueError: ``--tau`` below ``--tau-min`` or above ``--tau-max`` (the message names the options and their
+            values; each is in 0..1 already, by :func:`parse_args`).
+    """
+    tau_min = args.tau if args.tau_min is None else args.tau_min
+    tau_max = 1.0 if args.tau_max is None else args.tau_max
+    need = "need --tau-min <= --tau <= --tau-max (the base taus /admin/tau accepts)"
+    if args.tau < tau_min:
+        raise ValueError(f"--tau {args.tau:g} is below --tau-min {tau_min:g}: {need}")
+    if args.tau > tau_max:
+        raise ValueError(f"--tau {args.tau:g} is above --tau-max {tau_max:g}: {need}")
+    return tau_min, tau_max
 
 
 def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
@@ -183,10 +250,16 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) for a bad option or
-    bundle, 3 (uvicorn's code, after its error line) if it cannot start serving, e.g. a port in use."""
+    bundle, 3 (uvicorn's code) if it cannot start serving: after one ``error:`` line for a port in use
+    (checked before the bundle loads), after uvicorn's own for one taken while it loaded."""
     try:
         args = parse_args(argv)
+        server_settings(args)  # a bad option before the port, and both before the bundle loads (build_app)
+        check_can_listen(args.host, args.port)
         app = build_app(args)
+    except CannotListen as e:
+        print(f"error: {e}", file=sys.stderr)
+        return STARTUP_FAILURE
     except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

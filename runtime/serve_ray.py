@@ -361,11 +361,18 @@ def wait_for_port(host: str, port: int, timeout_s: float = PROXY_START_S) -> Non
 
 @dataclass(frozen=True)
 class Deployed:
-    """A running deployment: the proxy's base URL and the fleet board (which lives while this
-    handle does: keep it until ``serve.shutdown()``)."""
+    """A running deployment (keep it until :func:`stop`: the fleet board lives while this handle does).
+
+    Attributes:
+        url: the Serve proxy's base URL.
+        board: the fleet board (a Ray actor handle).
+        shutdown_timeout_s: each replica's graceful shutdown in Serve (the server options' ``--shutdown-timeout``),
+            which :func:`stop` waits for.
+    """
 
     url: str
     board: object
+    shutdown_timeout_s: float
 
 
 def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
@@ -376,7 +383,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one), its ``--log-level`` the
     level of Serve's logs (``LoggingConfig``: the controller's and proxy's through ``serve.start``, the replicas'
     through the deployment) and of each replica's own loggers (:func:`make_replica_app`), its ``--shutdown-timeout``
-    each replica's graceful shutdown in Serve (pass the same to :func:`stop`).
+    each replica's graceful shutdown in Serve (:attr:`Deployed.shutdown_timeout_s`, which :func:`stop` waits for).
 
     Raises:
         BundleError, ValueError: bad path, bundle or option value, or a batch the bundle cannot run
@@ -401,12 +408,12 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
                                                        **fleet.deployment_options())
     serve.run(deployment.bind(replica_argv(serve_argv, args.api_key), board_name), name=APP_NAME, route_prefix="/")
     wait_for_port(args.host, port)
-    return Deployed(http_url(args.host, port), board)
+    return Deployed(http_url(args.host, port), board, args.shutdown_timeout)
 
 
-def stop(shutdown_timeout_s: float) -> None:
-    """Stop Serve, giving its replicas ``shutdown_timeout_s`` (``--shutdown-timeout``) to finish their requests,
-    then Ray.
+def stop(deployed: Deployed) -> None:
+    """Stop Serve, giving the replicas of ``deployed`` their graceful shutdown (``deployed.shutdown_timeout_s``, the
+    ``--shutdown-timeout`` that :func:`deploy` gave them) to finish their requests, then Ray.
 
     ``serve.shutdown()`` waits at most 30 s for Serve's controller (Ray's own cap; it takes no timeout). The
     controller goes on stopping the replicas after that, each within its ``graceful_shutdown_timeout_s``, and exits
@@ -415,6 +422,7 @@ def stop(shutdown_timeout_s: float) -> None:
     own wait included), to be gone before Ray is shut down; past that one ``warning:`` line says Ray is shut down
     regardless.
     """
+    shutdown_timeout_s = deployed.shutdown_timeout_s
     deadline = time.monotonic() + shutdown_timeout_s + STOP_MARGIN_S
     serve.shutdown()
     try:
@@ -503,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping.wait()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C while Serve drains ends the command at once
         signal.signal(sig, signal.SIG_DFL)
-    stop(serve_args.shutdown_timeout)
+    stop(deployed)
     return 0
 
 

@@ -81,6 +81,9 @@ def test_verify_with_lookup_drafts_prints_the_greedy_ids(bundle, capsys):
     (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json not found"),
     (lambda b: (b / "mars_config.json").unlink(), "is not a MARS bundle"),
     (lambda b: (b / "mars_config.json").write_text("{not json"), "is not valid JSON"),
+    (lambda b: (b / "mars_config.json").write_text('{"parity": ' + "[" * 100000),  # was a RecursionError traceback
+     "mars_config.json is not valid JSON (maximum recursion depth exceeded"),
+    (lambda b: (b / "mars_config.json").write_bytes(b"\xff\xfe{"), "mars_config.json is not UTF-8 text"),
     (declare_old_kv_outputs, "older step graph that outputs only the window's new KV entries"),
     (lambda b: (b / "mars_config.json").write_text(
         (b / "mars_config.json").read_text().replace('"format_version": 1', '"format_version": 99')),

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -250,6 +251,8 @@ def test_load_test(smoke_model, tmp_path, monkeypatch):
     _, bundle = smoke_model
     load_test = load_script(ROOT / "bench" / "load_test.py")
     monkeypatch.setattr(load_test, "SAMPLE_EVERY_S", 3600.0)
+    monkeypatch.setattr(tempfile, "tempdir", str((tmp_path / "tmp").resolve()))  # the server's log went to a
+    (tmp_path / "tmp").mkdir()  # /tmp/mars-load-* folder that stayed there
     assert load_test.main([str(bundle), "--clients", "2", "--duration", "2", "--max-tokens", "8", "--max-batch-size",
                            "2", "--threads", "1", "--queue-high", "2", "--ramp", "1", "2", "--ramp-step", "1",
                            "--out", str(tmp_path)]) == 0
@@ -257,6 +260,18 @@ def test_load_test(smoke_model, tmp_path, monkeypatch):
     for phase in ("fixed", "ramp"):
         assert result[phase]["tokens"] > 0 and result[phase]["tokens_per_second"] > 0, result[phase]
     assert result["checks"]["fixed_zero_failed_or_lost"] and result["checks"]["fixed_all_equal_solo"]
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_load_test_server_that_does_not_start_leaves_no_folder_and_shows_its_log(tmp_path, monkeypatch):
+    """A server that fails to start: the error shows the end of its log (in a folder removed with the run)."""
+    load_test = load_script(ROOT / "bench" / "load_test.py")
+    monkeypatch.setattr(tempfile, "tempdir", str((tmp_path / "tmp").resolve()))
+    (tmp_path / "tmp").mkdir()
+    args = load_test.parse_args([str(tmp_path / "no-bundle")])
+    with pytest.raises(RuntimeError, match="the server did not start; the end of its log:\n.*no-bundle does not exist"):
+        load_test.run_single(args, [], [], None)
+    assert os.listdir(tmp_path / "tmp") == []
 
 
 def test_load_test_against_ray_replicas(smoke_model, tmp_path):

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import ENGINE_FILE, BundleConfig, BundleError, load_config
+from runtime.bundle import CONFIG_FILE, ENGINE_FILE, WHAT_A_BUNDLE_IS, BundleConfig, BundleError, load_config
 
 
 def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) -> tuple[object, BundleConfig, Path]:
@@ -31,9 +31,15 @@ def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) 
         ValueError: bad provider or thread count, or TensorRT is not available for a plan.
     """
     path = Path(path)
+    paths = "give a bundle directory, its .onnx file or its engine.plan"
     if not path.exists():
-        raise BundleError(f"{path} does not exist; give a bundle directory, its .onnx file or its engine.plan")
+        raise BundleError(f"{path} does not exist; {paths}")
+    if path.is_file() and path.suffix not in (".onnx", ".plan"):
+        raise BundleError(f"{path} is a file, not a MARS bundle: {paths}; {WHAT_A_BUNDLE_IS}")
     bundle_dir = path if path.is_dir() else path.parent
+    if path.is_file() and not (bundle_dir / CONFIG_FILE).is_file():
+        raise BundleError(f"{path} is not in a MARS bundle: its folder {bundle_dir} holds no {CONFIG_FILE}; {paths}; "
+                          f"{WHAT_A_BUNDLE_IS}")
     config = load_config(bundle_dir)
     if path.is_dir() or path.suffix == ".onnx":
         if path.is_file() and path.name != config.onnx_file:

@@ -19,6 +19,8 @@ from runtime.serving.protocol import error_body
 
 
 _SEND_UTF8 = "JSON over HTTP must be UTF-8 (RFC 8259 §8.1): send the body as UTF-8"
+TOO_DEEP = ("the request body nests JSON arrays or objects too deeply to be parsed (Python's json stops near its "
+            "recursion limit, about 1000 levels); a request of this API nests a few levels")
 
 
 class APIError(Exception):
@@ -71,12 +73,15 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int, on_error: Callable
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         # FastAPI's "error parsing the body" wraps what reading or decoding the body raised: BodyLimit's
-        # BodyTooLarge (a chunked body past the limit), or a body that is not UTF-8 (json could not decode it)
+        # BodyTooLarge (a chunked body past the limit), a body that is not UTF-8 (json could not decode it), or
+        # one nested too deeply for json (RecursionError)
         cause, error = exc.__cause__, None
         if isinstance(cause, BodyTooLarge):
             error = body_too_large(max_body_bytes)
         elif isinstance(cause, UnicodeDecodeError):
             error = encoding_error(cause.object)
+        elif isinstance(cause, RecursionError):
+            error = APIError(400, TOO_DEEP, code="invalid_value")
         error = error or APIError(exc.status_code, str(exc.detail), code=_slug(str(exc.detail)))
         return respond(request, error.response())
 
@@ -104,7 +109,7 @@ def validation_response(errors, content_type: str | None = None) -> JSONResponse
         elif isinstance(error.get("ctx", {}).get("error"), ValueError):  # the protocol's own validators
             messages.append(str(error["ctx"]["error"]))  # one sentence that names the field and the value
         else:
-            messages.append(f"{field}: {error.get('msg')}, got {repr(error.get('input'))[:80]}")
+            messages.append(f"{field}: {error.get('msg')}, got {_preview(error.get('input'))}")
     return APIError(400, "; ".join(messages), param=params[0] if params else None, code="invalid_value").response()
 
 
@@ -196,6 +201,15 @@ async def require_json_body(request: Request) -> None:
     error = encoding_error(body)
     if error is not None:
         raise error
+
+
+def _preview(value) -> str:
+    """The start of ``repr(value)``, for a message; a value nested too deeply for ``repr`` (a body that json just
+    parsed, nearly at the recursion limit) is said so."""
+    try:
+        return repr(value)[:80]
+    except RecursionError:
+        return "a value nested too deeply to show"
 
 
 def _slug(text: str) -> str:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
+from pathlib import Path
 
 import pytest
 
 from runtime.backends.loading import load_backend
 from runtime.backends.onnx import OnnxBackend
 from runtime import generate
-from runtime.bundle import BundleError
-from runtime.serve import API_KEY_ENV, main, parse_args, server_settings
+from runtime.bundle import BundleError, load_config
+from runtime.serve import API_KEY_ENV, STARTUP_FAILURE, check_can_listen, main, parse_args, server_settings
 
 
 def test_bundle_dir_and_its_onnx_file(tiny_bundle):
@@ -45,6 +47,28 @@ def test_other_paths_are_refused(tiny_bundle, name):
         load_backend(path)
 
 
+def test_a_path_that_is_no_bundle_is_named_with_what_a_bundle_is(tmp_path, capsys, monkeypatch):
+    """``python -m runtime.serve README.md`` said ". is not a MARS bundle": the folder of the file, not the path
+    given. Each message names the path given and says what a bundle is and how to make one."""
+    monkeypatch.chdir(tmp_path)
+    Path("README.md").write_text("# notes")
+    Path("model.onnx").write_bytes(b"")
+    Path("folder").mkdir()
+    what = "a MARS bundle is the folder mars-export writes (mars_config.json, the ONNX graph, the tokenizer files); " \
+           "make one with 'mars-export MODEL -o DIR'"
+    paths = "give a bundle directory, its .onnx file or its engine.plan"
+    for path, start in (("README.md", f"README.md is a file, not a MARS bundle: {paths}; "),
+                        ("model.onnx", f"model.onnx is not in a MARS bundle: its folder . holds no mars_config.json; "
+                                       f"{paths}; "),
+                        ("folder", "folder is not a MARS bundle: it holds no mars_config.json; ")):
+        assert main([path]) == 2
+        assert capsys.readouterr().err == f"error: {start}{what}\n"
+    for path, why in (("README.md", "it is a file"), ("gone", "it does not exist")):  # generate, mars-eval, ...
+        with pytest.raises(BundleError) as refused:
+            load_config(path)
+        assert str(refused.value) == f"{path} is not a MARS bundle: {why}; {what}"
+
+
 def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
@@ -58,6 +82,40 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
         assert main([str(tmp_path), flag, "0"]) == 2  # each limit's error names the option to change
         err = capsys.readouterr().err
         assert f"({flag}) must be >= 1, got 0" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--tau", "1.5"], "argument --tau: must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
+                       "tau decodes the same), got 1.5"),
+    (["--tau", "-1"], "argument --tau: must be a number in 0..1"),
+    (["--tau-min", "nan"], "argument --tau-min: must be a number in 0..1"),
+    (["--tau-max", "1.5"], "argument --tau-max: must be a number in 0..1"),
+    (["--tau", "0.5", "--tau-min", "0.9"], "error: --tau 0.5 is below --tau-min 0.9: need --tau-min <= --tau <= "
+                                           "--tau-max (the base taus /admin/tau accepts)\n"),
+    (["--tau", "0.9", "--tau-max", "0.8"], "error: --tau 0.9 is above --tau-max 0.8: need --tau-min <= --tau <= "
+                                           "--tau-max (the base taus /admin/tau accepts)\n"),
+    (["--tau-min", "0.9", "--tau-max", "0.8"], "error: --tau 1 is above --tau-max 0.8")])
+def test_a_tau_option_out_of_range_stops_the_server_before_the_bundle_loads(tiny_bundle, monkeypatch, capsys,
+                                                                            options, message):
+    """--tau 1.5 was accepted, and /admin/tau then accepted only [1.5, 1.5], refusing 1.0; --tau -1 was refused in
+    the load policy's terms (tau_min). Each tau option is in 0..1, and --tau-min <= --tau <= --tau-max, refused with
+    exit status 2 in the options' names before the bundle loads."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr("runtime.backends.loading.load_backend", lambda *a: pytest.fail("the bundle was loaded"))
+    try:
+        code = main([str(bundle), *options])
+    except SystemExit as e:  # argparse's refusal: its usage, then one error line
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("error:") == 1, err
+
+
+def test_the_default_tau_range_is_tau_to_1(tmp_path):
+    policy = server_settings(parse_args([str(tmp_path), "--tau", "0.9"]))[0]
+    assert (policy.tau_min, policy.tau_max) == (0.9, 1.0)
+    policy = server_settings(parse_args([str(tmp_path), "--tau", "1", "--tau-min", "0.5", "--tau-max", "1"]))[0]
+    assert (policy.tau_min, policy.tau_max) == (0.5, 1.0)
 
 
 def test_the_default_max_tokens_follows_a_lower_limit_and_an_explicit_one_above_it_is_refused(tmp_path):
@@ -75,6 +133,29 @@ def test_a_port_outside_0_to_65535_is_refused(tmp_path, capsys, port):
         parse_args([str(tmp_path), "--port", port])
     assert f"--port: must be a port number in 1..65535 (0 picks a free one), got {port}" in capsys.readouterr().err
     assert [parse_args([str(tmp_path), "--port", p]).port for p in ("0", "1", "65535")] == [0, 1, 65535]
+
+
+def test_a_port_in_use_stops_the_server_before_the_bundle_loads(tiny_bundle, monkeypatch, capsys):
+    """uvicorn's "address already in use" came only once the model had loaded: the port is bound (and closed)
+    first, a port in use is one error line naming it and --port, exit status 3 (uvicorn's). Once free, the same
+    check passes again and again: it leaves nothing bound, and uvicorn binds the port itself later."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr("runtime.backends.loading.load_backend", lambda *a: pytest.fail("the bundle was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([str(bundle), "--port", str(port)]) == STARTUP_FAILURE
+        assert capsys.readouterr().err == (f"error: port {port} on 127.0.0.1 is in use: stop what listens there, or "
+                                           "choose another --port (--port 0 picks a free one)\n")
+    for _ in range(2):
+        check_can_listen("127.0.0.1", port)
+    with socket.socket() as server:  # as uvicorn binds it after the check
+        server.bind(("127.0.0.1", port))
+        server.listen()
+    assert main([str(bundle), "--host", "no-such-host.invalid"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host 'no-such-host.invalid' does not resolve (")
 
 
 def test_an_empty_api_key_means_no_key(tmp_path, monkeypatch):

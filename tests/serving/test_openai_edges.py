@@ -13,7 +13,8 @@ import pytest
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from runtime.serving.errors import APIError, is_json_content_type, require_json_body, validation_response
+from runtime.serving.errors import (TOO_DEEP, APIError, is_json_content_type, require_json_body,
+                                    validation_response)
 from runtime.serving.protocol import ChatRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -104,6 +105,34 @@ def test_a_body_that_is_no_json_says_so(tiny_server):
         r = tiny_server.http.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
                                   headers={"content-type": content_type})
         assert r.status_code == 200, (content_type, r.text)
+
+
+def test_a_body_nested_too_deeply_is_a_400_that_says_so(tiny_server):
+    """100000 nested lists (alone, as messages, as a prompt, as a message's content): json stops at its recursion
+    limit, which FastAPI answered as a bare "There was an error parsing the body"; the 400 says what is wrong, and
+    the server serves on."""
+    deep = "[" * 100000 + "]" * 100000
+    for route, body in (("/v1/chat/completions", deep), ("/v1/chat/completions", f'{{"messages": {deep}}}'),
+                        ("/v1/completions", f'{{"prompt": {deep}}}'), ("/admin/tau", f'{{"tau": {deep}}}'),
+                        ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": {deep}}}]}}')):
+        r = tiny_server.http.post(route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == TOO_DEEP, (route, body[:40], r.text)
+    assert tiny_server.health()["status"] == "ok"
+    assert tiny_server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_field_nested_too_deeply_to_show_is_still_named():
+    """A body json parsed just below its recursion limit can be too deep for repr() in the error handler, a level
+    or more further down: the 400 names the field without showing the value (it was a RecursionError, a 500)."""
+    deep = []
+    for _ in range(100000):
+        deep = [deep]
+    errors = [{"type": "string_type", "loc": ("body", "prompt"), "msg": "Input should be a valid string",
+               "input": deep}]
+    response = validation_response(errors, "application/json")
+    assert response.status_code == 400
+    assert json.loads(response.body)["error"]["message"] == \
+        "prompt: Input should be a valid string, got a value nested too deeply to show"
 
 
 @pytest.mark.parametrize("content_type, is_json", [

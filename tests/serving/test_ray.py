@@ -258,7 +258,7 @@ def test_ray_shuts_down_only_once_serve_is_gone_or_past_the_shutdown_timeout(mon
     monkeypatch.setattr(serve_ray.ray, "get_actor", get_actor)
     monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append(("ray.shutdown", len(polls))))
     monkeypatch.setattr(serve_ray, "STOP_MARGIN_S", 0.0 if gone_after_polls is None else serve_ray.STOP_MARGIN_S)
-    serve_ray.stop(timeout_s)
+    serve_ray.stop(serve_ray.Deployed("http://127.0.0.1:8000", board=None, shutdown_timeout_s=timeout_s))
     if gone_after_polls is None:  # the deadline passed at the first poll
         assert calls == ["serve.shutdown", ("ray.shutdown", 1)]
         assert capsys.readouterr().err == "warning: Ray Serve did not stop within --shutdown-timeout 0 s + 0 s; " \
@@ -279,6 +279,23 @@ def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown(tiny_bundle, st
     assert stubbed_serve.options["graceful_shutdown_timeout_s"] == timeout_s
     deployment = ray.serve.api.deployment(serve_ray.MarsReplica).options(**stubbed_serve.options)  # Serve checks
     assert deployment._deployment_config.graceful_shutdown_timeout_s == timeout_s  # (no public attribute reads it)
+
+
+@pytest.mark.parametrize("options, timeout_s", [(["--shutdown-timeout", "60"], 60),
+                                                ([], single.DEFAULT_SHUTDOWN_TIMEOUT_S)])
+def test_stop_waits_as_long_as_deploy_gave_the_replicas(tiny_bundle, stubbed_serve, monkeypatch, options, timeout_s):
+    """A programmatic caller's deploy() returns the graceful shutdown it gave the replicas, and stop() takes that
+    handle and waits for it (plus STOP_MARGIN_S) before Ray goes; stop() took the timeout separately, so a caller
+    could deploy with 60 s and stop with another value."""
+    _, bundle = tiny_bundle("llama", 4)
+    deployed = serve_ray.deploy([str(bundle), *options], FleetOptions())
+    assert deployed.shutdown_timeout_s == timeout_s == stubbed_serve.options["graceful_shutdown_timeout_s"]
+    waits = []
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: None)
+    monkeypatch.setattr(serve_ray, "wait_until_serve_is_gone", waits.append)
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: None)
+    serve_ray.stop(deployed)
+    assert timeout_s + serve_ray.STOP_MARGIN_S - 5 < waits[0] <= timeout_s + serve_ray.STOP_MARGIN_S
 
 
 def test_fleet_options_default_to_the_servers_batch():

@@ -163,6 +163,27 @@ def test_the_final_model_moved_in_leaves_only_its_own_weight_files(tmp_path, old
     assert files_under(output) == expected | {"training_args.bin": b"old"}
 
 
+def test_an_earlier_final_models_adapter_files_the_new_one_lacks_are_removed(tmp_path):
+    """A LoRA run's final model over an earlier one's (a --resume after a finished run): the adapter folder is
+    replaced as a whole, so an old adapter/adapter_model.bin does not stay beside the new adapter_model.safetensors
+    (PEFT loads the safetensors first, but the folder would hold two adapters); the checkpoints stay."""
+    output = make_final_model(tmp_path / "run", SINGLE, "old")
+    old_adapter = output / "adapter"
+    old_adapter.mkdir()
+    for name in ("adapter_config.json", "adapter_model.bin", "README.md"):
+        (old_adapter / name).write_text("old")
+    make_final_model(output / "checkpoint-2", SINGLE, "checkpoint")
+    work = make_final_model(output / FINAL_WORK_DIR, SINGLE, "new")
+    (work / "adapter").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (work / "adapter" / name).write_text("new")
+    move_final_model(work, output)
+    expected = {name: b"new" for name in ["config.json", *SINGLE, "tokenizer.json", "adapter/adapter_config.json",
+                                          "adapter/adapter_model.safetensors"]}
+    expected |= {f"checkpoint-2/{name}": b"checkpoint" for name in ["config.json", *SINGLE, "tokenizer.json"]}
+    assert files_under(output) == expected
+
+
 def test_a_sharded_final_model_over_a_single_file_one_loads_as_the_new_model(tmp_path):
     """The case a stale file would break: a loader takes model.safetensors before model.safetensors.index.json."""
     output, new = tmp_path / "run", make_model()

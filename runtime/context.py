@@ -39,10 +39,23 @@ FIELD_DEFAULTS: dict[str, dict] = {
 }
 
 
+# Fields a config.json may hold that transformers does not read for the model type, so neither do we: Mistral and
+# Phi3 slide every layer whatever layer_types say (their configs do not declare them; Mistral's warns); Gemma2
+# slides every other layer whatever sliding_window_pattern says (Gemma3 reads it).
+UNREAD_FIELDS: dict[str, tuple[str, ...]] = {
+    "mistral": ("layer_types",),
+    "phi3": ("layer_types",),
+    "gemma2": ("sliding_window_pattern",),
+}
+
+
 def with_defaults(fields: Mapping) -> dict:
-    """``fields`` with transformers' default of each field it lacks (:data:`FIELD_DEFAULTS`, by the model type
-    or, for a MARS authors' ``a2d-*`` type, its base's: :mod:`runtime.model_types`)."""
-    return {**FIELD_DEFAULTS.get(base_model_type(fields.get("model_type")), {}), **fields}
+    """``fields`` as transformers reads them: less those it ignores (:data:`UNREAD_FIELDS`), with its default of
+    each field they lack (:data:`FIELD_DEFAULTS`); both by the model type or, for a MARS authors' ``a2d-*`` type,
+    its base's (:mod:`runtime.model_types`)."""
+    model_type = base_model_type(fields.get("model_type"))
+    unread = UNREAD_FIELDS.get(model_type, ())
+    return {**FIELD_DEFAULTS.get(model_type, {}), **{k: v for k, v in fields.items() if k not in unread}}
 
 
 def sliding_window(fields: Mapping) -> int | None:

@@ -17,6 +17,10 @@ rotated with the short factors, so step-wise decoding cannot follow that switch:
 ``original_max_position_embeddings``, within which the step graph (and the fused graph, which picks its cache by
 the attention mask's length) uses the short factors throughout, as transformers does. Where transformers reads
 that field, and which rope type names mean longrope, is :func:`longrope_original_context`'s to say.
+
+Dynamic-NTK rope scaling needs no cap: transformers rescales that rope only once a forward passes
+``max_position_embeddings``, which no bundle's context does (the step graph traces it as the default rope,
+:func:`mars_export.step_module.step_graph_model`).
 """
 
 from __future__ import annotations

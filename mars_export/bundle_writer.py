@@ -37,11 +37,16 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
     (:func:`mars_export.context.max_context_of`).
 
     Raises:
-        BundleError: block_size not in 1..window, the window leaves no room in the context for
-            the traced example's past (:func:`mars_export.onnx_export.max_window`), or the model
-            lacks an end token.
+        BundleError: the model attends bidirectionally (``use_bidirectional_attention``), block_size not in
+            1..window, the window leaves no room in the context for the traced example's past
+            (:func:`mars_export.onnx_export.max_window`), or the model lacks an end token.
     """
     cfg, tok = loaded.model.config, loaded.tokenizer
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise BundleError(f"{loaded.source}: the model attends bidirectionally (use_bidirectional_attention: true "
+                          "in its config, e.g. an embedding model): each token sees later ones, which the graphs, "
+                          "decoding causally over a KV cache, cannot compute; no flag changes this, export a "
+                          "causal model")
     max_context, _ = max_context_of(cfg)
     if window > max_window(max_context):
         raise BundleError(f"--window {window} must be smaller than the model's context of {max_context} tokens by "
@@ -83,7 +88,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         ValueError: ``out_dir`` may not be written (:func:`mars_export.output_dir.check_output_dir`: a file, a
             symbolic link, the model's own files, or a directory that is neither a bundle nor empty).
         ParityError: a backend disagrees with PyTorch beyond ``parity_tolerance``.
-        BundleError: invalid block size / window.
+        BundleError: a bidirectional model, invalid block size / window (:func:`prepare_config`).
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, list(loaded.source_paths), overwrite)

@@ -8,12 +8,9 @@ from runtime import context
 
 
 def config_fields(config: PretrainedConfig) -> dict:
-    """``config``'s fields as its ``config.json`` holds them, less a ``layer_types`` its family does not declare
-    (a Mistral config given one keeps it as an attribute, but every Mistral layer slides)."""
-    fields = config.to_dict()
-    if not hasattr(type(config), "layer_types"):
-        fields.pop("layer_types", None)
-    return fields
+    """``config``'s fields as its ``config.json`` holds them (a field its family does not read, such as a Mistral
+    config's ``layer_types``, is left to :func:`runtime.context.with_defaults`)."""
+    return config.to_dict()
 
 
 def max_context_of(config: PretrainedConfig) -> tuple[int, str | None]:

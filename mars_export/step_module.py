@@ -27,6 +27,9 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
   (MatMulNBits ``accuracy_level`` 4) grow into logit differences above 1, so verification left greedy AR.
 - RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with
   the sign of rotate_half folded into the sine: one half-swap instead of two, no Neg.
+- Dynamic-NTK RoPE (``rope_type`` ``"dynamic"``) is traced as the default RoPE (:func:`step_graph_model`):
+  transformers recomputes its frequencies only once a forward's positions pass ``max_position_embeddings``, which
+  a bundle's context never does, and below that they are the default ones.
 - RMSNorm (:func:`rms_norm_div_form`) is traced as ``x / sqrt(mean(x²) + eps) * w``, the
   pattern onnxruntime's graph optimizer fuses into one ``SimplifiedLayerNormalization``
   when it loads the graph; the file itself holds only standard ONNX ops (TensorRT reads it).
@@ -215,20 +218,31 @@ def step_graph_model(model: PreTrainedModel):
     """``model`` set up for tracing the step graph, restored on exit.
 
     Inside: attention is :func:`step_attention`, every RMSNorm of a known family runs
-    :func:`rms_norm_div_form`, and those families' RoPE is :func:`rotary_joint`. The
-    weights are shared, never copied.
+    :func:`rms_norm_div_form`, those families' RoPE is :func:`rotary_joint`, and a dynamic-NTK rotary
+    embedding runs as the default one. The weights are shared, never copied.
+
+    Dynamic NTK: transformers' ``dynamic_rope_update`` branches on the forward's largest position (which
+    torch.export cannot trace) and rescales the frequencies only past ``max_position_embeddings``; below, they
+    are the ones computed at load (``original_inv_freq``), the default RoPE's. The bundle's context never
+    passes ``max_position_embeddings`` (:func:`runtime.context.max_context_of`), so that is all the graph needs.
     """
     previous = model.config._attn_implementation
     norms = [m for m in model.modules() if isinstance(m, RMS_NORM_TYPES)]
     rotaries = [family.apply_rotary_pos_emb for family in FAMILIES]
+    dynamic = [(m, m.rope_type) for m in model.modules() if "dynamic" in str(getattr(m, "rope_type", ""))]
     model.set_attn_implementation(STEP_ATTENTION)
     for norm in norms:
         norm.forward = lambda hidden, norm=norm: rms_norm_div_form(norm, hidden)
     for family in FAMILIES:
         family.apply_rotary_pos_emb = rotary_joint
+    for rotary, _ in dynamic:
+        assert torch.equal(rotary.inv_freq, rotary.original_inv_freq), "dynamic RoPE rescaled before export"
+        rotary.rope_type = "default"
     try:
         yield model
     finally:
+        for rotary, rope_type in dynamic:
+            rotary.rope_type = rope_type
         for family, rotary in zip(FAMILIES, rotaries):
             family.apply_rotary_pos_emb = rotary
         for norm in norms:

@@ -15,7 +15,12 @@ forward's positions stay within ``original_max_position_embeddings``, and every 
 once one passes it (transformers picks the set by the forward's largest position). Keys already in the cache were
 rotated with the short factors, so step-wise decoding cannot follow that switch: the bundle's context is capped to
 ``original_max_position_embeddings``, within which the step graph (and the fused graph, which picks its cache by
-the attention mask's length) uses the short factors throughout, as transformers does.
+the attention mask's length) uses the short factors throughout, as transformers does. Where transformers reads
+that field, and which rope type names mean longrope, is :func:`longrope_original_context`'s to say.
+
+Dynamic-NTK rope scaling needs no cap: transformers rescales that rope only once a forward passes
+``max_position_embeddings``, which no bundle's context does (the step graph traces it as the default rope,
+:func:`mars_export.step_module.step_graph_model`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from runtime.model_types import base_model_type
 # Mistral slides every layer. A type not listed (Llama) has no default: a missing field is absent.
 FIELD_DEFAULTS: dict[str, dict] = {
     "mistral": {"sliding_window": 4096},
+    "phi3": {"original_max_position_embeddings": 4096},
     "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
     "qwen3": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
     "gemma2": {"sliding_window": 4096, "sliding_window_pattern": 2, "num_hidden_layers": 26},
@@ -37,10 +43,23 @@ FIELD_DEFAULTS: dict[str, dict] = {
 }
 
 
+# Fields a config.json may hold that transformers does not read for the model type, so neither do we: Mistral and
+# Phi3 slide every layer whatever layer_types say (their configs do not declare them; Mistral's warns); Gemma2
+# slides every other layer whatever sliding_window_pattern says (Gemma3 reads it).
+UNREAD_FIELDS: dict[str, tuple[str, ...]] = {
+    "mistral": ("layer_types",),
+    "phi3": ("layer_types",),
+    "gemma2": ("sliding_window_pattern",),
+}
+
+
 def with_defaults(fields: Mapping) -> dict:
-    """``fields`` with transformers' default of each field it lacks (:data:`FIELD_DEFAULTS`, by the model type
-    or, for a MARS authors' ``a2d-*`` type, its base's: :mod:`runtime.model_types`)."""
-    return {**FIELD_DEFAULTS.get(base_model_type(fields.get("model_type")), {}), **fields}
+    """``fields`` as transformers reads them: less those it ignores (:data:`UNREAD_FIELDS`), with its default of
+    each field they lack (:data:`FIELD_DEFAULTS`); both by the model type or, for a MARS authors' ``a2d-*`` type,
+    its base's (:mod:`runtime.model_types`)."""
+    model_type = base_model_type(fields.get("model_type"))
+    unread = UNREAD_FIELDS.get(model_type, ())
+    return {**FIELD_DEFAULTS.get(model_type, {}), **{k: v for k, v in fields.items() if k not in unread}}
 
 
 def sliding_window(fields: Mapping) -> int | None:
@@ -79,22 +98,39 @@ def _derived_layer_types(fields: Mapping) -> list[str] | None:
     return None
 
 
-LONGROPE_TYPES = ("longrope", "su")  # "su": Phi-3's first name for longrope
+# The rope type names transformers runs as longrope: "su" is longrope's first name (Phi-3's); Phi3Config also
+# renames "yarn" to longrope, which the other types run as yarn.
+LONGROPE_NAMES = ("longrope", "su")
+LONGROPE_NAMES_OF_TYPE = {"phi3": ("longrope", "su", "yarn")}
+TOP_LEVEL_ORIGINAL_TYPES = ("phi3",)
+# Model types whose config declares a top-level original_max_position_embeddings (Phi3Config, default 4096:
+# FIELD_DEFAULTS), which transformers writes into the rope settings over theirs; other types read the rope settings'.
 
 
 def longrope_original_context(fields: Mapping) -> int | None:
-    """The positions a model with longrope rope scaling keeps its short factors for (its
-    ``original_max_position_embeddings``), or None without longrope scaling.
+    """The positions a model with longrope rope scaling keeps its short factors for (the
+    ``original_max_position_embeddings`` transformers' rope reads), or None without longrope scaling.
 
     Args:
-        fields: as for :func:`sliding_window`; the rope settings are ``rope_parameters`` (transformers 5) or
-            ``rope_scaling`` (older files), their type ``rope_type`` or ``type``. A top-level
-            ``original_max_position_embeddings`` comes first, as transformers reads Phi3's.
+        fields: as for :func:`sliding_window`. The rope settings are ``rope_scaling`` (older files) where it is
+            set, else ``rope_parameters`` (transformers 5), as transformers reads them; their type ``rope_type``,
+            else ``type``, is longrope under one of its names (:data:`LONGROPE_NAMES_OF_TYPE`, else
+            :data:`LONGROPE_NAMES`).
+
+    The top-level field (for Phi3, 4096 when absent) comes before the rope settings' for the types that declare it
+    (:data:`TOP_LEVEL_ORIGINAL_TYPES`), except under the name ``"su"``: transformers moves the top-level field
+    into the rope settings only for a type it knows (longrope, yarn, llama3), before Phi3Config renames ``"su"``,
+    so an ``"su"`` model keeps the rope settings' own.
     """
-    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type")) not in LONGROPE_TYPES:
+    fields = with_defaults(fields)
+    model_type = base_model_type(fields.get("model_type"))
+    rope = fields.get("rope_scaling") or fields.get("rope_parameters") or {}
+    names = (rope.get("rope_type"), rope.get("type"))  # a loaded config's to_dict() keeps "type" as written
+    if rope.get("rope_type", rope.get("type")) not in LONGROPE_NAMES_OF_TYPE.get(model_type, LONGROPE_NAMES):
         return None
-    original = fields.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    original = rope.get("original_max_position_embeddings")
+    if model_type in TOP_LEVEL_ORIGINAL_TYPES and not (original and "su" in names):
+        original = fields.get("original_max_position_embeddings") or original
     return int(original) if original else None
 
 

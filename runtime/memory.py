@@ -40,7 +40,7 @@ BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # int8/i
 KV_BYTES = {"fp32": 4, "fp16": 2, "float32": 4, "float16": 2}
 BUDGETS_GIB = {"Orin Nano 8GB": 8, "Orin NX 16GB": 16, "AGX Orin 32GB": 32, "AGX Orin 64GB": 64}
 GIB = 1024**3
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,14 @@ class ModelMemory:
         num_layers, num_kv_heads, head_dim: KV cache shape per token.
         kv_bytes_per_element: 4 (fp32) or 2 (fp16).
         max_context: the context a bundle of the model holds (tokens): ``max_context`` of a bundle's config; of a
-            ``config.json``, its ``max_position_embeddings`` capped to a sliding attention window
-            (:func:`runtime.context.max_context_of`, the rule the export applies).
+            ``config.json``, its ``max_position_embeddings`` capped to a sliding attention window or a longrope
+            model's original context (:func:`runtime.context.max_context_of`, the rule the export applies).
         note: how ``weights_bytes`` was obtained.
         max_batch: the most sequences the bundle runs at once (1 for a fused bundle), or None.
         kv_copies: copies of the KV cache the backend holds: 1 (onnxruntime, written in place) or 2
             (TensorRT: the cache and the engine's present outputs, as large as the cache's rows).
-        context_note: why ``max_context`` is less than the model's positions (a ``config.json``'s sliding window),
-            or None.
+        context_note: why ``max_context`` is less than a ``config.json``'s positions (the line
+            :func:`runtime.context.max_context_of` gives, which the export logs), or None.
     """
 
     name: str
@@ -90,12 +90,12 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: i
 
 
 def count_parameters(config: dict) -> int:
-    """Parameters of a Llama / Mistral / Qwen2 / Qwen3 causal LM from its ``config.json`` fields
+    """Parameters of a Llama / Mistral / Qwen2 / Qwen3 / Phi3 causal LM from its ``config.json`` fields
     (also of the MARS authors' ``a2d-*`` checkpoints of those: :mod:`runtime.model_types`).
 
-    Per layer: q, k, v, o projections (biases: q/k/v always for Qwen2, all four when
-    ``attention_bias``), gate/up/down MLP (biases when ``mlp_bias``), two RMSNorms of d,
-    and for Qwen3 a q-norm and k-norm of D. Plus the embedding V · d, the final norm d and
+    Per layer: q, k, v, o projections (biases: q/k/v always for Qwen2, all four when ``attention_bias``),
+    gate/up/down MLP (biases when ``mlp_bias``), two RMSNorms of d, and for Qwen3 a q-norm and k-norm of D
+    (Phi3 holds q, k, v as one projection and gate, up as one: the same count). Plus the embedding V · d, the final norm d and
     an lm_head V · d unless ``tie_word_embeddings``.
 
     Raises:
@@ -125,7 +125,7 @@ def count_parameters(config: dict) -> int:
 
 def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = False) -> ModelMemory:
     """Sizing of a Hugging Face ``config.json`` with weights in ``weights_dtype`` (on TensorRT when ``trt``:
-    the KV held twice), up to the context its bundle would hold (capped to a sliding attention window).
+    the KV held twice), up to the context its bundle would hold (:func:`runtime.context.max_context_of`).
 
     Raises:
         ValueError: the file cannot be read or its model cannot be sized (:func:`count_parameters`).
@@ -133,15 +133,14 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
     raw = _read_json(path)
     num_params = count_parameters(raw)
     heads = raw["num_attention_heads"]
-    max_context, capped = max_context_of(raw)
+    max_context, context_note = max_context_of(raw)
     return ModelMemory(
         name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
         num_params=num_params, num_layers=raw["num_hidden_layers"],
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, kv_bytes_per_element=KV_BYTES[kv_dtype],
         max_context=max_context, note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""),
-        kv_copies=2 if trt else 1,
-        context_note=f"the sliding attention window, of {raw['max_position_embeddings']} positions" if capped else None)
+        kv_copies=2 if trt else 1, context_note=context_note)
 
 
 def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan: Path | None = None) -> ModelMemory:
@@ -195,7 +194,9 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
               if model.kv_copies > 1 else "")
     lines.append(f"KV cache {per_token:,} bytes per token = 2 x {model.num_layers} layers x {model.num_kv_heads} "
                  f"KV heads x {model.head_dim} dims x {model.kv_bytes_per_element} B{copies}; max context "
-                 f"{model.max_context}" + (f" ({model.context_note})" if model.context_note else ""))
+                 f"{model.max_context}")
+    if model.context_note:
+        lines.append(model.context_note)
     lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
                  + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))
     for batch in batches:

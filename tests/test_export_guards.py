@@ -95,6 +95,22 @@ def test_a_config_json_lacking_fields_reads_as_transformers_reads_it(fields):
     assert sliding_window(fields) == sliding_window(config_fields(config))
 
 
+@pytest.mark.parametrize("fields", [
+    {"model_type": "mistral", "layer_types": ["full_attention"] * 2},
+    {"model_type": "phi3", "layer_types": ["full_attention"] * 2},
+    {"model_type": "gemma2", "sliding_window_pattern": 1},
+], ids=["mistral-layer-types", "phi3-layer-types", "gemma2-sliding-window-pattern"])
+def test_a_field_transformers_does_not_read_is_not_read(fields):
+    """A config.json field transformers ignores for the model type (runtime.context.UNREAD_FIELDS): here each
+    would say no layer slides, yet transformers slides Mistral's and Phi3's every layer (their modeling applies
+    sliding_window to all) and Gemma2's every other one (layer_types derived with 2, whatever the pattern)."""
+    fields = {**fields, "sliding_window": 300, "num_hidden_layers": 2}
+    config = AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
+    if fields["model_type"] == "gemma2":
+        assert config.layer_types == ["sliding_attention", "full_attention"]
+    assert sliding_window(fields) == 300 == sliding_window(config_fields(config))
+
+
 def test_a_window_wider_than_the_context_caps_nothing():
     assert max_context_of(MistralConfig(sliding_window=4096, max_position_embeddings=512)) == (512, None)
 

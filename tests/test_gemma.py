@@ -16,6 +16,7 @@ from support import export
 from tiny_models import make_checkpoint
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
+from mars_export.cli import main
 from mars_export.model_source import load_checkpoint, load_gguf_model
 from mars_export.parity import chat_prompt_ids
 from mars_export.reference import ReferenceDecoder
@@ -77,6 +78,18 @@ def test_gemma_exports_and_decodes_as_transformers(arch, config, tmp_path):
     assert greedy.token_ids == out[0, len(ids):].tolist()
     params = DecodeParams(tau=0.5, max_new_tokens=max_new, stop_ids=frozenset())
     assert decoder.generate(ids, params).token_ids == reference.generate(ids, params).token_ids
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_a_bidirectional_model_is_refused_before_export(arch, tmp_path, capsys):
+    """use_bidirectional_attention (EmbeddingGemma and the like): tokens see later ones, which causal decoding over
+    a KV cache cannot compute; the export says so in one line, that no flag helps, and writes nothing."""
+    checkpoint = make_checkpoint(arch, tmp_path / arch, sliding_window=WINDOW, use_bidirectional_attention=True)
+    assert main([str(checkpoint), "-o", str(tmp_path / "bundle"), "--block", "4", "--window", "4",
+                 "--mask-token", "<mask>"]) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "use_bidirectional_attention" in errors[0] and "no flag" in errors[0]
+    assert not (tmp_path / "bundle").exists()
 
 
 def write_tiny_gemma2_gguf(path):

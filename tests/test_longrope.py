@@ -15,12 +15,14 @@ import pytest
 import torch
 from support import export
 from tiny_models import make_checkpoint
+from transformers import Phi3Config
 
+from mars_export.context import config_fields
 from mars_export.model_source import load_checkpoint
 from mars_export.parity import chat_prompt_ids
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.context import max_context_of
+from runtime.context import longrope_original_context, max_context_of
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 
@@ -50,7 +52,41 @@ def checkpoint(tmp_path_factory):
     ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_scaling": None}, 131072),
 ], ids=["longrope", "su", "rope-parameters", "no-cap", "no-scaling"])
 def test_longrope_caps_the_context_of_config_json_fields(fields, expected):
-    assert max_context_of(fields)[0] == expected
+    assert max_context_of({"model_type": "phi3", **fields})[0] == expected
+
+
+FACTORS = {"short_factor": [1.0] * NUM_FACTORS, "long_factor": [2.0] * NUM_FACTORS}
+
+
+@pytest.mark.parametrize("fields", [
+    {"original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope", **FACTORS}},
+    {"rope_scaling": {"type": "longrope", **FACTORS}},  # Phi3Config's default 4096
+    {"rope_parameters": {"rope_type": "longrope", "original_max_position_embeddings": 2048, **FACTORS}},
+    {"original_max_position_embeddings": 1024,
+     "rope_parameters": {"rope_type": "longrope", "original_max_position_embeddings": 2048, **FACTORS}},
+    {"original_max_position_embeddings": 2048, "rope_scaling": {"rope_type": "longrope", **FACTORS},
+     "rope_parameters": {"rope_type": "default"}},  # rope_scaling first
+    {"original_max_position_embeddings": 2048, "rope_scaling": {"rope_type": "default"},
+     "rope_parameters": {"rope_type": "longrope", **FACTORS}},
+    {"original_max_position_embeddings": 2048, "rope_scaling": None,
+     "rope_parameters": {"rope_type": "longrope", **FACTORS}},
+    {"original_max_position_embeddings": 8192,
+     "rope_scaling": {"type": "su", "original_max_position_embeddings": 2048, **FACTORS}},
+    {"original_max_position_embeddings": 8192, "rope_scaling": {"type": "yarn", **FACTORS}},
+    {"original_max_position_embeddings": 2048},
+], ids=["phi3-128k", "default", "rope-parameters", "top-level-first", "rope-scaling-first", "rope-scaling-default",
+        "rope-scaling-none", "su", "yarn", "no-scaling"])
+def test_the_original_context_of_a_config_json_is_transformers(fields):
+    """The positions transformers' Phi3 rope keeps its short factors for (its rope settings'
+    original_max_position_embeddings, read by Phi3Config from the config.json's fields), of the raw fields and of
+    the config loaded from them."""
+    fields = {"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 131072,
+              **fields}
+    config = Phi3Config.from_dict(json.loads(json.dumps(fields)))  # from_dict: as from_pretrained reads the file
+    rope = config.rope_parameters
+    expected = rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope" else None
+    assert longrope_original_context(fields) == expected
+    assert longrope_original_context(config_fields(config)) == expected
 
 
 @pytest.mark.parametrize("graph", ["step", "fused"])

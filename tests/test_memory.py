@@ -12,6 +12,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -33,7 +34,9 @@ TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidd
     Qwen2Config(**TINY, tie_word_embeddings=False),
     Qwen2Config(**TINY, tie_word_embeddings=True),
     Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False),
-], ids=["llama", "llama-tied-biases", "llama-head-dim", "qwen2", "qwen2-tied", "qwen3"])
+    Phi3Config(**TINY, tie_word_embeddings=False, pad_token_id=0),  # its default pad id is past the tiny vocab
+    Phi3Config(**TINY, tie_word_embeddings=True, pad_token_id=0),
+], ids=["llama", "llama-tied-biases", "llama-head-dim", "qwen2", "qwen2-tied", "qwen3", "phi3", "phi3-tied"])
 def test_parameter_count_equals_torch(config):
     model = AutoModelForCausalLM.from_config(config)
     assert memory.count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
@@ -153,7 +156,7 @@ def test_sliding_window_caps_the_sized_context(arch, extra, tmp_path):
     sized = memory.from_hf_config(ckpt / "config.json", "fp16", "fp16")
     assert sized.max_context == 48 == max_context_of(AutoConfig.from_pretrained(ckpt))[0]
     text = memory.report(sized, [1], [32, 48, 64, 512], 0.0)
-    assert "max context 48 (the sliding attention window, of 512 positions)" in text
+    assert max_context_of(AutoConfig.from_pretrained(ckpt))[1] in text.splitlines()  # the export's line
     assert "    1      48" in text and "    1      64" not in text
     assert "Orin Nano 8GB  B=1: 48" in text
 
@@ -171,3 +174,18 @@ def test_a_config_json_lacking_fields_is_sized_with_transformers_defaults(fields
     path.write_text(json.dumps({**TINY, **fields}))
     sized = memory.from_hf_config(path, "fp16", "fp16")
     assert sized.max_context == expected == max_context_of(AutoConfig.from_pretrained(path.parent))[0]
+
+
+def test_a_phi3_longrope_config_json_is_sized_to_its_original_context(tmp_path):
+    """Phi3 (Phi-3 128k, Phi-3.5) is sized, up to the longrope original context its bundle holds (runtime.context),
+    and the report says why with the line the export logs."""
+    ckpt = make_checkpoint("phi3", tmp_path / "phi3", max_context=512, original_max_position_embeddings=64,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    config = AutoConfig.from_pretrained(ckpt)
+    sized = memory.from_hf_config(ckpt / "config.json", "fp32", "fp16")
+    assert sized.num_params == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert sized.max_context == 64 == max_context_of(config)[0]
+    text = memory.report(sized, [1], [32, 64, 128], 0.0)
+    assert max_context_of(config)[1] in text.splitlines() and "original_max_position_embeddings" in text
+    assert "    1      64" in text and "    1     128" not in text

@@ -14,6 +14,7 @@ import pytest
 import torch
 from support import export, window_logits
 from tiny_models import make_checkpoint
+from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from mars_export.fuse_projections import fuse_shared_input_matmuls
@@ -200,3 +201,16 @@ def test_a_window_scores_each_token_with_the_bits_of_one_token_steps(tiny_bundle
             np.testing.assert_array_equal(windowed[:, offset], single[:, 0])
             compared += 1
     assert compared == 24
+
+
+def test_dynamic_ntk_rope_exports_as_the_default_rope_within_the_models_positions(tmp_path):
+    """transformers' dynamic-NTK RoPE rescales its frequencies only once a forward passes max_position_embeddings
+    (a branch on the positions, which torch.export refused); below, it is the default RoPE, which the step graph
+    traces. The bundle's context stays within those positions, where transformers' frequencies stay the default's."""
+    ckpt = make_checkpoint("llama", tmp_path / "ckpt", max_context=512,
+                           rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    config = bundle.load_config(export(str(ckpt), tmp_path / "bundle", 4, 4, "--mask-token", "<mask>"))
+    assert config.max_context == 512 and config.parity["max_abs_logit_diff"] <= 1e-3
+    rotary = LlamaForCausalLM.from_pretrained(ckpt).model.rotary_emb
+    rotary(torch.zeros(1), torch.arange(config.max_context)[None])  # a forward up to the bundle's last position
+    assert torch.equal(rotary.inv_freq, rotary.compute_default_rope_parameters(rotary.config)[0])

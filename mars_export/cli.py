@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
+from mars_export.default_model import check_model_spec
 from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
+        check_model_spec(args.model)  # before the block size, which is read from the model
         check_output_dir(Path(args.output), model_paths(args.model), args.force)
     except (ValueError, OSError) as e:
         print(f"error: {_os_error_message(e, args.output) if isinstance(e, OSError) else e}", file=sys.stderr)

@@ -300,6 +300,19 @@ def test_an_unknown_model_name_lists_the_accepted_ones(tmp_path, capsys):
     assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0]
 
 
+@pytest.mark.parametrize("make, what", [
+    (lambda path: path.write_text("# a README"), "it is a file but not a .gguf file"),
+    (lambda path: path.mkdir(), "it is a directory without config.json"),
+], ids=["file", "folder"])
+def test_a_model_path_that_is_no_model_is_named_before_the_block_size(tmp_path, capsys, make, what):
+    """mars-export README.md -o X: the model argument is checked first (it said 'records no block size')."""
+    make(tmp_path / "README.md")
+    code, err = run_export(capsys, tmp_path / "README.md", tmp_path / "x")
+    assert code == 2 and len(err) == 1, err
+    assert what in err[0] and "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0] and ".gguf" in err[0]
+    assert "block size" not in err[0] and not (tmp_path / "x").exists()
+
+
 # --- other flags ---
 
 @pytest.mark.parametrize("args, message", [

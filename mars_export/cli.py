@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
-from mars_export.default_model import check_model_spec
+from mars_export.default_model import MODEL_SPECS_HELP, check_model_spec
 from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
@@ -43,7 +43,7 @@ QUANT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="'default', a .gguf file, or a Hugging Face checkpoint directory")
+    p.add_argument("model", help=f"the model to export: {MODEL_SPECS_HELP}")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
     p.add_argument("--block", type=int, default=None,
                    help="block size B: most tokens accepted per step (default: the one recorded with the model, "

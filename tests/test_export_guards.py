@@ -336,6 +336,14 @@ def test_the_tensorrt_profile_defaults_have_one_home(monkeypatch, capsys):
     assert trt_build.parse_args(["bundle"]).max_batch == 5
 
 
+def test_the_help_names_every_model_name(capsys):
+    """mars-export --help lists MODEL's values from default_model.MODEL_SPECS_HELP, default-mars included."""
+    with pytest.raises(SystemExit):
+        export_cli.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "'default' (SmolLM2-135M-Instruct), 'default-mars' (it with the shipped MARS adapter)" in help_text
+
+
 def test_the_largest_window_the_precheck_allows_exports(checkpoint, tmp_path):
     """The pre-check is the trace's own bound: W 507 (512 - the example's 5 past positions) exports."""
     assert load_config(export(str(checkpoint), tmp_path / "b", 4, 507, "--mask-token", "<mask>")).window == 507

@@ -89,6 +89,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
             symbolic link, the model's own files, or a directory that is neither a bundle nor empty).
         ParityError: a backend disagrees with PyTorch beyond ``parity_tolerance``.
         BundleError: a bidirectional model, invalid block size / window (:func:`prepare_config`).
+        OSError: the bundle cannot be written (no permission, a full disk); the partial directory is removed.
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, list(loaded.source_paths), overwrite)

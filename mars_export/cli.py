@@ -17,6 +17,7 @@ weight-only quantized MatMuls for CPU; ``--trt`` also builds ``engine.plan`` wit
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import signal
 import sys
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
+from mars_export.default_model import MODEL_SPECS_HELP, check_model_spec
 from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
@@ -41,7 +43,7 @@ QUANT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="'default', a .gguf file, or a Hugging Face checkpoint directory")
+    p.add_argument("model", help=f"the model to export: {MODEL_SPECS_HELP}")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
     p.add_argument("--block", type=int, default=None,
                    help="block size B: most tokens accepted per step (default: the one recorded with the model, "
@@ -84,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
+        check_model_spec(args.model)  # before the block size, which is read from the model
         check_output_dir(Path(args.output), model_paths(args.model), args.force)
-    except (ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"error: {_os_error_message(e, args.output) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2
     if args.parity_tol is None:
         args.parity_tol = FP16_PARITY_TOL if args.fp16 else FP32_PARITY_TOL
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the partial bundle is removed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    loaded = None
     try:
         loaded = load_model(args.model, args.mask_token)
         _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
@@ -130,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         config = write_bundle(loaded, args.output, block, window, args.parity_tol, args.force,
                               "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
                               args.min_top1, args.graph, args.quant_block)
-    except (ValueError, FileExistsError, ParityError, BundleError, RuntimeError) as e:
+    except (ValueError, ParityError, BundleError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # write_bundle has removed its partial directory
+        print(f"error: {_os_error_message(e, args.output if loaded is not None else None)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
@@ -148,6 +155,26 @@ def _log_choice(what: str, origin: str, flag: str, detail: str = "") -> None:
     directory name; pass --block to change)'."""
     if origin != flag:
         print(f"{what} ({detail}{origin}; pass {flag} to change)", file=sys.stderr)
+
+
+def _os_error_message(e: OSError, output: str | None) -> str:
+    """One line for an error of the operating system: the path, the problem and what to do. ``output`` is the
+    bundle directory being written, None while the model loads (the default model's cache is written then)."""
+    if e.errno is None:  # our own refusals (check_output_dir's FileExistsError) are whole messages
+        return str(e)
+    problem = (e.strerror or str(e)).lower()
+    path = e.filename if e.filename is not None else output  # a write to a full disk names no file
+    where = f"{path}: " if path not in (None, output) else ""
+    if output is None:
+        todo = {errno.ENOSPC: "free space on its disk"}.get(e.errno, "check that path and its permissions")
+        return f"cannot load the model: {where}{problem}; {todo}"
+    if path is not None and Path(path) in Path(output).parents:  # making the folders above -o
+        where = f"cannot make the folder {path}: "
+    todo = {errno.ENOSPC: "free space on its disk, or choose an -o on another disk",
+            errno.EDQUOT: "free space in your quota, or choose an -o on another disk",
+            errno.EACCES: "choose an -o where you may write", errno.EPERM: "choose an -o where you may write",
+            errno.EROFS: "choose an -o on a writable disk"}.get(e.errno, "choose another -o")
+    return f"cannot write the bundle to -o {output}: {where}{problem}; {todo} (no bundle was written)"
 
 
 def _weight_dtype(args: argparse.Namespace) -> str | None:

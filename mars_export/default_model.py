@@ -36,6 +36,26 @@ MODEL_SPECS_HELP = (f"'{DEFAULT_SPEC}' (SmolLM2-135M-Instruct), '{MARS_DEFAULT_S
 DEFAULT_MASK_TOKEN = "<empty_output>"
 
 
+def check_model_spec(spec: str) -> None:
+    """Raise ValueError unless ``spec`` names a model that mars-export and mars-train can load: ``default``,
+    ``default-mars``, a ``.gguf`` file or a directory holding ``config.json``. Whether its files read as a model
+    is the loader's to find out; this check needs no torch, so the CLI runs it before anything else.
+
+    Raises:
+        ValueError: naming what ``spec`` is and listing what MODEL may be (:data:`MODEL_SPECS_HELP`).
+    """
+    if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
+        return
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected {MODEL_SPECS_HELP})")
+    if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").exists()):
+        return
+    what = ("a file but not a .gguf file" if path.is_file() else
+            "a directory without config.json" if path.is_dir() else "neither a file nor a directory")
+    raise ValueError(f"cannot load model {spec!r}: it is {what}; expected {MODEL_SPECS_HELP} (holding config.json)")
+
+
 def cache_dir() -> Path:
     """The user cache directory: ``$MARS_CACHE_DIR``, else ``$XDG_CACHE_HOME/mars-edge``,
     else ``~/.cache/mars-edge``."""

@@ -24,7 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from mars_export import default_model
-from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, MODEL_SPECS_HELP,
+from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, check_model_spec,
                                        shipped_adapter_dir)
 from mars_export.mask_token import resolve_mask_token
 from mars_export.output_dir import model_paths
@@ -94,16 +94,13 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             model = merge_adapter(model, adapter_dir)
             source += " + MARS LoRA adapter shipped with mars-edge"
     else:
+        check_model_spec(spec)
         path = Path(spec)
-        if not path.exists():
-            raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected {MODEL_SPECS_HELP})")
-        if path.is_file() and path.suffix == ".gguf":
+        if path.suffix == ".gguf" and path.is_file():
             model, tokenizer = _read(_load_gguf, path)
             gguf_file = path
-        elif path.is_dir() and (path / "config.json").exists():
-            model, tokenizer = _read(load_checkpoint, path)
         else:
-            raise ValueError(f"cannot load model {spec!r}: expected {MODEL_SPECS_HELP} (holding config.json)")
+            model, tokenizer = _read(load_checkpoint, path)
         source = str(path.resolve())
     token, token_id, origin = resolve_mask_token(model, tokenizer, mask_token)
     return LoadedModel(model, tokenizer, token, token_id, source, origin, gguf_file, adapter_dir,

@@ -31,12 +31,16 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     """Raise if the bundle may not be written to ``out_dir``; nothing is touched.
 
     Raises:
-        ValueError: ``out_dir`` is a symbolic link or not a directory, overlaps one of ``model_paths``
+        ValueError: ``out_dir`` is a symbolic link or not a directory, lies under a file, overlaps one of ``model_paths``
             (:func:`check_apart_from_model`), or (with ``overwrite``) is a non-empty directory that is not a bundle.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if out_dir.is_symlink():
         raise ValueError(f"-o {out_dir} is a symbolic link; give the directory it points to, or another -o")
+    blocker = _file_on_path(out_dir)
+    if blocker is not None:
+        raise ValueError(f"-o {out_dir} lies under {blocker}, which is a file, not a directory, so no bundle can be "
+                         "written there; choose another -o")
     check_apart_from_model(out_dir, model_paths, "-o")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"-o {out_dir} is a file, not a directory; choose another -o")
@@ -45,6 +49,14 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise ValueError(f"-o {out_dir} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
                          "only a bundle: choose another -o, or move its files away")
+
+
+def _file_on_path(out_dir: Path) -> Path | None:
+    """The nearest existing folder above ``out_dir`` when it is no folder (a file: ``README.md/sub``), else None."""
+    for parent in out_dir.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
 
 
 def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str, what: str = "the model") -> None:

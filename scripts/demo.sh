@@ -6,8 +6,16 @@
 # both with exact lookup drafts in front of the masks (pass --draft masks for plain MARS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 BUNDLE=${BUNDLE:-bundles/default-mars-b4}
+if { [ -e "$BUNDLE" ] || [ -L "$BUNDLE" ]; } && [ ! -f "$BUNDLE/mars_config.json" ]; then
+    # mars-export would refuse it in its own words (-o, --force), which a demo.sh user cannot pass
+    REMOVE=""
+    if [ -d "$BUNDLE" ] && [ ! -L "$BUNDLE" ]; then REMOVE=", or remove the directory $BUNDLE if you do not need it"; fi
+    echo "error: BUNDLE=$BUNDLE exists but is not a MARS bundle (no mars_config.json), and demo.sh exports only" \
+         "to a new path: set BUNDLE to a bundle or to a path that does not exist yet$REMOVE" >&2
+    exit 2
+fi
+bash scripts/setup.sh
 if [ ! -f "$BUNDLE/mars_config.json" ]; then
     .venv/bin/mars-export default-mars -o "$BUNDLE" --block 4
 fi

@@ -4,6 +4,7 @@ token must be a spare special or new token, packaged model names are never read 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -13,9 +14,11 @@ from support import export
 from tiny_models import make_checkpoint
 from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
+from mars_export import bundle_writer
 from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
 from mars_export.context import config_fields, max_context_of
+from mars_export.onnx_export import export_step_graph
 from mars_export.output_dir import check_output_dir, remove_stale_partials
 from mars_export.training import cli as train_cli
 from mars_export.training import distill as distill_module
@@ -224,6 +227,45 @@ def test_force_refuses_a_file_or_a_link(checkpoint, tmp_path, capsys, make, mess
     assert files_under(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["out", "target"]
 
 
+def test_an_output_under_a_file_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys):
+    """README.md/sub/bundle: one line naming the file in the path (no traceback, no errno text), nothing made."""
+    (tmp_path / "notes.txt").write_text("a file")
+    code, err = run_export(capsys, checkpoint, tmp_path / "notes.txt" / "sub" / "bundle", "--block", "4",
+                           "--mask-token", "<mask>")
+    assert code == 2 and len(err) == 1, err
+    assert f"lies under {tmp_path / 'notes.txt'}, which is a file, not a directory" in err[0]
+    assert "choose another -o" in err[0] and "Errno" not in err[0]
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_a_full_disk_gives_one_line_and_leaves_no_partial_bundle(checkpoint, tmp_path, monkeypatch, capsys):
+    """ENOSPC while the bundle is written (after the graph is saved into the work directory): one error line
+    naming -o, the problem and what to do; the work directory is removed."""
+    written = []
+
+    def export_then_fill_the_disk(model, path, *args, **kwargs):
+        export_step_graph(model, path, *args, **kwargs)
+        written.append(path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write() to a full disk: no file name
+    monkeypatch.setattr(bundle_writer, "export_step_graph", export_then_fill_the_disk)
+    out = tmp_path / "out" / "bundle"
+    code, err = run_export(capsys, checkpoint, out, "--block", "4", "--mask-token", "<mask>")
+    assert written and code == 2 and len(err) == 1, err
+    assert err[0] == (f"error: cannot write the bundle to -o {out}: no space left on device; free space on its "
+                      "disk, or choose an -o on another disk (no bundle was written)")
+    assert os.listdir(tmp_path / "out") == []  # no bundle, no partial directory
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_whose_folder_cannot_be_made_gives_one_line(checkpoint, capsys):
+    """-o /proc/forbidden/x: /proc takes no new folders (ENOENT for root, EACCES for others)."""
+    code, err = run_export(capsys, checkpoint, "/proc/forbidden/x", "--block", "4", "--mask-token", "<mask>")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: cannot write the bundle to -o /proc/forbidden/x: cannot make the folder "
+                             "/proc/forbidden: ")
+    assert "choose" in err[0] and "Errno" not in err[0]
+
+
 def test_force_fills_an_empty_folder_and_removes_dead_exports_leftovers(checkpoint, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -274,6 +316,19 @@ def test_an_unknown_model_name_lists_the_accepted_ones(tmp_path, capsys):
     assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0]
 
 
+@pytest.mark.parametrize("make, what", [
+    (lambda path: path.write_text("# a README"), "it is a file but not a .gguf file"),
+    (lambda path: path.mkdir(), "it is a directory without config.json"),
+], ids=["file", "folder"])
+def test_a_model_path_that_is_no_model_is_named_before_the_block_size(tmp_path, capsys, make, what):
+    """mars-export README.md -o X: the model argument is checked first (it said 'records no block size')."""
+    make(tmp_path / "README.md")
+    code, err = run_export(capsys, tmp_path / "README.md", tmp_path / "x")
+    assert code == 2 and len(err) == 1, err
+    assert what in err[0] and "'default' (SmolLM2-135M-Instruct), 'default-mars'" in err[0] and ".gguf" in err[0]
+    assert "block size" not in err[0] and not (tmp_path / "x").exists()
+
+
 # --- other flags ---
 
 @pytest.mark.parametrize("args, message", [
@@ -295,6 +350,14 @@ def test_the_tensorrt_profile_defaults_have_one_home(monkeypatch, capsys):
         export_cli.parse_args(["--help"])
     assert "of the TensorRT profile (default 5)" in " ".join(capsys.readouterr().out.split())
     assert trt_build.parse_args(["bundle"]).max_batch == 5
+
+
+def test_the_help_names_every_model_name(capsys):
+    """mars-export --help lists MODEL's values from default_model.MODEL_SPECS_HELP, default-mars included."""
+    with pytest.raises(SystemExit):
+        export_cli.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "'default' (SmolLM2-135M-Instruct), 'default-mars' (it with the shipped MARS adapter)" in help_text
 
 
 def test_the_largest_window_the_precheck_allows_exports(checkpoint, tmp_path):

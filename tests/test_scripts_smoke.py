@@ -636,6 +636,30 @@ def test_demo_on_another_bundle(smoke_model):
     assert re.search(r"decode tok/s at tau=0\.5 / tau=1\.0: \d+\.\d\dx", out), out[-500:]
 
 
+@pytest.mark.parametrize("make", [lambda path: (path / "notes.txt").write_text("mine"), lambda path: None],
+                         ids=["folder", "empty-folder"])
+def test_demo_refuses_a_bundle_path_that_holds_no_bundle_in_its_own_terms(tmp_path, make):
+    """BUNDLE=DIR, an existing folder that is no bundle: one line saying what to do with BUNDLE, not the exporter's
+    -o/--force, before setup. Runs a copy of demo.sh beside a setup.sh and a .venv that record being called."""
+    repo, mine = tmp_path / "repo", tmp_path / "mine"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "demo.sh", repo / "scripts" / "demo.sh")
+    (repo / "scripts" / "setup.sh").write_text(f"touch {tmp_path / 'setup-ran'}\n")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    for tool in ("mars-export", "python"):
+        (repo / ".venv" / "bin" / tool).write_text(f"#!/bin/sh\ntouch {tmp_path / (tool + '-ran')}\nexit 1\n")
+        (repo / ".venv" / "bin" / tool).chmod(0o755)
+    mine.mkdir()
+    make(mine)
+    done = subprocess.run(["bash", repo / "scripts" / "demo.sh"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "BUNDLE": str(mine)})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"BUNDLE={mine} exists but is not a MARS bundle" in done.stderr
+    assert f"set BUNDLE to a bundle or to a path that does not exist yet, or remove the directory {mine}" in done.stderr
+    assert not re.search(r"(^|\s)(-o|--force)\b", done.stderr), done.stderr  # the exporter's flags
+    assert sorted(os.listdir(tmp_path)) == ["mine", "repo"]  # neither setup, the export nor the demo ran
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> tuple[Path, Path]:
     """(run directory, data file): one LoRA step of mars-train on the default model, checkpointed

@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mars_export.graph_builder import NodeBuilder
 from mars_export.greedy_head import Screening
 from runtime.bundle import CONFIDENCE_TAU, GREEDY_HEAD_PREFIX, HEAD_SKIPPED, INPUT_IDS, LOGITS, NUM_LOGITS
 
@@ -87,19 +88,8 @@ def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: in
     half_rounding = np.nextafter((gamma * np.abs(screening.weight.astype(np.float64)).max(axis=0)).astype(np.float32),
                                  np.float32(np.inf))  # s_v / 2 per unit of |x|_1, rounded up
 
-    nodes: list[ir.Node] = []
-
-    def const(name: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=f"{PREFIX}/{name}", const_value=ir.tensor(array))
-        graph.register_initializer(value)
-        return value
-
-    def op(op_type: str, inputs: list, name: str = "", **attributes) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes)
-        node.name = f"{PREFIX}/{op_type}_{len(nodes)}{name}"
-        nodes.append(node)
-        return node.outputs[0]
-
+    builder = NodeBuilder(graph, PREFIX)
+    const, op = builder.const, builder.op
     tau = ir.Value(name=CONFIDENCE_TAU, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch"]))
     tau.const_value = ir.tensor(np.array([-1], np.float32), name=CONFIDENCE_TAU)
     graph.inputs.append(tau)
@@ -136,7 +126,7 @@ def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: in
     # the head on no rows when skipped, its logits padded back to the rows asked
     runs = op("Cast", [op("Not", [skipped])], to=ir.DataType.INT64)
     count = names[NUM_LOGITS]
-    gated_count = op("Mul", [count, runs], name=BYPASS)
+    gated_count = op("Mul", [count, runs], suffix=BYPASS)
     for use, index in list(count.uses()):
         if use.name.startswith("/mars_edge/num_logits/"):
             use.replace_input_with(index, gated_count)
@@ -147,9 +137,9 @@ def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: in
     front = op("Sub", [asked, op("Shape", [head_rows], start=1, end=2)])
     logits = op("Pad", [head_rows, op("Concat", [const("zero1", np.array([0], np.int64)), front,
                                                   const("zeros4", np.array([0, 0, 0, 0], np.int64))], axis=0)],
-                name=BYPASS)
+                suffix=BYPASS)
     logits.name, logits.shape, logits.type = LOGITS, head_rows.shape, head_rows.type
-    graph.extend(nodes)
+    graph.extend(builder.nodes)
     graph.outputs[outputs.index(LOGITS)] = logits
     graph.outputs.append(skipped)
     graph.sort()

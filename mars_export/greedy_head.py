@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from mars_export.graph_builder import NodeBuilder
 from mars_export.logits_rows import output_head
 from runtime.bundle import GREEDY_HEAD_PREFIX, GREEDY_IDS, NUM_GREEDY, NUM_LOGITS
 
@@ -163,19 +164,8 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     penalty = np.zeros(v, np.float32)
     penalty[mask_token_id] = EXCLUDED
 
-    prefix = GREEDY_HEAD_PREFIX
-    nodes: list[ir.Node] = []
-
-    def const(name: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=f"{prefix}/{name}", const_value=ir.tensor(array))
-        graph.register_initializer(value)
-        return value
-
-    def op(op_type: str, inputs: list, domain: str = "", **attributes) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes, domain=domain)
-        node.name = f"{prefix}/{op_type}_{len(nodes)}"
-        nodes.append(node)
-        return node.outputs[0]
+    builder = NodeBuilder(graph, GREEDY_HEAD_PREFIX)
+    const, op = builder.const, builder.op
 
     count = ir.Value(name=NUM_GREEDY, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     graph.inputs.append(count)
@@ -215,7 +205,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     out = op("Reshape", [ids, op("Shape", [rows], start=0, end=2)], allowzero=1)  # [n, G]; G may be 0
     out.name = GREEDY_IDS
     out.shape, out.type = ir.Shape(["batch", "greedy_rows"]), ir.TensorType(ir.DataType.INT64)
-    graph.extend(nodes)
+    graph.extend(builder.nodes)
     graph.outputs.append(out)
     return Screening(head, weight, rows, x, l1, approx, bound, candidates, logits, best)
 

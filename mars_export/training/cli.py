@@ -18,16 +18,15 @@ import logging
 import sys
 
 from runtime.backends.providers import OnnxRuntimeMissing
+from mars_export.default_model import MODEL_SPECS_HELP
 from mars_export.training.config import LR_SCHEDULERS, PRECISIONS, LoraSettings, TrainConfig
-
-MODEL_HELP = "'default', a .gguf file, or a Hugging Face checkpoint directory"
 
 
 def make_train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mars-train", description="Fine-tune a causal LM with the MARS objective "
                                 "(two streams, block size B, loss = CE(noisy) + alpha * CE(clean)).",
                                 epilog="Self-distillation data: mars-train distill --help")
-    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("model", metavar="MODEL", help=MODEL_SPECS_HELP)
     p.add_argument("--data", action="append", required=True, metavar="FILE",
                    help="training data (.jsonl/.json; chat, prompt/response, instruction or GSM8K records); repeatable")
     p.add_argument("--output", required=True, metavar="DIR", help="checkpoints and the final model go here")
@@ -70,7 +69,7 @@ def make_distill_parser() -> argparse.ArgumentParser:
                                 description="Answer prompts with the model's own greedy AR output (the runtime "
                                             "engine at tau 1, continuous batching); write chat JSONL.")
     p.add_argument("model", metavar="MODEL",
-                   help=MODEL_HELP + " (exported to a temporary bundle first), or a bundle directory of it")
+                   help=MODEL_SPECS_HELP + " (exported to a temporary bundle first), or a bundle directory of it")
     p.add_argument("--prompts", action="append", required=True, metavar="FILE",
                    help="any data file mars-train reads (answers ignored); repeatable")
     p.add_argument("--output", required=True, metavar="FILE", help="chat JSONL to write")

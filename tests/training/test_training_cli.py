@@ -15,7 +15,7 @@ from tiny_mars import MASK_ID, make_tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from mars_export.model_source import load_model
-from mars_export.training.cli import main
+from mars_export.training.cli import main, make_train_parser
 
 
 def train(checkpoint: str, data: str, output: Path, *extra: str) -> int:
@@ -185,3 +185,11 @@ def test_the_ddp_wrapper_is_gone_before_the_process_group_is_destroyed():
     end_process_group(trainer)
     assert events == [("barrier", True), ("destroy", False)]
     assert trainer.model_wrapped is model
+
+
+def test_the_help_names_every_model_name(capsys):
+    """mars-train --help lists MODEL's values as mars-export does (default_model.MODEL_SPECS_HELP), default-mars
+    included."""
+    with pytest.raises(SystemExit):
+        make_train_parser().parse_args(["--help"])
+    assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in " ".join(capsys.readouterr().out.split())

@@ -369,6 +369,8 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
                           f"{WHAT_A_BUNDLE_IS}")
     try:
         raw = json.loads(path.read_bytes().decode())
+    except OSError as e:  # no permission, an I/O error
+        raise BundleError(f"cannot read {path} ({e.strerror or e}); check its permissions and disk") from e
     except UnicodeDecodeError as e:
         raise BundleError(f"{path} is not UTF-8 text ({e}); re-export the bundle") from e
     except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays or objects nested too deeply

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +105,20 @@ def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
     damage(bundle)
     code, _, err = run_generate(bundle, capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+def test_an_unreadable_config_gives_one_clear_line(bundle, capsys, monkeypatch):
+    """An OSError reading mars_config.json (no permission: root reads anything, so the read is made to fail) is one
+    error line naming the file, not a traceback."""
+    read_bytes = Path.read_bytes
+
+    def refuse(path):
+        if path.name == "mars_config.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    code, _, err = run_generate(bundle, capsys)
+    assert code == 2 and len(err) == 1 and "cannot read" in err[0] and "mars_config.json (Permission denied)" in err[0]
 
 
 def test_an_onnxruntime_without_8_bit_matmulnbits_is_named_with_the_version_to_install(bundle, capsys, monkeypatch):

@@ -94,9 +94,10 @@ class Screening:
 
     Attributes:
         head: the float32 output head (MatMul) writing ``logits``; weight: its [K, V] float32 array.
-        rows: float32 [n, G, K], the window's last G = min(num_greedy, W) rows; x: the same [nG, K].
-        l1: float32 [nG, 1], |x|_1. approx: float32 [nG, V], the screening logits, the mask token's
-            lowered by 1e30. bound: float32 [nG, V], their error bounds e_v.
+        rows: float32 [n, G, K], the window's last G = min(num_greedy, W) rows x.
+        l1: float32 [nG, 1], |x|_1. screened_lower: float32 [nG, V], ``a_v - e_v``: the screening logits (the mask
+            token's lowered by 1e30) less their error bounds. best_lower: float32 [nG, 1], its row maximum, which
+            every non-candidate's ``a_v + e_v`` lies below.
         candidates: int64 [C], ascending; rescored: float32 [nG, C], their float32 logits; best: int64 [nG],
             each row's argmax among them.
     """
@@ -104,10 +105,9 @@ class Screening:
     head: ir.Node
     weight: np.ndarray
     rows: ir.Value
-    x: ir.Value
     l1: ir.Value
-    approx: ir.Value
-    bound: ir.Value
+    screened_lower: ir.Value
+    best_lower: ir.Value
     candidates: ir.Value
     rescored: ir.Value
     best: ir.Value
@@ -115,10 +115,6 @@ class Screening:
 
 def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = False) -> Screening | None:
     """Give ``graph`` the ``num_greedy`` input and the ``greedy_ids`` output (module docstring), in place.
-
-    Returns:
-        the head's :class:`Screening` values; None, changing nothing, where the head's K is not a multiple of
-        :data:`BLOCK` (the runtime then reads the logits).
 
     Args:
         graph: a graph whose ``logits`` output is written by a float32 MatMul over a constant [K, V]
@@ -130,6 +126,10 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
         has_default: ``num_greedy`` defaults to 0 (an overridable initializer: the step graph, which
             the C sample and TensorRT run without feeding it); False makes it a required input (the
             fused graph).
+
+    Returns:
+        the head's :class:`Screening` values; None, changing nothing, where the head's K is not a multiple of
+        :data:`BLOCK` (the runtime then reads the logits).
 
     The candidates' rows are read from the head's transpose [V, K]: the [V, K] initializer the step graph's
     tied head transposes, or the graph's own ``Transpose`` of the head weight (the model builder's tied
@@ -191,7 +191,8 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     bound = op("Add", [op("Add", [op("Mul", [l1, const("per_l1", per_l1)]),
                                   op("Mul", [block_max_sum, const("per_block_max", per_block_max)])]),
                        const("absolute", np.array(ABSOLUTE_SLACK, np.float32))])  # [nG, V]
-    best_lower = op("ReduceMax", [op("Sub", [approx, bound]), const("axis_v", np.array([1], np.int64))], keepdims=1)
+    screened_lower = op("Sub", [approx, bound])
+    best_lower = op("ReduceMax", [screened_lower, const("axis_v", np.array([1], np.int64))], keepdims=1)
     is_candidate = op("GreaterOrEqual", [op("Add", [approx, bound]), best_lower])  # [nG, V]
     any_row = op("ReduceMax", [op("Cast", [is_candidate], to=ir.DataType.UINT8), const("axis_rows", np.array([0], np.int64))],
                  keepdims=0)  # [V]
@@ -207,7 +208,7 @@ def add_greedy_head(graph: ir.Graph, mask_token_id: int, has_default: bool = Fal
     out.shape, out.type = ir.Shape(["batch", "greedy_rows"]), ir.TensorType(ir.DataType.INT64)
     graph.extend(builder.nodes)
     graph.outputs.append(out)
-    return Screening(head, weight, rows, x, l1, approx, bound, candidates, logits, best)
+    return Screening(head, weight, rows, l1, screened_lower, best_lower, candidates, logits, best)
 
 
 def _constant_head(head: ir.Node | None) -> tuple[np.ndarray, ir.Value | None] | None:

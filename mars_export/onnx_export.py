@@ -19,8 +19,8 @@ import torch
 from torch.export import Dim
 from transformers import PreTrainedModel
 
-from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.confidence_gate import add_confidence_gate
+from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
 from mars_export.step_module import StepModule, step_graph_model

@@ -226,8 +226,10 @@ def strip_greedy_head(model) -> None:
     initializers = [t for t in graph.initializer if not t.name.startswith(prefix) and t.name not in removed_inputs]
     inputs = [value for value in graph.input if value.name not in removed_inputs]
     outputs = [value for value in graph.output if value.name not in removed_outputs]
+    produced = {name for node in nodes for name in node.output}
+    value_info = [value for value in graph.value_info if value.name in produced]
     for field, kept in ((graph.node, nodes), (graph.initializer, initializers), (graph.input, inputs),
-                        (graph.output, outputs)):
+                        (graph.output, outputs), (graph.value_info, value_info)):
         del field[:]
         field.extend(kept)
     if not any(node.domain == "com.microsoft" for node in graph.node):

@@ -80,6 +80,37 @@ def test_a_skipped_head_means_every_first_mask_fails_its_tau():
     assert skipped >= 10 and fired >= 20, (skipped, fired)  # both ways taken
 
 
+def test_a_cancelling_row_whose_largest_logit_the_rescoring_misses_is_not_skipped():
+    """The rescoring's float32 sum loses token 23's logit to cancellation (1e7 - 1e7 + 0.5 gives 0, the exact value
+    and the full head's is 0.5): the largest full-head logit is not the rescored top. The bound must still hold for
+    every tau (a review's counterexample: an upper bound taken from the rescored top skipped at p 0.0697 > tau)."""
+    k, v, token = 32, 24, 23
+    weight = np.zeros((k, v), np.float32)
+    weight[[0, 1, 2], token] = 1
+    x = np.zeros(k, np.float32)
+    x[:3] = [1e7, -1e7, 0.5]
+    hidden = np.zeros((1, 2, k), np.float32)
+    hidden[0, 1] = x
+    sess = session(gated_graph(weight))
+    feeds = {"input_ids": np.array([[30, MASK]]), "hidden": hidden, "num_logits": np.array(2), "num_greedy": np.array(2)}
+    p = runtime_probability(sess.run(["logits"], feeds)[0][0, 1:2])[0]
+    for tau in np.linspace(0.01, 0.99, 99, dtype=np.float32):
+        skipped = sess.run(["head_skipped"], {**feeds, "confidence_tau": np.array([tau], np.float32)})[0]
+        assert not skipped or p <= tau, (p, tau)
+
+
+def test_a_tau_above_1_tests_what_1_does():
+    """Untested window positions never skip, whatever tau (the engine feeds at most 1; the graph holds it anyway)."""
+    rng = np.random.default_rng(5)
+    sess = session(gated_graph(head_weight(rng)))
+    hidden = rng.standard_normal((1, 4, K)).astype(np.float32) * 0.01
+    feeds = {"input_ids": np.array([[30, MASK, MASK, MASK]]), "hidden": hidden, "num_logits": np.array(4)}
+    for tau in (1.0, 2.0, 5.0, np.inf):
+        taus = np.array([tau], np.float32)
+        assert not sess.run(["head_skipped"], {**feeds, "confidence_tau": taus})[0]  # no greedy rows: untested
+        assert sess.run(["head_skipped"], {**feeds, "num_greedy": np.array(4), "confidence_tau": taus})[0]
+
+
 def test_the_gate_never_skips_by_default_or_outside_the_greedy_rows():
     rng = np.random.default_rng(1)
     sess = session(gated_graph(head_weight(rng)))
@@ -97,7 +128,9 @@ def test_stripping_the_greedy_head_takes_the_gate_too():
     rng = np.random.default_rng(2)
     weight = head_weight(rng, v=300)
     model = gated_graph(weight)
+    assert any(value.name.startswith(bundle.GREEDY_HEAD_PREFIX) for value in model.graph.value_info)
     strip_greedy_head(model)
+    assert not any(value.name.startswith(bundle.GREEDY_HEAD_PREFIX) for value in model.graph.value_info)
     onnx.checker.check_model(model)
     names = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
     assert not names & {bundle.NUM_GREEDY, bundle.CONFIDENCE_TAU, bundle.GREEDY_IDS, bundle.HEAD_SKIPPED}
@@ -138,11 +171,16 @@ def step_bundle(tiny_bundle):
     return config, OnnxBackend(path, config)
 
 
-def decode(backend, config, params: list[DecodeParams], batch: int):
-    engine = Engine(backend, config, EngineConfig(max_batch_size=batch, max_seq_len=96))
+def decode(backend, config, params: list[DecodeParams], batch: int, scheme: str = "continuous",
+           default_taus: list[float] | None = None):
+    """Each request's (tokens, forwards); ``default_taus``: the engine's default tau, changed every step in turn."""
+    engine = Engine(backend, config, EngineConfig(max_batch_size=batch, max_seq_len=96, scheme=scheme))
     ids = [engine.add_request(p, param) for p, param in zip(PROMPTS, params)]
-    results = {}
+    results, steps = {}, 0
     while len(results) < len(ids):
+        if default_taus:
+            engine.default_tau = default_taus[steps % len(default_taus)]
+        steps += 1
         results.update((out.request_id, out.result) for out in engine.step() if out.finished)
     return [(results[i].token_ids, results[i].num_forwards) for i in ids]
 
@@ -169,10 +207,42 @@ def test_the_engine_decodes_the_same_tokens_through_the_gate(step_bundle, monkey
     assert any(steps) and not all(steps), steps  # both ways taken
 
 
-def test_a_sampling_row_reads_its_logits_without_the_gate(step_bundle, monkeypatch):
+MIXED = [DecodeParams(tau=0.2, draft="lookup", max_new_tokens=15), DecodeParams(mode="verify", max_new_tokens=15),
+         DecodeParams(mode="ar", max_new_tokens=15), DecodeParams(tau=0.1, max_new_tokens=3)]
+
+
+@pytest.mark.parametrize("scheme, params, default_taus", [
+    ("block", [DecodeParams(tau=t, draft=d, max_new_tokens=20) for t, d in
+               ((0.5, "masks"), (0.1, "both"), (0.3, "masks"), (0.05, "both"))], None),
+    ("block", MIXED, None),
+    ("continuous", MIXED, None),
+    ("continuous", [DecodeParams(tau=0.1, max_new_tokens=20, stop_ids=frozenset(range(0, 400, 3)))] * 4, None),
+    ("continuous", [DecodeParams(tau=None, draft=d, max_new_tokens=20) for d in ("masks", "both", "lookup", "masks")],
+     [0.3, 1.0, 0.05, 0.7]),
+    ("continuous", [DecodeParams(tau=t, max_new_tokens=20) for t in (0.1, 1 / 3, 0.7, 0.2)], None),
+], ids=["block", "block-mixed", "mixed", "stop-ids", "default-tau-moves", "float32-rounded-taus"])
+def test_the_gate_keeps_the_logits_paths_decisions_in_every_scheme_and_mode(step_bundle, monkeypatch, scheme, params,
+                                                                            default_taus):
+    """Batch 2 (the greedy head's row cap at W 4): block and continuous schemes, verify / AR / threshold rows side by
+    side, lookup drafts, small budgets, stop ids, a default tau that changes every step, taus float32 rounds up."""
     config, backend = step_bundle
-    calls = []
-    monkeypatch.setattr(backend.kv, "run_gated_step", lambda *a: calls.append(a))
-    decode(backend, config, [DecodeParams(tau=0.5, temperature=0.8, seed=1, max_new_tokens=8),
-                             DecodeParams(tau=0.5, metric="margin", max_new_tokens=8)], 1)
-    assert not calls
+    gated = decode(backend, config, params, 2, scheme, default_taus)
+    monkeypatch.setattr(backend, "takes_confidence_gate", False)
+    assert gated == decode(backend, config, params, 2, scheme, default_taus)
+
+
+def test_rows_the_gate_cannot_skip_for_read_their_logits_without_it(step_bundle, monkeypatch):
+    """Sampling, another metric, and a tau below 1 / V (every probability passes it) go without the gate; a row may
+    still go through it, untested (tau 1), in a step where it reads no confidence (its last token)."""
+    config, backend = step_bundle
+    calls, run = [], backend.kv.run_gated_step
+
+    def recorded(*args):
+        calls.append(args[-1].copy())
+        return run(*args)
+    monkeypatch.setattr(backend.kv, "run_gated_step", recorded)
+    for params in (DecodeParams(tau=0.5, temperature=0.8, seed=1, max_new_tokens=8),
+                   DecodeParams(tau=0.5, metric="margin", max_new_tokens=8),
+                   DecodeParams(tau=0.5 / config.vocab_size, max_new_tokens=8)):
+        decode(backend, config, [params], 1)
+    assert all(np.all(taus == 1) for taus in calls), calls

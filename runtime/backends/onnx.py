@@ -100,7 +100,8 @@ class OnnxBackend:
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
              past: list[tuple[np.ndarray, np.ndarray]],
              logits: bool = True, greedy_ids: bool = False,
-             confidence_tau: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+             confidence_tau: np.ndarray | None = None
+             ) -> tuple[np.ndarray | tuple[np.ndarray, np.ndarray | None], list[tuple[np.ndarray, np.ndarray]]]:
         """Run one forward over a window, its KV written into ``past`` in place.
 
         Args:

@@ -100,7 +100,8 @@ class ProvenRejection:
     deciding on a number nobody computed.
 
     Args:
-        length: M, the step's prediction rows; row: the row proven not above tau (0 <= row < M).
+        length: M, the step's prediction rows; row: the row proven not above tau (a slice that leaves it out
+            knows no row).
 
     Raises:
         LookupError: on reading a row other than ``row``.

@@ -333,9 +333,11 @@ class Engine:
     def _gate_taus(self, plan: StepPlan, rows: list[list[int] | None]) -> np.ndarray | None:
         """The confidence gate's ``confidence_tau`` float32 [n] for this step (mars_export.confidence_gate), or None
         where the step reads its logits anyway: no gate in the backend, or a row that samples, tests another
-        metric, or whose first confidence read is not at its window's first mask token (a draft equal to the
-        mask token). A row reading no confidence, and an idle one, gets 1 (never tested); the others their
-        tau, rounded down to float32 so that the gate's ``p_ub <= tau`` implies the rule's ``p > tau`` fails."""
+        metric, tests a tau below 1 / V (every probability passes it), or whose first confidence read is not at
+        its window's first mask token (a draft equal to the mask token). A row reading no confidence, and an idle
+        one, gets 1 (never tested); the others their tau as a float32 at most tau (rounded down where float32
+        rounds it up), so the gate's ``p_ub <= tau32`` fails the rule's ``p > tau`` however numpy compares a
+        float32 with a Python float."""
         if not getattr(self.backend, "takes_confidence_gate", False):
             return None
         taus = np.ones(plan.num_rows, np.float32)
@@ -351,8 +353,10 @@ class Engine:
             if self.config.mask_token_id not in row or row.index(self.config.mask_token_id) != position:
                 return None
             tau = seq.tau(self.default_tau)
+            if tau * self.config.vocab_size < 1:
+                return None
             tau32 = np.float32(tau)
-            taus[seq.slot] = np.nextafter(tau32, np.float32(-np.inf)) if tau32 > tau else tau32
+            taus[seq.slot] = np.nextafter(tau32, np.float32(-np.inf)) if float(tau32) > float(tau) else tau32
         return taus
 
     def _first_read_position(self, seq: Sequence, width: int) -> int | None:

@@ -28,7 +28,7 @@ the window, two positions for a one-token window; written in place; I/O binding)
 2. A greedy step, timed the same way, as a greedy engine (tau >= 1) runs it: the step plus copying the
    logits [B, W, V] out and taking their argmax, or, for a bundle with the greedy head
    (``mars_export.greedy_head``: float32 bundles), the step reading its argmax ids instead. For a
-   bundle with the confidence gate (``mars_export.confidence_gate``: float32 step graphs), also a
+   bundle with the confidence gate (``mars_export.confidence_gate``: float32 step and fused graphs), also a
    threshold step whose gate skips the float32 head (``skipped_ms``: ``confidence_tau`` 1, which every
    row's bound meets) and one whose gate runs it (``fired_ms``: -1, the head always runs); the
    step's own ``step_ms`` is a threshold step of a graph without the gate.
@@ -124,12 +124,17 @@ def greedy_call(session: ort.InferenceSession, config: bundle.BundleConfig, inpu
 
 
 def gated_call(session: ort.InferenceSession, config: bundle.BundleConfig, inputs: tuple, tau: float):
-    """As :func:`step_call`, a threshold step through the confidence gate (``KVBinding.run_gated_step``) with
-    ``confidence_tau`` ``tau`` in every row; returns (ids, logits or None); None for a graph without the gate."""
+    """As :func:`step_call`, a threshold step through the confidence gate (``KVBinding.run_gated_step``, or
+    ``FusedStep`` with ``confidence_tau``) with ``confidence_tau`` ``tau`` in every row; returns (ids, logits or
+    None); None for a graph without the gate."""
+    ids, positions, mask, past = inputs
+    taus = np.full(len(ids), tau, np.float32)
+    if config.graph == "fused" and bundle.CONFIDENCE_TAU in {i.name for i in session.get_inputs()}:
+        step, buffers = FusedStep(session, ort, config), past_with_room(past, int(positions[0, 0]), ids.shape[1])
+        return lambda: step(ids, positions, buffers, greedy_ids=True, confidence_tau=taus)[0]
     if bundle.CONFIDENCE_TAU not in {i.name for i in session.get_overridable_initializers()}:
         return None
-    ids, positions, mask, past = inputs
-    kv, taus = KVBinding(session, ort), np.full(len(ids), tau, np.float32)
+    kv = KVBinding(session, ort)
     return lambda: kv.run_gated_step(ids, positions, mask, past, config.vocab_size, taus)
 
 

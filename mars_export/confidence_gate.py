@@ -29,10 +29,11 @@ ids, exactly the float32 argmax but for near-ties, where the logits path may pic
 (:mod:`mars_export.greedy_head`; measured per export as ``parity.greedy_head_agreement``): a threshold
 step's tokens then come from the same ids path as an AR step's.
 
-Graph I/O added (:func:`add_confidence_gate`; float32 step graphs with the greedy head)::
+Graph I/O added (:func:`add_confidence_gate`; float32 step and fused graphs with the greedy head)::
 
-    confidence_tau  float32 [n]  per row, tau of a probability test that may skip the head; default
-                                 [-1]: never skips (every ``p_ub`` passes it); >= 1: the row reads no
+    confidence_tau  float32 [n]  per row, tau of a probability test that may skip the head; -1 (the step
+                                 graph's default; the fused graph's is a required input): never skips
+                                 (every ``p_ub`` passes it); >= 1: the row reads no
                                  confidence. The runtime sends rows that read their logits anyway
                                  (sampling, another metric) without the gate.
     head_skipped    bool []      True: the head did not run and ``logits`` holds zeros; the greedy
@@ -67,14 +68,17 @@ def slack(vocab_size: int) -> float:
     return 2 * vocab_size * UNIT + 1e-5
 
 
-def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: int) -> bool:
+def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: int, has_default: bool = True) -> bool:
     """Give ``graph`` the ``confidence_tau`` input and the ``head_skipped`` output (module docstring), in place.
 
     Args:
-        graph: a step graph after :func:`mars_export.greedy_head.add_greedy_head` (``num_logits`` with a
-            default: the gate's input gets one too), with an ``input_ids`` input int64 [n, W].
+        graph: a step or fused graph after :func:`mars_export.greedy_head.add_greedy_head`, with an ``input_ids``
+            input int64 [n, W].
         screening: what ``add_greedy_head`` returned.
         mask_token_id: the mask token, as given to ``add_greedy_head``.
+        has_default: ``confidence_tau`` defaults to [-1] (the step graph, whose ``num_logits`` has a default too);
+            False: a required input (the fused graph, which the runtime feeds through an I/O binding, where an
+            input with a default cannot be bound).
 
     Returns:
         True; False, changing nothing, where the head does not write ``logits`` directly (an element-wise
@@ -102,9 +106,10 @@ def add_confidence_gate(graph: ir.Graph, screening: Screening, mask_token_id: in
     const, op = builder.const, builder.op
 
     tau = ir.Value(name=CONFIDENCE_TAU, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch"]))
-    tau.const_value = ir.tensor(np.array([-1], np.float32), name=CONFIDENCE_TAU)
     graph.inputs.append(tau)
-    graph.register_initializer(tau)
+    if has_default:
+        tau.const_value = ir.tensor(np.array([-1], np.float32), name=CONFIDENCE_TAU)
+        graph.register_initializer(tau)
 
     # p_ub of each greedy row [nG]
     axis_v = const("axis_v", np.array([1], np.int64))

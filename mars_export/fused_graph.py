@@ -19,7 +19,9 @@ A model the builder is known to fail on (a Phi3 config it takes for Phi-3 128k) 
 naming ``--graph step`` (:func:`check_builder_accepts`).
 
 A float32 fused bundle also gets the greedy head (:mod:`mars_export.greedy_head`): the argmax ids of the
-window's last ``num_greedy`` rows, exact, without reading the float32 output head.
+window's last ``num_greedy`` rows, exact, without reading the float32 output head; and its confidence gate
+(:mod:`mars_export.confidence_gate`, ``confidence_tau`` a required input): a threshold step skips the float32
+head where every tau test provably fails.
 
 A quantized fused bundle (``--int8`` / ``--int4``) also gets the MLP's gate and up projections (any MatMuls reading
 one input; the builder already packs Q, K and V, also for Qwen3) fused into one MatMul and a Split
@@ -43,6 +45,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from mars_export.confidence_gate import add_confidence_gate
 from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
@@ -84,7 +87,7 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
     ``fuse_projections``: MatMuls reading one input become one (for a graph that will be quantized).
     ``greedy_mask_token``: add the greedy head (:mod:`mars_export.greedy_head`), which never returns that
-    token; None: none (a graph to be quantized, whose ids must be its own quantized head's argmax).
+    token, and its confidence gate (:mod:`mars_export.confidence_gate`); None: neither (a graph to be quantized, whose ids must be its own quantized head's argmax).
 
     Raises:
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last
@@ -115,7 +118,9 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             fuse_shared_input_matmuls(model.graph)
         compute_logits_of_last_rows(model.graph, has_default=False)  # FusedStep binds it (I/O binding)
         if greedy_mask_token is not None:
-            add_greedy_head(model.graph, greedy_mask_token)
+            screening = add_greedy_head(model.graph, greedy_mask_token)
+            if screening:  # threshold steps skip the float32 head where every tau test provably fails
+                add_confidence_gate(model.graph, screening, greedy_mask_token, has_default=False)
         graph = ir.to_proto(model)
         tile_one_token_windows(graph)
         onnx.save(graph, str(path), save_as_external_data=graph.ByteSize() > MAX_INLINE_BYTES,

@@ -27,8 +27,12 @@ name bound as both past and present (:mod:`runtime.backends.fused`):
              attention_mask             int64 [1, P + W]         ones: causal over all P + W
              past_key_values.{i}.key    float32 [1, H, S, D]     (and .value)
              num_logits                 int64 []                 as in the step graph, but required (no default)
+             num_greedy                 int64 []                 float32 bundles: the greedy head, required
+             confidence_tau             float32 [1]              float32 bundles since the twenty-eighth session:
+                                                                 the confidence gate, required (-1: never skips)
     outputs  logits                     float32 [1, W, V]
              present.{i}.key            float32 [1, H, S, D]     the same buffer, W entries written at P
+             greedy_ids, head_skipped                            with num_greedy, confidence_tau
 """
 
 from __future__ import annotations
@@ -239,8 +243,8 @@ def strip_greedy_head(model) -> None:
 
 
 def fused_io_names(num_layers: int) -> tuple[set[str], set[str]]:
-    """The fused graph's input and output names (its order is the model builder's; ``num_logits``,
-    ``num_greedy`` and ``greedy_ids`` not counted: older fused graphs and quantized ones lack them)."""
+    """The fused graph's input and output names (its order is the model builder's; ``num_logits``, the greedy
+    head's and the confidence gate's not counted: older fused graphs and quantized ones lack them)."""
     inputs = {INPUT_IDS, ATTENTION_MASK} | {name for i in range(num_layers) for name in past_names(i)}
     return inputs, set(output_names(num_layers))
 

@@ -111,7 +111,8 @@ def test_a_tiled_graph_runs_a_one_token_window_as_one_token(fused, monkeypatch):
     assert backend.fused.is_tiled == (bundle.name != "fused-untiled")
     expected = [("input_ids", (1, 1 if backend.fused.is_tiled else 2)), ("attention_mask", (1, 7))]
     # the untiled bundle is older than num_logits and the greedy head
-    assert fed == expected + [("num_logits", ())] * backend.takes_num_logits + [("num_greedy", ())] * backend.takes_num_greedy
+    assert fed == (expected + [("num_logits", ())] * backend.takes_num_logits + [("num_greedy", ())] * backend.takes_num_greedy
+                   + [("confidence_tau", (1,))] * backend.takes_confidence_gate)
     assert logits.shape == (1, 1, config.vocab_size) and np.shares_memory(presents[0][0], cache.keys[0])
 
 
@@ -129,14 +130,16 @@ def test_lossless_modes_equal_greedy_ar_on_the_fused_graph(fused, params):
 
 
 @pytest.mark.parametrize("params, reads_ids", [({"mode": "ar"}, True), ({"tau": 1.0}, True), ({"mode": "verify"}, True),
-                                               ({"mode": "verify", "draft": "both"}, True), ({"tau": 0.5}, False),
+                                               ({"mode": "verify", "draft": "both"}, True), ({"tau": 0.5}, True),
+                                               ({"tau": 0.5, "metric": "margin"}, False),
                                                ({"mode": "ar", "temperature": 0.7, "seed": 3}, False)],
-                         ids=["ar", "tau1", "verify", "verify-both", "tau0.5", "sampled"])
+                         ids=["ar", "tau1", "verify", "verify-both", "tau0.5", "margin", "sampled"])
 def test_greedy_steps_read_the_greedy_heads_ids_and_get_the_tokens_of_the_logits(fused_bundles, params, reads_ids,
                                                                                   monkeypatch):
     """On a float32 fused bundle, a decode step whose rows read argmaxes only (greedy, tau >= 1) takes the
-    ids of the greedy head (mars_export.greedy_head) instead of the logits; the tokens are those the
-    logits give (the backend told it has no head), and other steps still read the logits."""
+    ids of the greedy head (mars_export.greedy_head) instead of the logits, and so does a threshold step through
+    the confidence gate (mars_export.confidence_gate); the tokens are those the logits give (the backend told it
+    has neither), and other steps (sampling, another metric) still read the logits."""
     ckpt, bundles = fused_bundles
     config = load_config(bundles["float32"])
     backend = OnnxBackend(bundles["float32"], config)
@@ -149,7 +152,52 @@ def test_greedy_steps_read_the_greedy_heads_ids_and_get_the_tokens_of_the_logits
     with_head = greedy(backend, config, prompts, **params)
     assert any(calls) == reads_ids and (all(calls[-3:]) if reads_ids else True)
     monkeypatch.setattr(backend, "takes_num_greedy", False)
+    monkeypatch.setattr(backend, "takes_confidence_gate", False)
     assert with_head == greedy(backend, config, prompts, **params)
+
+
+@pytest.mark.parametrize("draft", ["masks", "both"])
+def test_threshold_steps_through_the_confidence_gate_keep_the_logits_paths_tokens_and_forwards(fused_bundles, draft,
+                                                                                                 monkeypatch):
+    """A float32 fused bundle has the confidence gate (a required ``confidence_tau`` input): threshold steps at
+    several taus give the tokens and forwards of the logits path, some of them with the head skipped."""
+    ckpt, bundles = fused_bundles
+    config = load_config(bundles["float32"])
+    backend = OnnxBackend(bundles["float32"], config)
+    assert backend.takes_confidence_gate and "confidence_tau" not in {
+        i.name for i in backend.session.get_overridable_initializers()}
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    prompts = [chat_prompt_ids(tokenizer, text) for text in TEXTS]
+    skipped, step = [], backend.step
+
+    def recorded(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if kwargs.get("confidence_tau") is not None:
+            skipped.append(out[0][1] is None)
+        return out
+    monkeypatch.setattr(backend, "step", recorded)
+
+    def decoded():
+        return [(r.token_ids, r.num_forwards) for r in (
+            Decoder(backend, config).generate(p, DecodeParams(tau=tau, draft=draft, max_new_tokens=MAX_NEW))
+            for p, tau in zip(prompts, (0.5, 0.9, 0.2, 0.05)))]
+    gated = decoded()
+    assert any(skipped) and not all(skipped), skipped  # both ways taken
+    monkeypatch.setattr(backend, "takes_confidence_gate", False)
+    assert gated == decoded()
+
+
+def test_confidence_tau_needs_the_fused_graphs_gate(fused_bundles):
+    """A threshold step asked of a fused graph without the gate (exported before it, or quantized) is refused."""
+    _, bundles = fused_bundles
+    config = load_config(bundles["int8"])
+    backend = OnnxBackend(bundles["int8"], config)
+    assert not backend.takes_confidence_gate
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 16, config.dtype)
+    cache.reserve(config.window)
+    with pytest.raises(ValueError, match="confidence_tau needs greedy_ids and a graph with the confidence gate"):
+        run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True,
+                  confidence_tau=np.full(1, 0.5, np.float32))
 
 
 def test_greedy_ids_need_the_greedy_head(fused_bundles):

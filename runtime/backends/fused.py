@@ -28,6 +28,11 @@ rotary, SkipSimplifiedLayerNormalization, one packed QKV MatMul (:mod:`runtime.b
   greedy head (``mars_export.greedy_head``; ``takes_num_greedy``): asked for ``greedy_ids``, the step
   feeds ``num_logits`` 0 and ``num_greedy`` W and returns each row's argmax id, the float32 output head
   skipped; otherwise it feeds ``num_greedy`` 0.
+- **Threshold steps through the confidence gate.** Such a graph exported since the twenty-eighth session also
+  has the confidence gate (``mars_export.confidence_gate``; ``takes_confidence_gate``, its ``confidence_tau`` a
+  required input): given a row's tau, the step returns the ids and the logits, or the ids alone where the gate
+  proved the tau test at the first mask fails and skipped the float32 head. Other steps feed tau -1, which never
+  skips.
 - Batch 1 only: the kernel refuses a window of several tokens over a past at batch > 1.
 """
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.backends.kv_binding import KVBinding
-from runtime.bundle import ATTENTION_MASK, INPUT_IDS, NUM_GREEDY, NUM_LOGITS, BundleConfig
+from runtime.bundle import ATTENTION_MASK, CONFIDENCE_TAU, INPUT_IDS, NUM_GREEDY, NUM_LOGITS, BundleConfig
 from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
@@ -63,12 +68,14 @@ class FusedStep:
         self.takes_num_logits = NUM_LOGITS in inputs
         # float32 fused graphs exported since 2026-12-02 (the fourteenth session) have the greedy head (mars_export.greedy_head)
         self.takes_num_greedy = NUM_GREEDY in inputs
+        # ... and since the twenty-eighth session its confidence gate (mars_export.confidence_gate)
+        self.takes_confidence_gate = CONFIDENCE_TAU in inputs
         self.kv = KVBinding(session, ort)
         self.is_tiled = session.get_modelmeta().custom_metadata_map.get(ONE_TOKEN_WINDOW_KEY) == TILED
 
     def __call__(self, input_ids: np.ndarray, position_ids: np.ndarray,
                  past: list[tuple[np.ndarray, np.ndarray]], logits: bool = True,
-                 greedy_ids: bool = False) -> tuple[np.ndarray, list]:
+                 greedy_ids: bool = False, confidence_tau: np.ndarray | None = None) -> tuple:
         """One forward of W tokens at positions P .. P+W-1 (P = ``position_ids[0, 0]``), the new KV written into ``past``.
 
         Args:
@@ -81,15 +88,19 @@ class FusedStep:
                 graph takes ``num_logits``.
             greedy_ids: return each row's argmax token instead of its logits, from the greedy head
                 (``takes_num_greedy``; the float32 output head is then skipped).
+            confidence_tau: float32 [1], with ``greedy_ids``: a threshold step through the confidence gate
+                (``takes_confidence_gate``), the tau of the row's probability test.
 
         Returns:
             logits float32 [1, W, V] ([1, 0, V] when ``logits`` is False), or with ``greedy_ids`` the ids
-            int64 [1, W] (the mask token never among them); and per layer (key, value) [1, Hkv, S, D]:
-            the written buffers (``past`` itself, or the copies with room).
+            int64 [1, W] (the mask token never among them), or with ``confidence_tau`` the pair (ids int64 [1, W],
+            logits float32 [1, W, V] or None where the gate skipped the head); and per layer (key, value)
+            [1, Hkv, S, D]: the written buffers (``past`` itself, or the copies with room).
 
         Raises:
             ValueError: more than one row, positions that do not follow on from P, P + max(W, 2)
-                beyond the model's context, or ``greedy_ids`` on a graph without the greedy head.
+                beyond the model's context, ``greedy_ids`` on a graph without the greedy head, or
+                ``confidence_tau`` without ``greedy_ids`` or on a graph without the gate.
         """
         batch, window = input_ids.shape
         start = int(position_ids[0, 0])
@@ -101,6 +112,9 @@ class FusedStep:
             fix = (f"read the logits: an --{dtype} bundle's argmaxes come from its own {dtype} output head"
                    if dtype != self.config.dtype else "re-export it with mars-export --graph fused, or read the logits")
             raise ValueError(f"this fused graph has no greedy head (num_greedy input); {fix}")
+        if confidence_tau is not None and not (greedy_ids and self.takes_confidence_gate):
+            raise ValueError("confidence_tau needs greedy_ids and a fused graph with the confidence gate "
+                             "(confidence_tau input); re-export the bundle with mars-export --graph fused")
         if not np.array_equal(position_ids[0], np.arange(start, start + window)):
             raise ValueError(f"a fused graph takes consecutive positions from the committed length, got {position_ids[0]}")
         ids = input_ids
@@ -115,7 +129,9 @@ class FusedStep:
         binding = self.kv.bind_kv(past)
         binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, end), np.int64))
-        rows = ids.shape[1] if logits and not greedy_ids or not self.takes_num_logits else 0
+        # the head's rows: a gated step's unless the gate skips it, none where only ids or no logits are read
+        rows = (ids.shape[1] if logits and not greedy_ids or confidence_tau is not None or not self.takes_num_logits
+                else 0)
         if self.takes_num_logits:
             binding.bind_cpu_input(NUM_LOGITS, np.array(rows, np.int64))
         if not self.takes_num_greedy:
@@ -123,7 +139,14 @@ class FusedStep:
             return out[:, :window if logits else 0], past
         greedy_rows = ids.shape[1] if greedy_ids else 0
         binding.bind_cpu_input(NUM_GREEDY, np.array(greedy_rows, np.int64))
-        out, chosen = self.kv.run_with_ids((1, rows, self.config.vocab_size), (1, greedy_rows))
+        if not self.takes_confidence_gate:
+            out, chosen = self.kv.run_with_ids((1, rows, self.config.vocab_size), (1, greedy_rows))
+        else:  # tau -1 never skips: an ungated step runs as on a graph without the gate
+            tau = np.full(1, -1, np.float32) if confidence_tau is None else confidence_tau
+            binding.bind_cpu_input(CONFIDENCE_TAU, np.ascontiguousarray(tau, np.float32))
+            out, chosen, skipped = self.kv.run_gated((1, rows, self.config.vocab_size), (1, greedy_rows))
+            if confidence_tau is not None:
+                return (chosen[:, :window], None if skipped else out[:, :window]), past
         return (chosen[:, :window], past) if greedy_ids else (out[:, :window if logits else 0], past)
 
 

@@ -188,6 +188,15 @@ class KVBinding:
         self.binding.bind_output(GREEDY_IDS, "cpu", 0, np.int64, ids.shape, ids.ctypes.data)
         return self.run(logits_shape), ids
 
+    def run_gated(self, logits_shape: tuple[int, int, int], ids_shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """As :meth:`run_with_ids`, also binding the confidence gate's ``head_skipped`` output
+        (mars_export.confidence_gate); returns the logits (zeros where the head was skipped), the ids and
+        ``head_skipped``."""
+        skipped = np.empty((), np.bool_)
+        self.binding.bind_output(HEAD_SKIPPED, "cpu", 0, np.bool_, skipped.shape, skipped.ctypes.data)
+        out, ids = self.run_with_ids(logits_shape, ids_shape)
+        return out, ids, bool(skipped)
+
 
 def _window_feeds(input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
     """The step's window inputs by name, as onnxruntime takes them: int64 ids and positions, a bool mask."""

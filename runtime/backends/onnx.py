@@ -83,8 +83,9 @@ class OnnxBackend:
         self.takes_num_greedy = (self.fused.takes_num_greedy if self.fused
                                  else provider == "cpu" and bundle.NUM_GREEDY in defaults)
         # threshold steps that skip the float32 head where every tau test provably fails (mars_export.confidence_gate):
-        # float32 step graphs since the twenty-seventh session
-        self.takes_confidence_gate = self.takes_num_greedy and not self.fused and bundle.CONFIDENCE_TAU in defaults
+        # float32 step graphs since the twenty-seventh session, float32 fused graphs since the twenty-eighth
+        self.takes_confidence_gate = self.takes_num_greedy and (self.fused.takes_confidence_gate if self.fused
+                                                                else bundle.CONFIDENCE_TAU in defaults)
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
         self.kv = KVBinding(self.session, ort)
@@ -138,10 +139,10 @@ class OnnxBackend:
         past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
         if confidence_tau is not None and not (greedy_ids and self.takes_confidence_gate):
-            raise ValueError("confidence_tau needs greedy_ids and a step graph with the confidence gate "
-                             "(takes_confidence_gate); re-export the bundle with mars-export --graph step")
+            raise ValueError("confidence_tau needs greedy_ids and a graph with the confidence gate "
+                             "(takes_confidence_gate); re-export the float32 bundle with mars-export")
         if self.fused:
-            return self.fused(input_ids, position_ids, past, logits, greedy_ids)
+            return self.fused(input_ids, position_ids, past, logits, greedy_ids, confidence_tau)
         if greedy_ids and not self.takes_num_greedy:
             raise ValueError("this step graph has no greedy head (num_greedy input) on this provider; read the logits")
         bundle.check_step_inputs(input_ids, position_ids, attention_mask, past, self.num_layers)
@@ -221,9 +222,11 @@ def _check_io(session: ort.InferenceSession, config: BundleConfig, path: Path) -
     got_out = [o.name for o in session.get_outputs()]
     _check_shapes(session, config, path)
     if config.graph == "fused":
-        optional_in, optional_out = {bundle.NUM_LOGITS, bundle.NUM_GREEDY}, {bundle.GREEDY_IDS}
+        optional_in = {bundle.NUM_LOGITS, bundle.NUM_GREEDY, bundle.CONFIDENCE_TAU}
+        optional_out = {bundle.GREEDY_IDS, bundle.HEAD_SKIPPED}
         if ((set(got_in) - optional_in, set(got_out) - optional_out) != bundle.fused_io_names(config.num_layers)
-                or (bundle.NUM_GREEDY in got_in) != (bundle.GREEDY_IDS in got_out)):
+                or (bundle.NUM_GREEDY in got_in) != (bundle.GREEDY_IDS in got_out)
+                or (bundle.CONFIDENCE_TAU in got_in) != (bundle.HEAD_SKIPPED in got_out)):
             raise BundleError(f"{path} is not the fused graph of a {config.num_layers}-layer model (inputs "
                               f"{got_in[:3]}...); re-export the bundle with mars-export --graph fused")
         return

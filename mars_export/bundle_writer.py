@@ -2,7 +2,7 @@
 
 Everything is written into a hidden temporary directory beside the target and renamed
 into place only after the parity check passes, so a failed export leaves no
-half-written bundle and never touches an existing one.
+half-written bundle (nor the empty folders it made above it) and never touches an existing one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from mars_export.context import max_context_of
 from mars_export.fused_graph import write_fused_graph
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph, max_window
-from mars_export.output_dir import check_output_dir, partial_prefix, remove_stale_partials
+from mars_export.output_dir import (
+    check_output_dir,
+    make_parent_folders,
+    partial_prefix,
+    remove_empty_folders,
+    remove_stale_partials,
+)
 from mars_export.parity import check_parity, measure_parity, parity_prompts
 from mars_export.quantize import WEIGHT_BITS, quantize_and_check
 from mars_export.step_module import prepare_fp16_model
@@ -69,6 +75,9 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
                  graph: str = "step", quant_block: int | None = None) -> BundleConfig:
     """Export ``loaded`` to ``out_dir``: step graph, tokenizer files, config with parity results.
 
+    On any failure the partial directory is removed, and so are the folders above ``out_dir`` that the export
+    made and that are still empty (:func:`mars_export.output_dir.make_parent_folders`).
+
     Args:
         dtype: ``"float32"``, or ``"float16"`` for fp16 weights, activations and KV with
             float32 logits (:func:`~mars_export.step_module.prepare_fp16_model`); parity is
@@ -89,16 +98,17 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
             symbolic link, the model's own files, or a directory that is neither a bundle nor empty).
         ParityError: a backend disagrees with PyTorch beyond ``parity_tolerance``.
         BundleError: a bidirectional model, invalid block size / window (:func:`prepare_config`).
-        OSError: the bundle cannot be written (no permission, a full disk); the partial directory is removed.
+        OSError: the bundle cannot be written (no permission, a full disk).
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, list(loaded.source_paths), overwrite)
     config = prepare_config(loaded, block_size, window, dtype)
     config = replace(config, weight_dtype=weight_dtype, graph=graph)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=out_dir.parent))
+    made = make_parent_folders(out_dir)  # removed again, where still empty, should the export fail
+    tmp = None
     try:
+        remove_stale_partials(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=out_dir.parent))
         if graph == "fused":
             quantized = weight_dtype is not None
             write_fused_graph(loaded.model, loaded.tokenizer, tmp / ONNX_FILE, fuse_projections=quantized,  # pays in int8
@@ -128,7 +138,9 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         check_output_dir(out_dir, list(loaded.source_paths), overwrite)  # again: the export took a while
         _replace_dir(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty_folders(made)
         raise
     return config
 

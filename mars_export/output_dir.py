@@ -10,6 +10,8 @@ model. The rule that an output may not be or hold the model (:func:`check_apart_
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -98,6 +100,41 @@ def _links_under(folder: Path) -> list[Path]:
     """The symbolic links in ``folder`` and its subfolders (linked folders not entered); none for a file."""
     return [Path(parent, name) for parent, folders, files in os.walk(folder) for name in folders + files
             if Path(parent, name).is_symlink()]
+
+
+def make_parent_folders(out_dir: Path) -> list[Path]:
+    """Make the missing folders above ``out_dir`` (``-o a/b/c/bundle`` where only ``a`` exists: ``a/b``, ``a/b/c``).
+
+    Returns:
+        The folders this call made, outermost first (one another process made meanwhile is not among them), for
+        :func:`remove_empty_folders` to remove should the export fail.
+
+    Raises:
+        OSError: a folder cannot be made (its ``filename`` names it); those made before it are removed.
+    """
+    missing = list(itertools.takewhile(lambda folder: not folder.exists(), out_dir.parents))
+    made = []
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+                continue  # another process made it: not ours to remove
+            made.append(folder)
+    except BaseException:
+        remove_empty_folders(made)
+        raise
+    return made
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove those of ``folders`` (:func:`make_parent_folders`'s) that are empty, innermost first; one that holds
+    anything (another process wrote there meanwhile) stays, and so do the folders above it."""
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):  # not empty, or gone
+            folder.rmdir()
 
 
 def remove_stale_partials(out_dir: Path) -> None:

@@ -19,7 +19,8 @@ from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
 from mars_export.context import config_fields, max_context_of
 from mars_export.onnx_export import export_step_graph
-from mars_export.output_dir import check_output_dir, remove_stale_partials
+from mars_export.output_dir import check_output_dir, make_parent_folders, remove_stale_partials
+from mars_export.parity import ParityError
 from mars_export.training import cli as train_cli
 from mars_export.training import distill as distill_module
 from runtime import generate
@@ -253,7 +254,47 @@ def test_a_full_disk_gives_one_line_and_leaves_no_partial_bundle(checkpoint, tmp
     assert written and code == 2 and len(err) == 1, err
     assert err[0] == (f"error: cannot write the bundle to -o {out}: no space left on device; free space on its "
                       "disk, or choose an -o on another disk (no bundle was written)")
-    assert os.listdir(tmp_path / "out") == []  # no bundle, no partial directory
+    assert os.listdir(tmp_path) == []  # no bundle, no partial directory, no folder made for it
+
+
+@pytest.mark.parametrize("failure, expected_code", [
+    (ParityError("max |Δlogit| 9.9 > 0.001"), 2),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 2),
+    (KeyboardInterrupt(), 130),
+], ids=["parity", "enospc", "interrupt"])
+def test_a_failed_export_removes_the_empty_folders_it_made_and_no_others(tmp_path, monkeypatch, capsys, failure,
+                                                                          expected_code):
+    """-o kept/a/b/c/bundle where only kept/ exists, the export failing once the folders are made: a/b/c go, but
+    not kept/ (there before) nor a/ (a file landed in it meanwhile), so a failed export leaves no empty folders."""
+    checkpoint = make_checkpoint("llama", tmp_path / "ckpt")
+    (tmp_path / "kept").mkdir()
+
+    def fail(model, path, *args, **kwargs):
+        assert path.parent.parent == tmp_path / "kept" / "a" / "b" / "c"  # the work directory beside -o
+        (tmp_path / "kept" / "a" / "notes.txt").write_text("not the export's")
+        raise failure
+
+    monkeypatch.setattr(bundle_writer, "export_step_graph", fail)
+    code, _ = run_export(capsys, checkpoint, tmp_path / "kept" / "a" / "b" / "c" / "bundle", "--block", "4",
+                         "--mask-token", "<mask>")
+    assert code == expected_code
+    assert files_under(tmp_path / "kept") == {"a/notes.txt": b"not the export's"}
+    assert os.listdir(tmp_path / "kept" / "a") == ["notes.txt"]
+
+
+def test_folders_above_the_output_made_before_one_that_cannot_be_made_are_removed(tmp_path, monkeypatch):
+    """-o a/b/c/bundle, a/ made and b/ refused (a full disk): the error names b/, and a/ is removed."""
+    mkdir = Path.mkdir
+
+    def no_room_for_b(self, *args, **kwargs):
+        if self.name == "b":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", no_room_for_b)
+    with pytest.raises(OSError) as raised:
+        make_parent_folders(tmp_path / "a" / "b" / "c" / "bundle")
+    assert raised.value.filename == str(tmp_path / "a" / "b") and os.listdir(tmp_path) == []
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")

@@ -3,7 +3,8 @@
 Training writes checkpoints (``checkpoint-N/``) straight into ``--output`` as it goes: they are the run's
 resumable state. The final model (``config.json``, the weights, the tokenizer files, a LoRA run's ``adapter/``) is
 written to a hidden folder there first (:data:`FINAL_WORK_DIR`) and moved in once complete, replacing an earlier
-final model's (:func:`move_final_model`): a run killed while saving it leaves no half-written model among them.
+final model's whole, as :data:`FINAL_MANIFEST` lists it (:func:`move_final_model`): a run killed while saving it
+leaves no half-written model among them.
 Hence: a fresh run takes a missing or empty directory; ``--resume`` takes one that holds a run's checkpoints (that
 run's own ``--output``); neither a file, nor the model it trains, the adapter it starts from (``--lora-init``) or a
 folder holding them.
@@ -11,6 +12,7 @@ folder holding them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,6 +24,8 @@ from mars_export.output_dir import check_apart_from_model, model_paths
 from mars_export.training.config import TrainConfig
 
 FINAL_WORK_DIR = ".final-model.partial"  # in --output: the final model while it is written
+FINAL_MANIFEST = ".final-model.json"  # in --output: a JSON list of the final model's file and folder names there
+ADAPTER_DIR = "adapter"  # in the final model: a LoRA run's adapter alone
 # a Hugging Face checkpoint's weights: one file, or shards NNNNN-of-NNNNN and their index; safetensors or torch's .bin
 WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)|"
                           r"(model\.safetensors|pytorch_model\.bin)\.index\.json")
@@ -64,21 +68,55 @@ def find_resume_checkpoint(config: TrainConfig) -> str | None:
 def move_final_model(work: Path, output: Path) -> None:
     """Move the final model's files from ``work`` (:data:`FINAL_WORK_DIR`) into ``output``, then remove ``work``.
 
-    They replace those of the same names (a folder such as ``adapter/`` as a whole). An earlier final model's
-    ``config.json`` is removed first and the new one moved in last, so that until the move is done ``output`` is no
-    checkpoint a loader takes: a kill meanwhile leaves no mix of the two models that loads. The earlier model's
-    weight files (:data:`WEIGHTS_FILE`) that the new one does not have (other shards, a single file where it has
-    shards, or the reverse) are removed before the move: a loader prefers ``model.safetensors`` to an index, and
-    would take an old one beside new shards.
+    They replace an earlier final model's (a folder such as ``adapter/`` as a whole), and the earlier model's files
+    and folders the new one lacks (:func:`read_final_names`: its ``adapter/`` under a full run's model, other
+    shards, ...) are removed, while checkpoints and other files stay. The earlier ``config.json`` is removed first
+    and the new one moved in last, so that until the move is done ``output`` is no checkpoint a loader takes: a kill
+    meanwhile leaves no mix of the two models that loads. :data:`FINAL_MANIFEST` then lists the names of both models
+    until the earlier one's are gone, so that the move a rerun makes removes what a killed one left.
     """
     new_names = {path.name for path in work.iterdir()}
+    old_names = read_final_names(output)
     (output / "config.json").unlink(missing_ok=True)
-    for path in output.iterdir():
-        if WEIGHTS_FILE.fullmatch(path.name) and path.name not in new_names and path.is_file():
-            path.unlink()
+    write_final_names(output, old_names | new_names)
+    for name in sorted(old_names - new_names):
+        remove_entry(output / name)
     for path in sorted(work.iterdir(), key=lambda path: (path.name == "config.json", path.name)):
+        if path.name == "config.json":
+            write_final_names(output, new_names)
         target = output / path.name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         os.replace(path, target)
     work.rmdir()
+
+
+def read_final_names(output: Path) -> set[str]:
+    """The names of an earlier final model's files and folders in ``output``, as :data:`FINAL_MANIFEST` lists them.
+
+    An output without one (a final model moved in before the manifest was written, or none) gets the names a loader
+    would take from it: ``config.json``, the weight files (:data:`WEIGHTS_FILE`; a loader prefers
+    ``model.safetensors`` to an index, and would take an old one beside new shards) and ``adapter/``. Only plain
+    names are returned, never a path, a hidden name or a checkpoint's, so the move removes nothing else.
+    """
+    try:
+        names = json.loads((output / FINAL_MANIFEST).read_text())
+    except FileNotFoundError:
+        names = [path.name for path in output.iterdir() if path.name in ("config.json", ADAPTER_DIR)
+                 or WEIGHTS_FILE.fullmatch(path.name) and path.is_file()]
+    return {name for name in names if name and name == Path(name).name and not name.startswith((".", "checkpoint-"))}
+
+
+def write_final_names(output: Path, names: set[str]) -> None:
+    """Write ``names`` to :data:`FINAL_MANIFEST` in ``output`` whole (to a temporary file renamed over it)."""
+    partial = output / f"{FINAL_MANIFEST}.partial"
+    partial.write_text(json.dumps(sorted(names)) + "\n")
+    os.replace(partial, output / FINAL_MANIFEST)
+
+
+def remove_entry(path: Path) -> None:
+    """Remove the file, link or folder (with what it holds) at ``path``, if any."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

@@ -22,9 +22,8 @@ from mars_export.model_source import load_model
 from mars_export.training.config import LoraSettings, TrainConfig
 from mars_export.training.data import ExampleDataset, MarsCollator, load_examples
 from mars_export.training.objective import MarsLoss, compute_mars_loss
-from mars_export.training.output_dir import FINAL_WORK_DIR, find_resume_checkpoint, move_final_model
+from mars_export.training.output_dir import ADAPTER_DIR, FINAL_WORK_DIR, find_resume_checkpoint, move_final_model
 
-ADAPTER_DIR = "adapter"
 log = logging.getLogger(__name__)
 
 

@@ -14,11 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from mars_export.training.cli import main
 from mars_export.training.config import LoraSettings, TrainConfig
-from mars_export.training.output_dir import FINAL_WORK_DIR, find_resume_checkpoint, move_final_model
+from mars_export.training.output_dir import FINAL_MANIFEST, FINAL_WORK_DIR, find_resume_checkpoint, move_final_model
 
 
 def files_under(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    """The files under ``path`` and their contents, but for the final model's manifest (a test of its own)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.relative_to(path) != Path(FINAL_MANIFEST)}
 
 
 def make_adapter(path: Path) -> Path:
@@ -118,7 +120,8 @@ def make_final_model(path: Path, weights: list[str], tag: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("num_renames", range(3))  # config.json, model.safetensors, tokenizer.json
+# the manifest (both models), model.safetensors, tokenizer.json, the manifest (the new model), config.json
+@pytest.mark.parametrize("num_renames", range(5))
 def test_a_kill_while_the_final_model_moves_in_leaves_no_config(tmp_path, monkeypatch, num_renames):
     """Over an earlier final model (a --resume after a finished run), a kill at any point of the move leaves no
     config.json, so no loader takes a mix of the two models for a checkpoint; a rerun that writes the final model
@@ -195,3 +198,62 @@ def test_a_sharded_final_model_over_a_single_file_one_loads_as_the_new_model(tmp
     move_final_model(output / FINAL_WORK_DIR, output)
     loaded = AutoModelForCausalLM.from_pretrained(output)
     assert torch.equal(loaded.model.embed_tokens.weight, new.model.embed_tokens.weight)
+
+
+def make_lora_final_model(path: Path, tag: str) -> Path:
+    """A stand-in final model of a LoRA run: :func:`make_final_model`'s and ``adapter/``; contents ``tag``."""
+    make_final_model(path / "adapter", ["adapter_model.safetensors"], tag)
+    return make_final_model(path, SINGLE, tag)
+
+
+def make_full_final_model(path: Path, tag: str) -> Path:
+    """A stand-in final model of a full run (``Trainer.save_model``): ``training_args.bin`` beside the model."""
+    return make_final_model(path, [*SINGLE, "training_args.bin"], tag)
+
+
+@pytest.mark.parametrize("make_old, make_new", [(make_lora_final_model, make_full_final_model),
+                                                (make_full_final_model, make_lora_final_model)],
+                         ids=["lora-then-full", "full-then-lora"])
+def test_a_final_model_moved_in_over_another_leaves_none_of_the_earlier_ones_files(tmp_path, make_old, make_new):
+    """A full run's final model over a LoRA run's leaves no stale adapter/ beside it (a loader could take it), and a
+    LoRA run's over a full run's no stale training_args.bin; the checkpoints and the user's files stay."""
+    output = tmp_path / "run"
+    make_final_model(output / "checkpoint-2", SINGLE, "checkpoint")
+    (output / "notes.txt").write_text("user")
+    move_final_model(make_old(output / FINAL_WORK_DIR, "old"), output)
+    move_final_model(make_new(output / FINAL_WORK_DIR, "new"), output)
+    expected = {f"checkpoint-2/{name}": b"checkpoint" for name in ["config.json", *SINGLE, "tokenizer.json"]}
+    expected |= {"notes.txt": b"user"} | files_under(make_new(tmp_path / "expected", "new"))
+    assert files_under(output) == expected
+
+
+def test_an_earlier_final_model_without_a_manifest_loses_its_adapter(tmp_path):
+    """A final model moved in before the manifest existed: its adapter/ goes with its config.json and weights, the
+    other files stay (nothing says they were the model's)."""
+    output = make_lora_final_model(tmp_path / "run", "old")
+    (output / "notes.txt").write_text("user")
+    move_final_model(make_full_final_model(output / FINAL_WORK_DIR, "new"), output)
+    assert files_under(output) == {"notes.txt": b"user", "tokenizer.json": b"new"} | {
+        name: b"new" for name in ["config.json", *SINGLE, "training_args.bin"]}
+
+
+def test_a_rerun_after_a_kill_during_the_move_removes_what_the_killed_move_brought_in(tmp_path, monkeypatch):
+    """A LoRA run's move over a full run's model killed after moving adapter/ in, then a full run's final model
+    (a --resume without --lora): the manifest listed both models' names during the move, so adapter/ goes."""
+    output = tmp_path / "run"
+    move_final_model(make_full_final_model(output / FINAL_WORK_DIR, "old"), output)
+    replace = os.replace
+
+    def killed_after_the_adapter(source, target):
+        replace(source, target)
+        if Path(target).name == "adapter":
+            raise Killed
+
+    monkeypatch.setattr(os, "replace", killed_after_the_adapter)
+    with pytest.raises(Killed):
+        move_final_model(make_lora_final_model(output / FINAL_WORK_DIR, "new"), output)
+    monkeypatch.undo()
+    assert (output / "adapter").is_dir() and not (output / "config.json").exists()
+    shutil.rmtree(output / FINAL_WORK_DIR)
+    move_final_model(make_full_final_model(output / FINAL_WORK_DIR, "newer"), output)
+    assert files_under(output) == files_under(make_full_final_model(tmp_path / "expected", "newer"))

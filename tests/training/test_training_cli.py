@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from mars_export.model_source import load_model
 from mars_export.training.cli import main, make_train_parser
+from mars_export.training.output_dir import FINAL_MANIFEST
 
 
 def train(checkpoint: str, data: str, output: Path, *extra: str) -> int:
@@ -89,7 +90,7 @@ def test_a_run_killed_while_saving_its_final_model_leaves_none_of_it(tiny_checkp
     assert f"remove {bare} or choose another --output" in capsys.readouterr().err
     assert train(tiny_checkpoint, tiny_jsonl, resumable, "--max-steps", "1", "--save-steps", "1", "--resume") == 0
     assert load_model(str(resumable)).mask_token_id == MASK_ID
-    assert not [path.name for path in resumable.iterdir() if path.name.startswith(".")]
+    assert [path.name for path in resumable.iterdir() if path.name.startswith(".")] == [FINAL_MANIFEST]
 
 
 def test_lora_output_is_a_merged_plain_checkpoint(tiny_checkpoint, tiny_jsonl, tmp_path):

@@ -94,14 +94,17 @@ def move_final_model(work: Path, output: Path) -> None:
 def read_final_names(output: Path) -> set[str]:
     """The names of an earlier final model's files and folders in ``output``, as :data:`FINAL_MANIFEST` lists them.
 
-    An output without one (a final model moved in before the manifest was written, or none) gets the names a loader
-    would take from it: ``config.json``, the weight files (:data:`WEIGHTS_FILE`; a loader prefers
-    ``model.safetensors`` to an index, and would take an old one beside new shards) and ``adapter/``. Only plain
-    names are returned, never a path, a hidden name or a checkpoint's, so the move removes nothing else.
+    An output without one (a final model moved in before the manifest was written, or none), or whose manifest is
+    no JSON list of names (edited by hand, or another tool's file), gets the names a loader would take from it:
+    ``config.json``, the weight files (:data:`WEIGHTS_FILE`; a loader prefers ``model.safetensors`` to an index, and
+    would take an old one beside new shards) and ``adapter/``. Only plain names are returned, never a path, a hidden
+    name or a checkpoint's, so the move removes nothing else.
     """
     try:
-        names = json.loads((output / FINAL_MANIFEST).read_text())
-    except FileNotFoundError:
+        names = json.loads((output / FINAL_MANIFEST).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):  # ValueError: not JSON, or not UTF-8
+        names = None
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
         names = [path.name for path in output.iterdir() if path.name in ("config.json", ADAPTER_DIR)
                  or WEIGHTS_FILE.fullmatch(path.name) and path.is_file()]
     return {name for name in names if name and name == Path(name).name and not name.startswith((".", "checkpoint-"))}

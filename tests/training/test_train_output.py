@@ -237,6 +237,18 @@ def test_an_earlier_final_model_without_a_manifest_loses_its_adapter(tmp_path):
         name: b"new" for name in ["config.json", *SINGLE, "training_args.bin"]}
 
 
+@pytest.mark.parametrize("manifest", [b"{not json", b"\xff\xfe", b'{"adapter": 1}', b'["adapter", 3]'],
+                         ids=["not-json", "not-utf8", "not-a-list", "not-names"])
+def test_a_manifest_that_is_no_list_of_names_counts_as_none(tmp_path, manifest):
+    """A broken manifest (edited by hand, another tool's file) does not fail the move at the end of a run: the move
+    takes the names a loader would read, as for an output without one."""
+    output = make_lora_final_model(tmp_path / "run", "old")
+    (output / FINAL_MANIFEST).write_bytes(manifest)
+    move_final_model(make_full_final_model(output / FINAL_WORK_DIR, "new"), output)
+    assert files_under(output) == {"tokenizer.json": b"new"} | {
+        name: b"new" for name in ["config.json", *SINGLE, "training_args.bin"]}
+
+
 def test_a_rerun_after_a_kill_during_the_move_removes_what_the_killed_move_brought_in(tmp_path, monkeypatch):
     """A LoRA run's move over a full run's model killed after moving adapter/ in, then a full run's final model
     (a --resume without --lora): the manifest listed both models' names during the move, so adapter/ goes."""

@@ -90,18 +90,27 @@ def probability_bounds(x: np.ndarray, weight: np.ndarray, session, coefficients,
     unit = 2.0 ** -24
     rescoring = 2 * (k * unit / (1 - k * unit)) * l1 * np.abs(weight).max(axis=0)  # s_v [M, V]
     approx[:, mask_token_id], error[:, mask_token_id] = -np.inf, 0.0
-    rows, ids = [], exact.argmax(axis=1)
-    for j in range(len(x)):
-        top = int(exact[j].argmax())
-        shifted = exact[j] - exact[j, top]
-        p = 1.0 / np.exp(shifted).sum()
-        is_candidate = approx[j] + error[j] >= (approx[j] - error[j]).max()
-        slack = rescoring[j, top]
-        # a non-candidate's full-head logit lies within e_v of x·W_v (the screening's bound) plus s_v / 2 (float32)
-        low = np.where(is_candidate, shifted - rescoring[j], approx[j] - error[j] - rescoring[j] / 2 - exact[j, top]) - slack
-        high = np.where(is_candidate, shifted + rescoring[j], approx[j] + error[j] + rescoring[j] / 2 - exact[j, top]) + slack
-        rows.append((p, (1 - GAMMA_SLACK) / np.exp(high).sum(), (1 + GAMMA_SLACK) / np.exp(low).sum()))
-    return (ids, *np.array(rows).T)
+    p = 1.0 / np.exp(exact - exact.max(axis=1, keepdims=True)).sum(axis=1)  # [M]
+    return (exact.argmax(axis=1), p, *screening_bounds(approx, error, exact, rescoring))
+
+
+def screening_bounds(approx: np.ndarray, error: np.ndarray, rescored: np.ndarray, rounding: np.ndarray):
+    """(p_lb, p_ub) [M] each of every row's top-1 probability from its screening (module docstring).
+
+    Args:
+        approx: float64 [M, V], the screening logits ``a_v`` (the mask token's -inf).
+        error: float64 [M, V], their error bounds ``e_v`` (the mask token's 0).
+        rescored: float64 [M, V], the rescored logits ``r_v``; only the candidates' are read.
+        rounding: float64 [M, V], the float32 rounding bounds ``s_v``.
+    """
+    is_candidate = approx + error >= (approx - error).max(axis=1, keepdims=True)  # [M, V]
+    top = np.where(is_candidate, rescored, -np.inf).argmax(axis=1)[:, None]  # [M, 1]
+    top_logit = np.take_along_axis(rescored, top, axis=1)
+    slack = np.take_along_axis(rounding, top, axis=1)
+    # a non-candidate's full-head logit lies within e_v of x·W_v (the screening's bound) plus s_v / 2 (float32)
+    low = np.where(is_candidate, rescored - rounding, approx - error - rounding / 2) - top_logit - slack
+    high = np.where(is_candidate, rescored + rounding, approx + error + rounding / 2) - top_logit + slack
+    return (1 - GAMMA_SLACK) / np.exp(high).sum(axis=1), (1 + GAMMA_SLACK) / np.exp(low).sum(axis=1)
 
 
 class RecordedConfidences:

@@ -16,10 +16,26 @@ head already computes, with bounds that hold for the logits path's own numbers:
   in float32; a float32 dot product over K terms is within ``gamma_K · Σ|x_k||W_kv| <= gamma_K |x|_1 max|W_v|``
   of the exact one (``gamma_K = K u / (1 - K u)``, u = 2^-24), so the rescored and the full head's logit of v
   lie within ``s_v = 2 gamma_K |x|_1 max|W_v|`` of each other;
-- with ``l*`` the rescored top logit, the softmax sum ``Z = Σ_v exp(l_v - l_max)`` of the full head's logits is
-  at least ``Σ_{C} exp(l_c - s_c - l* - s*) + Σ_{not C} exp(a_v - e_v - s_v / 2 - l* - s*)`` and at most the same
-  with the signs turned, so ``p = 1 / Z`` lies in ``[p_lb, p_ub]`` (widened by 1e-4 relative for the logits path's
-  float32 exp and sum).
+- so every full-head logit lies in ``[lower_v, upper_v]``: a candidate's in ``r_c ± s_c``, another's in
+  ``a_v ± (e_v + s_v / 2)``, whose upper end lies below ``max_u (a_u - e_u) + max_v s_v / 2``. The largest
+  logit ``max f`` is thus at least ``L`` and at most ``U``:
+
+      L = max_v lower_v
+      U = max(max_c (r_c + s_c), max_u (a_u - e_u) + max_v s_v / 2)
+
+  (not the rescored top ``r* ± s*``: under cancellation another candidate's logit may lie up to its own ``s_c``
+  above its rescored one, e.g. 1e7 - 1e7 + 0.5, which a float32 rescoring in another order gives as 0 with
+  ``s_c`` 76; ``tests/test_confidence_bounds.py``), and each term of ``Z = Σ_v exp(f_v - max f)`` lies in
+  ``[exp(lower_v - U), exp(upper_v - L)]``, so ``p = 1 / Z`` lies in ``[p_lb, p_ub]``:
+
+      p_ub = min(1, (1 + slack(V)) / Σ_v exp(lower_v - U - margin(U)))     mars_export.confidence_gate's bound
+      p_lb = (1 - slack(V)) / Σ_v exp(upper_v - L + margin(L))            the same, widened the other way
+
+  with the gate's ``margin(y) = 1e-6 |y| + 1e-4`` for the float32 rounding of the runtime's exponents
+  ``f_v - max f`` and ``slack(V) = 2 V u + 1e-5`` (:func:`mars_export.confidence_gate.slack`) for its float32
+  exponentials, its sum over V and its division (``1 - slack <= 1 / (1 + slack)``). Here ``r_c`` is ``x·W_c`` in
+  float64, within ``s_c / 2`` of the full head's logit (a float32 rescoring is within ``s_c``), and ``s_v`` takes
+  the float64 ``|x|_1`` (the gate allows for its float32 rounding).
 
 A read row is decided when ``p_ub <= tau`` (rejected) or ``p_lb > tau`` (accepted); a step needs the full
 head when one of the rows the acceptance rule reads is undecided. The mask token is excluded, as on both
@@ -50,7 +66,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
-GAMMA_SLACK = 1e-4  # relative widening of [p_lb, p_ub] for the logits path's float32 exp and sum over V
+from mars_export.confidence_gate import MARGIN_ABSOLUTE, MARGIN_RELATIVE, UNIT, slack  # noqa: E402
 
 
 def screening_session(weight: np.ndarray):
@@ -87,21 +103,40 @@ def probability_bounds(x: np.ndarray, weight: np.ndarray, session, coefficients,
     l1 = magnitude.sum(axis=1, keepdims=True)  # [M, 1]
     error = l1 * per_l1 + magnitude.reshape(len(x), -1, BLOCK).max(axis=2).sum(axis=1, keepdims=True) * per_block_max
     error = error + ABSOLUTE_SLACK  # e_v [M, V]
-    unit = 2.0 ** -24
-    rescoring = 2 * (k * unit / (1 - k * unit)) * l1 * np.abs(weight).max(axis=0)  # s_v [M, V]
+    rescoring = 2 * (k * UNIT / (1 - k * UNIT)) * l1 * np.abs(weight).max(axis=0)  # s_v [M, V]
     approx[:, mask_token_id], error[:, mask_token_id] = -np.inf, 0.0
-    rows, ids = [], exact.argmax(axis=1)
-    for j in range(len(x)):
-        top = int(exact[j].argmax())
-        shifted = exact[j] - exact[j, top]
-        p = 1.0 / np.exp(shifted).sum()
-        is_candidate = approx[j] + error[j] >= (approx[j] - error[j]).max()
-        slack = rescoring[j, top]
-        # a non-candidate's full-head logit lies within e_v of x·W_v (the screening's bound) plus s_v / 2 (float32)
-        low = np.where(is_candidate, shifted - rescoring[j], approx[j] - error[j] - rescoring[j] / 2 - exact[j, top]) - slack
-        high = np.where(is_candidate, shifted + rescoring[j], approx[j] + error[j] + rescoring[j] / 2 - exact[j, top]) + slack
-        rows.append((p, (1 - GAMMA_SLACK) / np.exp(high).sum(), (1 + GAMMA_SLACK) / np.exp(low).sum()))
-    return (ids, *np.array(rows).T)
+    p = 1.0 / np.exp(exact - exact.max(axis=1, keepdims=True)).sum(axis=1)  # [M]
+    return (exact.argmax(axis=1), p, *screening_bounds(approx, error, exact, rescoring))
+
+
+def screening_bounds(approx: np.ndarray, error: np.ndarray, rescored: np.ndarray, rounding: np.ndarray):
+    """(p_lb, p_ub) [M] each of every row's top-1 probability from its screening (module docstring).
+
+    Args:
+        approx: float64 [M, V], the screening logits ``a_v`` (the mask token's -inf).
+        error: float64 [M, V], their error bounds ``e_v`` (the mask token's 0).
+        rescored: float64 [M, V], the rescored logits ``r_v``; only the candidates' are read.
+        rounding: float64 [M, V], the float32 rounding bounds ``s_v``.
+    """
+    best_lower = (approx - error).max(axis=1, keepdims=True)  # [M, 1]
+    is_candidate = approx + error >= best_lower  # [M, V]
+    # a non-candidate's full-head logit lies within e_v of x·W_v (the screening's bound) plus s_v / 2 (float32)
+    lower = np.where(is_candidate, rescored - rounding, approx - error - rounding / 2)  # [M, V]
+    upper = np.where(is_candidate, rescored + rounding, approx + error + rounding / 2)  # [M, V]
+    largest = np.maximum(np.where(is_candidate, upper, -np.inf).max(axis=1, keepdims=True),
+                         best_lower + rounding.max(axis=1, keepdims=True) / 2)  # [M, 1]: max f <= this
+    smallest = lower.max(axis=1, keepdims=True)  # [M, 1]: max f >= this
+    widening = slack(approx.shape[1])
+    with np.errstate(over="ignore", divide="ignore"):
+        z_lb = np.exp(lower - (largest + margin(largest))).sum(axis=1)  # [M]
+        z_ub = np.exp(upper - (smallest - margin(smallest))).sum(axis=1)  # [M]
+        return (1 - widening) / z_ub, np.minimum(1, (1 + widening) / z_lb)
+
+
+def margin(logit: np.ndarray) -> np.ndarray:
+    """The exponent margin of :mod:`mars_export.confidence_gate`, ``1e-6 |logit| + 1e-4``: float32 rounding of the
+    runtime's ``f_v - max f``."""
+    return MARGIN_RELATIVE * np.abs(logit) + MARGIN_ABSOLUTE
 
 
 class RecordedConfidences:

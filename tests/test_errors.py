@@ -176,7 +176,7 @@ def test_failed_export_leaves_nothing(tiny_bundle, tmp_path, monkeypatch, capsys
     code = export_cli.main([str(ckpt), "-o", str(out), "--block", "4", "--mask-token", "<mask>"])
     err = error_lines(capsys)
     assert code == 2 and err == ["error: parity check failed: injected"]
-    assert list((tmp_path / "out").iterdir()) == []  # no bundle, no partial directory
+    assert list(tmp_path.iterdir()) == []  # no bundle, no partial directory, not the out/ folder the export made
 
 
 def test_existing_output_is_kept(tiny_bundle, tmp_path, capsys):

@@ -554,7 +554,8 @@ def test_step_ablation_removes_a_part_and_the_graph_still_runs(smoke_fused, smok
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     config = bundle_module.load_config(smoke_fused)
     feeds = {"input_ids": np.array([[5, 6]], np.int64), "attention_mask": np.ones((1, 2), np.int64),
-             bundle_module.NUM_LOGITS: np.array(2, np.int64), bundle_module.NUM_GREEDY: np.array(0, np.int64)}
+             bundle_module.NUM_LOGITS: np.array(2, np.int64), bundle_module.NUM_GREEDY: np.array(0, np.int64),
+             bundle_module.CONFIDENCE_TAU: np.full(1, -1, np.float32)}  # the confidence gate's: never skips
     feeds.update({i.name: np.zeros((1, config.num_kv_heads, 4, config.head_dim), np.float32)
                   for i in session.get_inputs() if i.name.startswith("past_key_values.")})
     assert session.run([bundle_module.LOGITS], feeds)[0].shape == (1, 2, config.vocab_size)

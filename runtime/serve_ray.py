@@ -479,6 +479,10 @@ def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> Fle
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the deployment until SIGTERM or Ctrl-C; 2 (after one ``error:`` line) for a bad option or bundle,
+    3 (:data:`runtime.serve.STARTUP_FAILURE`, as ``python -m runtime.serve``) after one ``error:`` line for a
+    ``--port`` in use, checked before Ray starts by the plain server's rule (only for a Ray of our own: with
+    ``--address`` Serve's proxy may bind on another machine of the cluster)."""
     ray_args, serve_argv = parse_args(argv)
     try:
         serve_args = single.parse_args(serve_argv)
@@ -486,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
         check_host(serve_args.host)
         fleet = fleet_options(ray_args, serve_args)
         import_onnxruntime()
+        if not ray_args.address:  # Serve's proxy will bind --host/--port here: a port in use stops us before Ray
+            single.check_can_listen(serve_args.host, serve_args.port)
+    except single.CannotListen as e:
+        print(f"error: {e}", file=sys.stderr)
+        return single.STARTUP_FAILURE
     except (ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -167,6 +167,29 @@ def test_main_refuses_an_unresolvable_host_before_ray(tiny_bundle, monkeypatch, 
     assert "error: --host 'no-such-host.invalid' does not resolve" in capsys.readouterr().err
 
 
+def test_a_port_in_use_stops_main_before_ray_starts(tiny_bundle, monkeypatch, capsys):
+    """Serve's proxy met a --port in use only once Ray had started and the bundle had loaded: main checks it
+    first, by the plain server's rule (runtime.serve.check_can_listen), with its error line and exit status 3.
+    With --address the proxy may bind on another machine of the cluster, so this machine's port is not checked."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_ray.main([str(bundle), "--port", str(port)]) == single.STARTUP_FAILURE
+        assert capsys.readouterr().err == (f"error: port {port} on 127.0.0.1 is in use: stop what listens there, or "
+                                           "choose another --port (--port 0 picks a free one)\n")
+
+        def joined(**kwargs):  # the cluster is joined: stop there
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(serve_ray.ray, "init", joined)
+        with pytest.raises(KeyboardInterrupt):
+            serve_ray.main([str(bundle), "--port", str(port), "--address", "ray://elsewhere:10001"])
+
+
 def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, monkeypatch):
     """deploy(), the programmatic entry, checks --host too before anything of Serve starts."""
     _, bundle = tiny_bundle("llama", 4)

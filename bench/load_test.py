@@ -20,8 +20,9 @@ and runs two phases against the same process, without a restart:
 Writes ``load_test.json`` to ``--out`` (default bench/results/).
 
 With ``--ray 1 2`` it runs against the Ray Serve deployment instead (``runtime/serve_ray.py``,
-the ``serve-ray`` extra; a local Ray on this machine, loopback only): for each replica
-count in turn, the warm-up and the ``fixed`` phase with the same checks, the load read from
+the ``serve-ray`` extra; a local Ray on this machine, loopback only, started for each replica
+count and stopped with its deployment by ``runtime.serve_ray.stop``): for each replica count in
+turn, the warm-up and the ``fixed`` phase with the same checks, the load read from
 ``/fleet/metrics`` (summed over replicas) and the RSS summed over the replicas' processes;
 then the tokens/s of each count relative to the first. Writes ``load_test_ray.json``.
 """
@@ -345,36 +346,48 @@ def run_single(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[st
 
 def run_ray(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[str]]:
     """Warm-up and fixed phase against Ray Serve with each replica count of ``--ray``; (result, keys to print)."""
-    import ray
-    from ray import serve
-
-    from runtime.serve_ray import FleetOptions, deploy, start_local_ray
-
-    start_local_ray(num_cpus=max(args.ray), log_to_driver=False)
     rows = []
-    try:
-        for replicas in args.ray:
-            deployed = deploy([args.bundle, "--host", HOST, "--port", "0", "--max-batch-size", str(args.max_batch_size),
-                               "--threads", str(args.threads), "--tau-min", str(args.tau_min), "--queue-high",
-                               str(args.queue_high), "--log-level", "warning"],
-                              FleetOptions(replicas=replicas, num_cpus=1.0,
-                                           max_ongoing_requests=args.max_batch_size + args.queue_high))
-            run = LoadRun(deployed.url, None, prompts, solo, tokenizer, args.max_tokens)
-            asyncio.run(run.run(args))
-            serve.shutdown()
-            fixed = summarize_phase(run.records, run.samples, "fixed")
-            rows.append({"replicas": replicas, "fixed": fixed | rss_trace(run.samples, "fixed"),
-                         "checks": fixed_checks(fixed) | {"streamed_text_equals_decode":
-                                                          fixed["text_not_equal_to_decode"] == 0},
-                         "timeline": run.samples, "requests": run.records})
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    for replicas in args.ray:
+        run = run_fleet(args, replicas, prompts, solo, tokenizer)
+        fixed = summarize_phase(run.records, run.samples, "fixed")
+        rows.append({"replicas": replicas, "fixed": fixed | rss_trace(run.samples, "fixed"),
+                     "checks": fixed_checks(fixed) | {"streamed_text_equals_decode":
+                                                      fixed["text_not_equal_to_decode"] == 0},
+                     "timeline": run.samples, "requests": run.records})
     first = rows[0]["fixed"]["tokens_per_second"]
     table = [{"replicas": r["replicas"], "tokens_per_second": r["fixed"]["tokens_per_second"],
               "ratio_to_first": r["fixed"]["tokens_per_second"] / first if first else None,
               "latency_s_p50": r["fixed"]["latency_s_p50"], "checks": r["checks"]} for r in rows]
     return {"replicas": table, "runs": rows}, ["replicas"]
+
+
+def run_fleet(args, replicas: int, prompts, solo, tokenizer: Tokenizer) -> LoadRun:
+    """Warm-up and fixed phase against ``replicas`` Ray Serve replicas, on a Ray of our own started for them.
+
+    The deployment is stopped through ``runtime.serve_ray.stop`` (the replicas' graceful shutdown, a wait for Serve to
+    be gone, then Ray), as the ``serve_ray`` command stops it, also when the run fails; a deploy that fails leaves no
+    handle to stop, and Ray (with whatever of Serve started) is shut down.
+    """
+    import ray
+
+    from runtime.serve_ray import FleetOptions, deploy, start_local_ray, stop
+
+    start_local_ray(num_cpus=max(args.ray), log_to_driver=False)  # as many CPUs for every replica count
+    deployed = None
+    try:
+        deployed = deploy([args.bundle, "--host", HOST, "--port", "0", "--max-batch-size", str(args.max_batch_size),
+                           "--threads", str(args.threads), "--tau-min", str(args.tau_min), "--queue-high",
+                           str(args.queue_high), "--log-level", "warning"],
+                          FleetOptions(replicas=replicas, num_cpus=1.0,
+                                       max_ongoing_requests=args.max_batch_size + args.queue_high))
+        run = LoadRun(deployed.url, None, prompts, solo, tokenizer, args.max_tokens)
+        asyncio.run(run.run(args))
+    finally:
+        if deployed is None:
+            ray.shutdown()
+        else:
+            stop(deployed)
+    return run
 
 
 def main(argv=None) -> int:

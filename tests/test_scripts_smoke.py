@@ -274,6 +274,52 @@ def test_load_test_server_that_does_not_start_leaves_no_folder_and_shows_its_log
     assert os.listdir(tmp_path / "tmp") == []
 
 
+@pytest.mark.parametrize("fails", [None, "run", "deploy"])
+def test_load_test_stops_each_ray_deployment_through_serve_ray_stop(monkeypatch, fails):
+    """--ray stopped Serve with serve.shutdown() itself, which waits at most 30 s and skips the replicas' graceful
+    shutdown and the wait for Serve to be gone: each replica count now gets a Ray of its own, stopped through
+    runtime.serve_ray.stop(deployed), also when its run fails; a failed deploy (no handle) shuts Ray down. Ray and
+    Serve are stubbed: what matters is the order of the calls."""
+    serve_ray = pytest.importorskip("runtime.serve_ray", reason="needs the serve-ray extra")
+    load_test = load_script(ROOT / "bench" / "load_test.py")
+    calls = []
+
+    def deploy(argv, fleet):
+        calls.append(("deploy", fleet.replicas))
+        if fails == "deploy":
+            raise ValueError("bad bundle")
+        return serve_ray.Deployed(f"http://127.0.0.1:{8000 + fleet.replicas}", board=None, shutdown_timeout_s=5.0)
+
+    class Run:  # LoadRun's records and samples, of a run with no requests
+        def __init__(self, url, pid, *rest):
+            self.url, self.records = url, []
+            self.samples = [{"t_s": t, "phase": "fixed", "tokens": 8 * t, "forwards": 4 * t, "rss_mb": 100.0}
+                            for t in (0, 1)]
+
+        async def run(self, args):
+            calls.append(("run", self.url))
+            if fails == "run":
+                raise RuntimeError("a client failed")
+
+    monkeypatch.setattr(serve_ray, "start_local_ray", lambda **kwargs: calls.append(("ray.init",)))
+    monkeypatch.setattr(serve_ray, "deploy", deploy)
+    monkeypatch.setattr(serve_ray, "stop", lambda deployed: calls.append(("stop", deployed.url)))
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: pytest.fail("Serve was shut down directly"))
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    monkeypatch.setattr(load_test, "LoadRun", Run)
+    args = load_test.parse_args(["BUNDLE", "--ray", "1", "2"])
+    first = [("ray.init",), ("deploy", 1), ("run", "http://127.0.0.1:8001"), ("stop", "http://127.0.0.1:8001")]
+    if fails is None:
+        result, _ = load_test.run_ray(args, [], [], None)
+        assert [row["replicas"] for row in result["replicas"]] == [1, 2]
+        assert calls == first + [("ray.init",), ("deploy", 2), ("run", "http://127.0.0.1:8002"),
+                                 ("stop", "http://127.0.0.1:8002")]
+        return
+    with pytest.raises((RuntimeError, ValueError)):
+        load_test.run_ray(args, [], [], None)
+    assert calls == (first if fails == "run" else [("ray.init",), ("deploy", 1), ("ray.shutdown",)])
+
+
 def test_load_test_against_ray_replicas(smoke_model, tmp_path):
     """--ray 1 2: the fixed phase against 1 then 2 Ray Serve replicas, every response equal to its solo run."""
     _, bundle = smoke_model

@@ -142,24 +142,37 @@ class CannotListen(Exception):
     """``--host``/``--port`` cannot be bound now (:func:`check_can_listen`); the message names the option."""
 
 
-def check_can_listen(host: str, port: int) -> None:
-    """Bind a TCP socket to each address of ``host:port``, as uvicorn will (SO_REUSEADDR on POSIX, IPv6 sockets
-    IPv6 only, as asyncio's ``create_server``), and close it: a port in use is found before the model loads, not
-    after. uvicorn binds again later; a port taken in between still fails there, with its own error line.
+def resolve_host(host: str, port: int = 0) -> list[tuple]:
+    """The addresses to bind for ``--host``/``--port``, each once: ``getaddrinfo`` entries (family, type, proto,
+    canonical name, address), passive as uvicorn binds them (an empty host is every interface). The one check of
+    ``--host``, also for ``python -m runtime.serve_ray`` before Ray starts (Serve's proxy would retry a host that
+    does not resolve for minutes).
 
     Raises:
-        ValueError: ``host`` does not resolve (the message names ``--host``).
-        CannotListen: ``port`` is in use, or the address cannot be bound (the message names the address and
-            ``--port``).
+        ValueError: ``host`` does not resolve (the message names ``--host`` and what to pass).
     """
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r} does not resolve ({e.strerror}): pass an IP address or a name of this "
                          "machine, e.g. --host 127.0.0.1") from None
+    return list(dict.fromkeys(infos))
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind a TCP socket to each address of ``host:port``, as uvicorn will (SO_REUSEADDR on POSIX, IPv6 sockets
+    IPv6 only, as asyncio's ``create_server``), and close it: a port in use is found before the model loads, not
+    after. uvicorn binds again later; a port taken in between still fails there, with its own error line.
+
+    Raises:
+        ValueError: ``host`` does not resolve (:func:`resolve_host`).
+        CannotListen: ``port`` is in use, or the address cannot be bound (the message names the address and
+            ``--port``).
+    """
+    infos = resolve_host(host, port)
     if port == 0:  # uvicorn picks a free one
         return
-    for family, kind, proto, _, address in dict.fromkeys(infos):
+    for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as sock:
             if os.name == "posix":
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

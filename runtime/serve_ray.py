@@ -280,26 +280,23 @@ class FleetOptions:
                                                  "upscale_delay_s": self.upscale_delay_s}}
 
 
-def check_host(host: str) -> None:
-    """Raises ValueError naming ``--host`` when ``host`` does not resolve (before Ray starts: Serve's
-    proxy would retry it for minutes)."""
-    try:
-        socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host!r} does not resolve ({e.strerror}): pass an IP address or a name "
-                         "of this machine, e.g. --host 127.0.0.1") from None
-
-
 def free_port(host: str) -> int:
-    """A TCP port that is free on ``host`` now (an IPv4 or IPv6 address or name)."""
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    """A TCP port that is free on ``host`` now (an IPv4 or IPv6 address or name; empty: every IPv4 interface, as
+    Serve's proxy binds it).
+
+    Raises:
+        ValueError: ``host`` does not resolve (:func:`runtime.serve.resolve_host`).
+    """
+    family = single.resolve_host(host)[0][0]
     with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def http_url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets (RFC 3986)."""
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986); an empty host (every IPv4 interface, where
+    Serve's proxy binds it) as ``0.0.0.0``."""
+    host = host or "0.0.0.0"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
@@ -394,7 +391,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     from runtime.backends.loading import load_backend  # here: without onnxruntime, main prints one error line
     from runtime.decode.engine import check_max_batch_size
     args = single.parse_args(serve_argv)
-    check_host(args.host)  # before Ray: an unresolvable --host is one ValueError, not a proxy that never starts
+    single.resolve_host(args.host)  # before Serve: one ValueError, not a proxy retrying an unresolvable --host
     backend, _, _ = load_backend(args.path, args.provider, 1)  # fail here, not in every replica
     check_max_batch_size(single.resolve_max_batch_size(args.max_batch_size, backend.max_batch), backend.max_batch)
     port = args.port or free_port(args.host)
@@ -487,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve_args = single.parse_args(serve_argv)
         single.server_settings(serve_args)  # each replica builds them again; a bad value stops here, before Ray
-        check_host(serve_args.host)
+        single.resolve_host(serve_args.host)  # before Ray, as deploy does it
         fleet = fleet_options(ray_args, serve_args)
         import_onnxruntime()
         if not ray_args.address:  # Serve's proxy will bind --host/--port here: a port in use stops us before Ray

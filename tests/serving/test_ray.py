@@ -155,9 +155,8 @@ def test_hosts_ipv6_and_unresolvable():
         s.bind(("::1", port))  # it was free
     assert serve_ray.http_url("::1", port) == f"http://[::1]:{port}"
     assert serve_ray.http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
-    serve_ray.check_host("localhost")
     with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
-        serve_ray.check_host("no-such-host.invalid")
+        serve_ray.free_port("no-such-host.invalid")
 
 
 def test_main_refuses_an_unresolvable_host_before_ray(tiny_bundle, monkeypatch, capsys):
@@ -196,6 +195,23 @@ def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, mo
     monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: pytest.fail("Serve started"))
     with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
         serve_ray.deploy([str(bundle), "--host", "no-such-host.invalid"], serve_ray.FleetOptions())
+
+
+def test_an_empty_host_is_every_interface_as_for_the_plain_server(tiny_bundle, monkeypatch, stubbed_serve):
+    """--host "" is every interface for runtime.serve (its one host rule, runtime.serve.resolve_host); serve_ray had
+    a rule of its own that refused it as a host that does not resolve. Serve's proxy binds it on every IPv4
+    interface: the URL says 0.0.0.0."""
+    _, bundle = tiny_bundle("llama", 4)
+    deployed = serve_ray.deploy([str(bundle), "--host", ""], FleetOptions())
+    port = stubbed_serve.start["http_options"]["port"]
+    assert stubbed_serve.start["http_options"]["host"] == "" and deployed.url == f"http://0.0.0.0:{port}"
+
+    def started(**kwargs):  # main got past its checks: stop where Ray starts
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_ray.ray, "init", started)
+    with pytest.raises(KeyboardInterrupt):
+        serve_ray.main([str(bundle), "--host", "", "--port", "0"])
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ level for its replicas, controller and proxy, and the level of each replica's ow
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import os
 import signal
@@ -304,7 +305,12 @@ def start_local_ray(**options) -> None:
     """``ray.init`` a Ray of our own on this machine: loopback node address, no dashboard, the
     fleet's namespace, and a Serve proxy readiness timeout of ``PROXY_READY_CHECK_S`` (its
     processes inherit the environment; a value already set wins). ``options`` go to ``ray.init``
-    (e.g. ``num_cpus``)."""
+    (e.g. ``num_cpus``).
+
+    Only Serve's HTTP proxy binds ``--host`` (127.0.0.1 unless told): Ray 2.60 replaces a loopback node address
+    by the machine's reachable IP, its dashboard and runtime-env agents listen there and its GCS, raylet and
+    worker gRPC servers on every interface (README, "Ray Serve"): firewall those ports where the network is not
+    trusted."""
     os.environ.setdefault(PROXY_READY_ENV, str(PROXY_READY_CHECK_S))
     ray.init(namespace=NAMESPACE, _node_ip_address="127.0.0.1", include_dashboard=False, **options)
 
@@ -334,26 +340,40 @@ def wait_until_serve_is_gone(timeout_s: float = SERVE_GONE_S) -> None:
         time.sleep(0.2)
 
 
-def wait_for_port(host: str, port: int, timeout_s: float = PROXY_START_S) -> None:
-    """Return once ``host:port`` accepts a TCP connection (a wildcard host is tried on loopback).
+def wait_for_proxy(host: str, port: int, timeout_s: float = PROXY_START_S) -> None:
+    """Return once Serve's HTTP proxy answers on ``host:port`` (a wildcard host is tried on loopback) that it is
+    ready: ``GET /-/healthz`` is 200 ``success`` (:func:`is_serve_proxy`).
 
-    ``serve.run`` returns when the replicas are up; Serve's HTTP proxy may still be starting
-    (after a ``serve.shutdown()`` on a loaded machine: seconds), and a request sent then is refused.
+    ``serve.run`` returns when the replicas are up; the proxy may still be starting (after a ``serve.shutdown()``
+    on a loaded machine: seconds), and a request sent then is refused. A connection alone does not say whose port
+    it is: another process may listen there (here, while the proxy runs on another machine of a cluster). One
+    that shares the port with SO_REUSEPORT, as Serve's proxy binds it, gets some of the connections, which no
+    check from outside rules out: :func:`launch` checks the port before it starts a Ray.
 
     Raises:
-        RuntimeError: nothing accepted within ``timeout_s`` seconds; the message names the address.
+        RuntimeError: no such answer within ``timeout_s`` seconds; the message names the address.
     """
     target = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((target, port), timeout=1.0):
-                return
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"Serve's HTTP proxy did not open {target}:{port} within {timeout_s:g} s; "
-                                   "see Ray's logs (/tmp/ray/session_latest/logs)") from None
-            time.sleep(0.1)
+    while not is_serve_proxy(target, port):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"Serve's HTTP proxy did not answer on {target}:{port} within {timeout_s:g} s (no "
+                               "answer, or another server's: is --port taken there?); see Ray's logs "
+                               "(/tmp/ray/session_latest/logs)")
+        time.sleep(0.1)
+
+
+def is_serve_proxy(host: str, port: int) -> bool:
+    """Whether ``host:port`` answers ``GET /-/healthz`` as a ready Serve proxy does: 200, ``success``."""
+    connection = http.client.HTTPConnection(host, port, timeout=1.0)
+    try:
+        connection.request("GET", "/-/healthz")
+        response = connection.getresponse()
+        return response.status == 200 and response.read() == b"success"
+    except (OSError, http.client.HTTPException):  # nothing listens, no answer in time, or not HTTP
+        return False
+    finally:
+        connection.close()
 
 
 @dataclass(frozen=True)
@@ -375,37 +395,109 @@ class Deployed:
 def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     """Start Serve's proxy and the replicas on the connected Ray cluster.
 
-    Returns once every replica is up and the proxy accepts connections. Serve must not run yet on the cluster (its proxy's
-    address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are ``python -m runtime.serve``
-    arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one), its ``--log-level`` the
-    level of Serve's logs (``LoggingConfig``: the controller's and proxy's through ``serve.start``, the replicas'
-    through the deployment) and of each replica's own loggers (:func:`make_replica_app`), its ``--shutdown-timeout``
-    each replica's graceful shutdown in Serve (:attr:`Deployed.shutdown_timeout_s`, which :func:`stop` waits for).
+    Returns once every replica is up and the proxy answers (:func:`wait_for_proxy`). Serve must not run yet on the
+    cluster (its proxy's address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are
+    ``python -m runtime.serve`` arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one),
+    its ``--log-level`` the level of Serve's logs (``LoggingConfig``: the controller's and proxy's through
+    ``serve.start``, the replicas' through the deployment) and of each replica's own loggers
+    (:func:`make_replica_app`), its ``--shutdown-timeout`` each replica's graceful shutdown in Serve
+    (:attr:`Deployed.shutdown_timeout_s`, which :func:`stop` waits for).
+
+    The port is not checked on this machine first: Serve's proxy binds it on the cluster's head node (and on each
+    node of a replica), maybe another machine; a proxy that cannot bind it stops this with an error naming it
+    (:func:`start_serve`). :func:`launch` checks it here before it starts a Ray of its own. Once Serve is started,
+    a failure shuts it down again: no half-started deployment is left on the cluster.
 
     Raises:
         BundleError, ValueError: bad path, bundle or option value, or a batch the bundle cannot run
             (checked here first, not in every replica).
-        RuntimeError: an earlier Serve instance did not go within ``SERVE_GONE_S`` seconds, or the
-            proxy did not open its port within ``PROXY_START_S`` seconds.
+        RuntimeError: an earlier Serve instance did not go within ``SERVE_GONE_S`` seconds, Serve's proxy could
+            not start (its port in use where it runs), or it did not answer within ``PROXY_START_S`` seconds.
+    """
+    args = check_serve_args(serve_argv)
+    port = args.port or free_port(args.host)
+    wait_until_serve_is_gone()
+    logging_config = LoggingConfig(log_level=args.log_level.upper())
+    try:
+        start_serve(args.host, port, logging_config)
+        board = run_replicas(serve_argv, args, fleet, logging_config)
+        wait_for_proxy(args.host, port)
+    except Exception:
+        serve.shutdown()  # a proxy that cannot bind would be restarted for ever, replicas would hold their CPUs
+        raise
+    return Deployed(http_url(args.host, port), board, args.shutdown_timeout)
+
+
+def check_serve_args(serve_argv: list[str]) -> argparse.Namespace:
+    """The server options of ``serve_argv``, checked here once rather than in every replica: ``--host`` resolves
+    (not a proxy retrying it), the bundle loads and takes the batch.
+
+    Raises:
+        BundleError, ValueError: bad path, bundle, option value or batch.
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, main prints one error line
     from runtime.decode.engine import check_max_batch_size
     args = single.parse_args(serve_argv)
-    single.resolve_host(args.host)  # before Serve: one ValueError, not a proxy retrying an unresolvable --host
-    backend, _, _ = load_backend(args.path, args.provider, 1)  # fail here, not in every replica
+    single.resolve_host(args.host)
+    backend, _, _ = load_backend(args.path, args.provider, 1)
     check_max_batch_size(single.resolve_max_batch_size(args.max_batch_size, backend.max_batch), backend.max_batch)
-    port = args.port or free_port(args.host)
-    wait_until_serve_is_gone()
-    logging_config = LoggingConfig(log_level=args.log_level.upper())
-    serve.start(http_options={"host": args.host, "port": port}, logging_config=logging_config)
+    return args
+
+
+def start_serve(host: str, port: int, logging_config: LoggingConfig) -> None:
+    """``serve.start`` with its HTTP proxy on ``host:port``; Serve waits for the proxies it starts with (the head
+    node's), which bind the port with SO_REUSEPORT.
+
+    Raises:
+        RuntimeError: a proxy could not start, most often as its port is in use where it runs (not by a listener
+            with SO_REUSEPORT too: that one shares it); the message names the address, the proxy's error and
+            ``--port``, instead of Ray's remote traceback.
+    """
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config=logging_config)
+    except ray.exceptions.RayTaskError as e:  # the proxy's readiness check raised
+        raise RuntimeError(f"Serve's HTTP proxy did not start on {host} port {port} ({e.cause}): if the port is in "
+                           "use where the proxy runs, stop what listens there, or choose another --port (--port 0 "
+                           "picks a free one)") from None
+
+
+def run_replicas(serve_argv: list[str], args: argparse.Namespace, fleet: FleetOptions,
+                 logging_config: LoggingConfig):
+    """Create a fleet board and run the replicas (``serve.run``, once every replica is up); returns the board."""
     board_name = f"{APP_NAME}-fleet-board-{uuid.uuid4().hex[:12]}"  # new for each deployment: no stale reports
     board = ray.remote(num_cpus=0)(FleetBoard).options(name=board_name, namespace=NAMESPACE).remote()
     deployment = serve.deployment(MarsReplica).options(name="MarsReplica", logging_config=logging_config,
                                                        graceful_shutdown_timeout_s=args.shutdown_timeout,
                                                        **fleet.deployment_options())
     serve.run(deployment.bind(replica_argv(serve_argv, args.api_key), board_name), name=APP_NAME, route_prefix="/")
-    wait_for_port(args.host, port)
-    return Deployed(http_url(args.host, port), board, args.shutdown_timeout)
+    return board
+
+
+def launch(serve_argv: list[str], fleet: FleetOptions, address: str | None = None, **ray_options) -> Deployed:
+    """Connect Ray and :func:`deploy`: join the cluster at ``address``, or start a Ray of our own here
+    (:func:`start_local_ray`; ``ray_options`` go to ``ray.init`` either way). For a Ray of our own, Serve's proxy
+    binds ``--host``/``--port`` on this machine: they are checked first, by the plain server's rule
+    (:func:`runtime.serve.check_can_listen`), so a port in use stops this before Ray starts, also one that another
+    listener holds with SO_REUSEPORT (Serve's proxy would share it). With ``address`` the proxy may bind on
+    another machine: :func:`deploy` names a port it cannot bind. Ray is shut down (for a cluster: left) when
+    :func:`deploy` fails; :func:`stop` ends a deployment that started.
+
+    Raises:
+        runtime.serve.CannotListen: (without ``address``) the port is in use here, or cannot be bound; nothing
+            started.
+        BundleError, ValueError, RuntimeError: as :func:`deploy`.
+    """
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, **ray_options)
+    else:
+        args = single.parse_args(serve_argv)
+        single.check_can_listen(args.host, args.port)
+        start_local_ray(**ray_options)
+    try:
+        return deploy(serve_argv, fleet)
+    except Exception:
+        ray.shutdown()
+        raise
 
 
 def stop(deployed: Deployed) -> None:
@@ -487,27 +579,16 @@ def main(argv: list[str] | None = None) -> int:
         single.resolve_host(serve_args.host)  # before Ray, as deploy does it
         fleet = fleet_options(ray_args, serve_args)
         import_onnxruntime()
-        if not ray_args.address:  # Serve's proxy will bind --host/--port here: a port in use stops us before Ray
-            single.check_can_listen(serve_args.host, serve_args.port)
-    except single.CannotListen as e:
-        print(f"error: {e}", file=sys.stderr)
-        return single.STARTUP_FAILURE
     except (ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # A Ray of our own starts no dashboard. Only Serve's HTTP proxy binds --host (127.0.0.1 unless
-    # told): Ray 2.60 replaces a loopback node address by the machine's reachable IP, its dashboard
-    # and runtime-env agents listen there and its GCS, raylet and worker gRPC servers on every
-    # interface (README, "Ray Serve"): firewall those ports where the network is not trusted.
-    if ray_args.address:
-        ray.init(address=ray_args.address, namespace=NAMESPACE)
-    else:
-        start_local_ray()
     try:
-        deployed = deploy(serve_argv, fleet)
+        deployed = launch(serve_argv, fleet, ray_args.address)
+    except single.CannotListen as e:  # a Ray of our own: --port in use here, found before Ray starts
+        print(f"error: {e}", file=sys.stderr)
+        return single.STARTUP_FAILURE
     except (single.BundleError, ValueError, RuntimeError) as e:  # RuntimeError: Serve or its proxy did not start
         print(f"error: {e}", file=sys.stderr)
-        ray.shutdown()
         return 2
     count = fleet.replicas if fleet.max_replicas is None else f"{fleet.replicas} to {fleet.max_replicas}"
     print(f"mars-edge on Ray Serve running on {deployed.url} (replicas: {count}); Ctrl-C stops it", flush=True)

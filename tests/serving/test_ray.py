@@ -8,6 +8,7 @@ condition holds; nothing depends on the machine's speed.
 
 from __future__ import annotations
 
+import http.server
 import logging
 import os
 import signal
@@ -137,14 +138,52 @@ def test_our_own_ray_gives_the_serve_proxy_time_to_start(tiny_bundle, monkeypatc
     assert seen["kwargs"]["_node_ip_address"] == "127.0.0.1"
 
 
-def test_wait_for_port_returns_once_the_port_listens_and_names_it_when_it_never_does():
-    with socket.socket() as listener:  # bound and listening: the wait ends at the first try
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        serve_ray.wait_for_port("0.0.0.0", port, timeout_s=0)
-    with pytest.raises(RuntimeError, match=f"did not open 127.0.0.1:{port} within 0.3 s"):
-        serve_ray.wait_for_port("127.0.0.1", port, timeout_s=0.3)  # closed now: refused until the deadline
+@pytest.fixture
+def health_server():
+    """Factory: an HTTP server on loopback answering GET /-/healthz with (status, body); yields its port."""
+    servers = []
+
+    def start(status: int, body: bytes) -> int:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server.server_address[1]
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_wait_for_proxy_returns_once_serves_proxy_answers(health_server):
+    """The wait ends at the first answer of Serve's proxy (its health route, 200 "success"), named on timeout."""
+    serve_ray.wait_for_proxy("0.0.0.0", health_server(200, b"success"), timeout_s=0)
+    port = serve_ray.free_port("127.0.0.1")
+    with pytest.raises(RuntimeError, match=f"did not answer on 127.0.0.1:{port} within 0.3 s"):
+        serve_ray.wait_for_proxy("127.0.0.1", port, timeout_s=0.3)  # nothing listens: refused until the deadline
+
+
+def test_wait_for_proxy_is_not_fooled_by_another_process_on_the_port(health_server):
+    """The wait returned at the first TCP connection, which another process listening on the port (here, while
+    Serve's proxy runs on another machine of the cluster) also accepts: Serve's proxy is told by its answer."""
+    with socket.socket() as other:  # listens, never answers
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"did not answer on 127.0.0.1:{port} within 0.3 s .*--port taken"):
+            serve_ray.wait_for_proxy("127.0.0.1", port, timeout_s=0.3)
+    for status, body in ((404, b"success"), (200, b'{"detail":"Not Found"}')):  # another server's answers
+        assert not serve_ray.is_serve_proxy("127.0.0.1", health_server(status, body))
 
 
 def test_hosts_ipv6_and_unresolvable():
@@ -189,6 +228,47 @@ def test_a_port_in_use_stops_main_before_ray_starts(tiny_bundle, monkeypatch, ca
             serve_ray.main([str(bundle), "--port", str(port), "--address", "ray://elsewhere:10001"])
 
 
+def test_launch_checks_the_port_here_before_it_starts_a_ray(tiny_bundle, monkeypatch):
+    """A program's local path (launch without an address) checks --port before Ray starts, by the plain server's
+    rule: also a port held with SO_REUSEPORT, which Serve's proxy (SO_REUSEPORT too) would share unseen. Joining
+    a cluster, the port is not checked here: the proxy may bind on another machine."""
+    _, bundle = tiny_bundle("llama", 4)
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray started"))
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(single.CannotListen, match=f"port {port} on 127.0.0.1 is in use: .*--port 0 picks"):
+            serve_ray.launch([str(bundle), "--port", str(port)], FleetOptions())
+
+        def joined(**kwargs):  # the cluster is joined: stop there
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(serve_ray.ray, "init", joined)
+        with pytest.raises(KeyboardInterrupt):
+            serve_ray.launch([str(bundle), "--port", str(port)], FleetOptions(), address="ray://elsewhere:10001")
+
+
+def test_launch_shuts_ray_down_when_deploy_fails(monkeypatch):
+    """launch connected Ray, so a deploy that fails leaves it shut down (a cluster joined: disconnected)."""
+    calls = []
+
+    def deploy(argv, fleet):
+        calls.append("deploy")
+        raise ValueError("bad bundle")
+
+    monkeypatch.setattr(serve_ray, "start_local_ray", lambda **kwargs: calls.append(("ray.init", kwargs)))
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: calls.append(("ray.init", kwargs)))
+    monkeypatch.setattr(serve_ray, "deploy", deploy)
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    for address in (None, "ray://elsewhere:10001"):
+        calls.clear()
+        with pytest.raises(ValueError, match="bad bundle"):
+            serve_ray.launch(["BUNDLE", "--port", "0"], FleetOptions(), address, num_cpus=2)
+        assert calls[1:] == ["deploy", "ray.shutdown"] and calls[0][1]["num_cpus"] == 2
+
+
 def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, monkeypatch):
     """deploy(), the programmatic entry, checks --host too before anything of Serve starts."""
     _, bundle = tiny_bundle("llama", 4)
@@ -217,8 +297,9 @@ def test_an_empty_host_is_every_interface_as_for_the_plain_server(tiny_bundle, m
 @pytest.fixture
 def stubbed_serve(monkeypatch) -> SimpleNamespace:
     """Serve and Ray stubbed for deploy(): what it asks of them is recorded (``start``: serve.start's keyword
-    arguments, ``options``: the deployment's, ``bound``: the arguments each replica would be constructed with)."""
-    seen = SimpleNamespace(start={}, options={}, bound=[])
+    arguments, ``options``: the deployment's, ``bound``: the arguments each replica would be constructed with,
+    ``shutdown``: serve.shutdown's calls)."""
+    seen = SimpleNamespace(start={}, options={}, bound=[], shutdown=[])
 
     class Deployment:
         def options(self, **kwargs):
@@ -231,12 +312,47 @@ def stubbed_serve(monkeypatch) -> SimpleNamespace:
 
     board = SimpleNamespace(options=lambda **kwargs: SimpleNamespace(remote=lambda: "board"))
     monkeypatch.setattr(serve_ray, "wait_until_serve_is_gone", lambda: None)
-    monkeypatch.setattr(serve_ray, "wait_for_port", lambda host, port: None)
+    monkeypatch.setattr(serve_ray, "wait_for_proxy", lambda host, port: None)
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: seen.shutdown.append("serve.shutdown"))
     monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: seen.start.update(kwargs))
     monkeypatch.setattr(serve_ray.serve, "run", lambda app, **kwargs: None)
     monkeypatch.setattr(serve_ray.serve, "deployment", lambda cls: Deployment())
     monkeypatch.setattr(serve_ray.ray, "remote", lambda **kwargs: lambda cls: board)
     return seen
+
+
+def test_a_proxy_that_cannot_bind_is_named_and_serve_shut_down(tiny_bundle, monkeypatch, stubbed_serve):
+    """serve.start waits for its proxy, which raises when it cannot bind (a port in use where it runs, maybe another
+    machine of the cluster): deploy said so with Ray's remote traceback, and left Serve's controller running, whose
+    proxy it restarts for ever. Now one line names the address and --port, and Serve is shut down again."""
+    _, bundle = tiny_bundle("llama", 4)
+    bind_failed = ray.exceptions.RayTaskError("ProxyActor.ready", "Traceback ...",
+                                              RuntimeError("Failed to bind to address '127.0.0.1:8123'.")
+                                              ).as_instanceof_cause()
+
+    def start(**kwargs):
+        raise bind_failed
+
+    monkeypatch.setattr(serve_ray.serve, "start", start)
+    with pytest.raises(RuntimeError) as raised:
+        serve_ray.deploy([str(bundle), "--port", "8123"], FleetOptions())
+    assert str(raised.value) == ("Serve's HTTP proxy did not start on 127.0.0.1 port 8123 (Failed to bind to address "
+                                 "'127.0.0.1:8123'.): if the port is in use where the proxy runs, stop what listens "
+                                 "there, or choose another --port (--port 0 picks a free one)")
+    assert stubbed_serve.shutdown == ["serve.shutdown"] and stubbed_serve.bound == []
+
+
+def test_a_deploy_that_fails_once_serve_started_shuts_serve_down(tiny_bundle, monkeypatch, stubbed_serve):
+    """A proxy that never answers (or replicas that fail) leaves no half-started deployment on the cluster."""
+    _, bundle = tiny_bundle("llama", 4)
+
+    def never(host, port):
+        raise RuntimeError(f"Serve's HTTP proxy did not answer on {host}:{port}")
+
+    monkeypatch.setattr(serve_ray, "wait_for_proxy", never)
+    with pytest.raises(RuntimeError, match="did not answer"):
+        serve_ray.deploy([str(bundle), "--port", "0"], FleetOptions())
+    assert stubbed_serve.shutdown == ["serve.shutdown"] and len(stubbed_serve.bound) == 1
 
 
 @pytest.mark.parametrize("given", ["env", "option"])

@@ -43,20 +43,21 @@ NUM_REPLICAS = 2
 
 @pytest.fixture(scope="module")
 def fleet(tiny_bundle):
+    """The deployment, started and stopped as a program does it: launch (a Ray of our own; shut down if deploy
+    fails), then stop (the replicas' graceful shutdown, a wait for Serve to be gone, then Ray)."""
     _, bundle = tiny_bundle("llama", 4)
-    serve_ray.start_local_ray(num_cpus=2, log_to_driver=False)
+    deployed = serve_ray.launch([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--tau-min",
+                                 "0.5", "--queue-high", "4", "--log-level", "warning"],
+                                FleetOptions(replicas=NUM_REPLICAS, num_cpus=0.5, max_ongoing_requests=16),
+                                num_cpus=2, log_to_driver=False)
+    url = deployed.url
+    http = httpx.Client(base_url=url, timeout=DEADLINE_S)
     try:
-        deployed = deploy([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--tau-min", "0.5",
-                      "--queue-high", "4", "--log-level", "warning"],
-                     FleetOptions(replicas=NUM_REPLICAS, num_cpus=0.5, max_ongoing_requests=16))
-        url = deployed.url
-        http = httpx.Client(base_url=url, timeout=DEADLINE_S)
         yield SimpleNamespace(url=url, http=http, client=openai.OpenAI(base_url=f"{url}/v1", api_key="none",
                                                                        max_retries=0, timeout=DEADLINE_S))
-        http.close()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        http.close()
+        serve_ray.stop(deployed)
 
 
 def replicas(fleet) -> dict[str, dict]:

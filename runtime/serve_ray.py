@@ -574,32 +574,54 @@ def main(argv: list[str] | None = None) -> int:
     ``--address`` Serve's proxy may bind on another machine of the cluster)."""
     ray_args, serve_argv = parse_args(argv)
     try:
-        serve_args = single.parse_args(serve_argv)
-        single.server_settings(serve_args)  # each replica builds them again; a bad value stops here, before Ray
-        single.resolve_host(serve_args.host)  # before Ray, as deploy does it
-        fleet = fleet_options(ray_args, serve_args)
-        import_onnxruntime()
-    except (ValueError, OnnxRuntimeMissing) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        fleet = prepare_fleet(ray_args, serve_argv)
         deployed = launch(serve_argv, fleet, ray_args.address)
     except single.CannotListen as e:  # a Ray of our own: --port in use here, found before Ray starts
-        print(f"error: {e}", file=sys.stderr)
-        return single.STARTUP_FAILURE
-    except (single.BundleError, ValueError, RuntimeError) as e:  # RuntimeError: Serve or its proxy did not start
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return print_error(e, single.STARTUP_FAILURE)
+    except (single.BundleError, ValueError, RuntimeError, OnnxRuntimeMissing) as e:  # RuntimeError: Serve did not start
+        return print_error(e, 2)
+    print_running(deployed, fleet)
+    wait_for_stop_signal()
+    stop(deployed)
+    return 0
+
+
+def prepare_fleet(ray_args: argparse.Namespace, serve_argv: list[str]) -> FleetOptions:
+    """The fleet's options, once every option is checked and onnxruntime imports: all before Ray starts.
+
+    Raises:
+        ValueError: a bad option value (each replica builds the server settings again; a bad one stops here).
+        OnnxRuntimeMissing: installed without the [cpu] or [gpu] extra.
+    """
+    serve_args = single.parse_args(serve_argv)
+    single.server_settings(serve_args)
+    single.resolve_host(serve_args.host)
+    fleet = fleet_options(ray_args, serve_args)
+    import_onnxruntime()
+    return fleet
+
+
+def print_error(error: Exception, status: int) -> int:
+    """Print ``error`` as one ``error:`` line on stderr; returns the exit ``status``."""
+    print(f"error: {error}", file=sys.stderr)
+    return status
+
+
+def print_running(deployed: Deployed, fleet: FleetOptions) -> None:
+    """The line saying where the deployment runs, with how many replicas."""
     count = fleet.replicas if fleet.max_replicas is None else f"{fleet.replicas} to {fleet.max_replicas}"
     print(f"mars-edge on Ray Serve running on {deployed.url} (replicas: {count}); Ctrl-C stops it", flush=True)
+
+
+def wait_for_stop_signal() -> None:
+    """Return at the first SIGINT (Ctrl-C) or SIGTERM; then both are back to their default, so a second one while
+    Serve drains ends the command at once."""
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C while Serve drains ends the command at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
-    stop(deployed)
-    return 0
 
 
 if __name__ == "__main__":

@@ -229,6 +229,34 @@ def test_a_port_in_use_stops_main_before_ray_starts(tiny_bundle, monkeypatch, ca
             serve_ray.main([str(bundle), "--port", str(port), "--address", "ray://elsewhere:10001"])
 
 
+def test_main_serves_until_a_signal_then_stops_the_deployment(monkeypatch, capsys):
+    """main's steps in order: check the options, launch, one line saying where it runs, wait for SIGTERM or Ctrl-C,
+    stop; after the first signal both are back to their default, so a second one ends the command at once.
+    Ray and Serve are stubbed (launch and stop)."""
+    deployed = serve_ray.Deployed("http://127.0.0.1:8123", board=None, shutdown_timeout_s=5.0)
+    calls = []
+    monkeypatch.setattr(serve_ray, "launch", lambda argv, fleet, address: calls.append(("launch", argv)) or deployed)
+    monkeypatch.setattr(serve_ray, "stop", lambda handle: calls.append(("stop", handle)))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def send_sigterm():  # only once main waits, with its handler installed
+        wait_until(lambda: signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM], "main's handler")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=send_sigterm)
+    sender.start()
+    try:
+        assert serve_ray.main(["BUNDLE", "--replicas", "2", "--max-replicas", "3", "--port", "0"]) == 0
+        assert [signal.getsignal(sig) for sig in before] == [signal.SIG_DFL, signal.SIG_DFL]
+    finally:
+        sender.join()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert calls == [("launch", ["BUNDLE", "--port", "0"]), ("stop", deployed)]
+    assert capsys.readouterr().out == ("mars-edge on Ray Serve running on http://127.0.0.1:8123 (replicas: 2 to 3); "
+                                       "Ctrl-C stops it\n")
+
+
 def test_launch_checks_the_port_here_before_it_starts_a_ray(tiny_bundle, monkeypatch):
     """A program's local path (launch without an address) checks --port before Ray starts, by the plain server's
     rule: also a port held with SO_REUSEPORT, which Serve's proxy (SO_REUSEPORT too) would share unseen. Joining

@@ -366,27 +366,21 @@ def run_fleet(args, replicas: int, prompts, solo, tokenizer: Tokenizer) -> LoadR
 
     The deployment is stopped through ``runtime.serve_ray.stop`` (the replicas' graceful shutdown, a wait for Serve to
     be gone, then Ray), as the ``serve_ray`` command stops it, also when the run fails; a deploy that fails leaves no
-    handle to stop, and Ray (with whatever of Serve started) is shut down.
+    handle to stop, and ``runtime.serve_ray.launch`` shuts Ray (with whatever of Serve started) down.
     """
-    import ray
+    from runtime.serve_ray import FleetOptions, launch, stop
 
-    from runtime.serve_ray import FleetOptions, deploy, start_local_ray, stop
-
-    start_local_ray(num_cpus=max(args.ray), log_to_driver=False)  # as many CPUs for every replica count
-    deployed = None
+    deployed = launch([args.bundle, "--host", HOST, "--port", "0", "--max-batch-size", str(args.max_batch_size),
+                       "--threads", str(args.threads), "--tau-min", str(args.tau_min), "--queue-high",
+                       str(args.queue_high), "--log-level", "warning"],
+                      FleetOptions(replicas=replicas, num_cpus=1.0,
+                                   max_ongoing_requests=args.max_batch_size + args.queue_high),
+                      num_cpus=max(args.ray), log_to_driver=False)  # as many CPUs for every replica count
     try:
-        deployed = deploy([args.bundle, "--host", HOST, "--port", "0", "--max-batch-size", str(args.max_batch_size),
-                           "--threads", str(args.threads), "--tau-min", str(args.tau_min), "--queue-high",
-                           str(args.queue_high), "--log-level", "warning"],
-                          FleetOptions(replicas=replicas, num_cpus=1.0,
-                                       max_ongoing_requests=args.max_batch_size + args.queue_high))
         run = LoadRun(deployed.url, None, prompts, solo, tokenizer, args.max_tokens)
         asyncio.run(run.run(args))
     finally:
-        if deployed is None:
-            ray.shutdown()
-        else:
-            stop(deployed)
+        stop(deployed)
     return run
 
 

@@ -34,14 +34,19 @@ from runtime.model_types import base_model_type
 # What a config.json that lacks one of the fields the rule reads means, per model type: transformers' defaults
 # (models/<type>/configuration_<type>.py, transformers 5.x). Qwen2 and Qwen3 slide only with use_sliding_window,
 # from layer max_window_layers on; Gemma2 slides every other layer, Gemma3 five of six (sliding_window_pattern);
-# Mistral slides every layer. A type not listed (Llama) has no default: a missing field is absent.
+# Mistral slides every layer. A type not listed has no default: a missing field is absent.
 FIELD_DEFAULTS: dict[str, dict] = {
-    "mistral": {"sliding_window": 4096},
-    "phi3": {"original_max_position_embeddings": 4096},
-    "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
-    "qwen3": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
-    "gemma2": {"sliding_window": 4096, "sliding_window_pattern": 2, "num_hidden_layers": 26},
-    "gemma3_text": {"sliding_window": 4096, "sliding_window_pattern": 6, "num_hidden_layers": 26},
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "num_hidden_layers": 32},
+    "qwen3": {"max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "num_hidden_layers": 32},
+    "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096, "sliding_window_pattern": 2,
+               "num_hidden_layers": 26},
+    "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "num_hidden_layers": 26},
 }
 
 
@@ -180,9 +185,10 @@ def max_context_of(fields: Mapping) -> tuple[int, str | None]:
     ``original_max_position_embeddings`` where smaller, with ``note`` the line saying so (None when not capped).
 
     Args:
-        fields: as for :func:`sliding_window`; ``max_position_embeddings`` is read (0 when absent).
+        fields: as for :func:`sliding_window`; ``max_position_embeddings`` is read (transformers' default for the
+            model type when absent, :data:`FIELD_DEFAULTS`; 0 for a type without one).
     """
-    positions = fields.get("max_position_embeddings") or 0
+    positions = with_defaults(fields).get("max_position_embeddings") or 0
     window, original = sliding_window(fields), longrope_original_context(fields)
     caps = []
     if window is not None and window < positions:

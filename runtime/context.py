@@ -22,7 +22,10 @@ Gemma3's ``full_attention`` and ``sliding_attention``), and which rope type it r
 
 Dynamic-NTK rope scaling needs no cap: transformers rescales that rope only once a forward passes
 ``max_position_embeddings``, which no bundle's context does (the step graph traces it as the default rope,
-:func:`mars_export.step_module.step_graph_model`).
+:func:`mars_export.step_module.step_graph_model`, and the fused graph's builder is given it as the default rope,
+:func:`mars_export.fused_graph.prepare_builder_config`). Linear, yarn and llama3 frequencies do not depend on the
+sequence: nothing to cap (which of them the fused graph computes as transformers does is
+:data:`mars_export.fused_graph.FUSED_ROPE_TYPES`' to say).
 """
 
 from __future__ import annotations

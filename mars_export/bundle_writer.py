@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from mars_export.context import max_context_of
-from mars_export.fused_graph import write_fused_graph
+from mars_export.fused_graph import check_builder_accepts, write_fused_graph
 from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph, max_window
 from mars_export.output_dir import (
@@ -98,12 +98,17 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
             symbolic link, the model's own files, or a directory that is neither a bundle nor empty).
         ParityError: a backend disagrees with PyTorch beyond ``parity_tolerance``.
         BundleError: a bidirectional model, invalid block size / window (:func:`prepare_config`).
+        ValueError: with ``graph`` ``"fused"``, a model the model builder fails on or computes otherwise than
+            transformers (its rope scaling: :func:`mars_export.fused_graph.check_builder_accepts`), before anything
+            is written.
         OSError: the bundle cannot be written (no permission, a full disk).
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, list(loaded.source_paths), overwrite)
     config = prepare_config(loaded, block_size, window, dtype)
     config = replace(config, weight_dtype=weight_dtype, graph=graph)
+    if graph == "fused":
+        check_builder_accepts(loaded.model.config)  # before anything is written
     made = make_parent_folders(out_dir)  # removed again, where still empty, should the export fail
     tmp = None
     try:

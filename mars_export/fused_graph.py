@@ -15,8 +15,10 @@ probabilities x V product of one query row), which would break "tau = 1 is exact
 where the runtime would otherwise feed a second, padding token through the whole model
 (``runtime.backends.fused``).
 
-A model the builder is known to fail on (a Phi3 config it takes for Phi-3 128k) is refused before it runs,
-naming ``--graph step`` (:func:`check_builder_accepts`).
+A model the builder is known to fail on (a Phi3 config it takes for Phi-3 128k), or whose rope scaling it computes
+otherwise than transformers (:data:`FUSED_ROPE_TYPES`), is refused before the export writes anything, naming
+``--graph step`` (:func:`check_builder_accepts`). A dynamic-NTK rope is given to the builder as the default rope
+(:func:`prepare_builder_config`), which it is below ``max_position_embeddings``, the bundle's context.
 
 A float32 fused bundle also gets the greedy head (:mod:`mars_export.greedy_head`): the argmax ids of the
 window's last ``num_greedy`` rows, exact, without reading the float32 output head; and its confidence gate
@@ -46,14 +48,27 @@ from onnx import TensorProto, helper
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_export.confidence_gate import add_confidence_gate
+from mars_export.context import config_fields
 from mars_export.fuse_projections import fuse_shared_input_matmuls
 from mars_export.greedy_head import add_greedy_head
 from mars_export.logits_rows import compute_logits_of_last_rows
 from runtime.backends.fused import ONE_TOKEN_WINDOW_KEY, TILED  # model metadata: tile_one_token_windows ran
 from runtime.bundle import MAX_INLINE_BYTES, external_data_file
+from runtime.context import ALL_LAYERS, rope_types
+from runtime.model_types import base_model_type
 
 BUILDER = "onnxruntime_genai.models.builder"
 BUILDER_FILE = "model.onnx"
+# The rope types whose cos/sin onnxruntime-genai's model builder (0.18) writes as transformers computes them, at
+# every position of the bundle's context, by model type; every type also takes "default" and "dynamic" (given to
+# the builder as the default rope, which transformers' dynamic NTK is below max_position_embeddings). What else
+# the builder does: its Llama reads llama3 only and writes linear, yarn and longrope as the default rope; its
+# Qwen2, Qwen3 and Mistral write yarn without transformers' rounding of the correction range (other frequencies,
+# off by radians past the original context) and refuse llama3 and longrope. Phi3's longrope is capped to its
+# original context (runtime.context). tests/test_rope_scaling.py holds the builder to this table.
+FUSED_ROPE_TYPES = {"llama": ("llama3",), "mistral": ("linear",), "qwen2": ("linear",), "qwen3": ("linear",),
+                    "phi3": ("longrope",)}
+ANY_MODEL_ROPE_TYPES = ("default", "dynamic")
 
 
 def require_builder() -> None:
@@ -63,20 +78,48 @@ def require_builder() -> None:
 
 
 def check_builder_accepts(config: PretrainedConfig) -> None:
-    """Raise ValueError, naming ``--graph step``, for a model the model builder is known to fail on.
+    """Raise ValueError, naming ``--graph step``, for a model the model builder is known to fail on or to compute
+    otherwise than transformers: rope settings per layer type (Gemma3; the builder reads one), a rope type not in
+    :data:`FUSED_ROPE_TYPES` for the model type, or a Phi3 config it takes for Phi-3 128k.
 
     Phi3: the builder takes its LongRoPE class (Phi-3 128k) whenever ``max_position_embeddings`` differs from
     ``original_max_position_embeddings``, and that class fails (``KeyError: 'multi_cache'``) unless the rope
     scaling is ``longrope``. transformers reads ``original_max_position_embeddings`` only for scaled rope, so such
     a config (Phi3Config's default 4096 beside another context) is an ordinary model the builder cannot take.
     """
-    if config.model_type != "phi3" or config.max_position_embeddings == config.original_max_position_embeddings:
+    types = rope_types(config_fields(config))
+    if set(types) - {ALL_LAYERS}:
+        per_layer = ", ".join(f"{layer} {rope_type}" for layer, rope_type in types.items())
+        raise ValueError(f"--graph fused: this model gives rope settings per layer type ({per_layer}), and "
+                         "onnxruntime-genai's model builder reads one for all layers; export it with --graph step")
+    model_type, rope_type = base_model_type(config.model_type), types.get(ALL_LAYERS, "default")
+    supported = (*ANY_MODEL_ROPE_TYPES, *FUSED_ROPE_TYPES.get(model_type, ()))
+    if rope_type not in supported:
+        raise ValueError(f"--graph fused: onnxruntime-genai's model builder does not compute {rope_type} rope scaling "
+                         f"as transformers does on a {model_type} model (it does: {', '.join(supported)}); export it "
+                         "with --graph step")
+    if model_type != "phi3" or config.max_position_embeddings == config.original_max_position_embeddings:
         return
-    if (config.rope_parameters or {}).get("rope_type") != "longrope":
+    if rope_type != "longrope":
         raise ValueError(f"--graph fused: onnxruntime-genai's model builder cannot build this Phi3 model "
                          f"(max_position_embeddings {config.max_position_embeddings} differs from "
                          f"original_max_position_embeddings {config.original_max_position_embeddings} without "
                          "longrope rope scaling); export it with --graph step")
+
+
+def prepare_builder_config(fields: dict) -> dict:
+    """The checkpoint's ``config.json`` ``fields`` as the builder is to read them: without a quantization config
+    (a GGUF-loaded model is dequantized already, DESIGN.md §8), a dynamic-NTK rope as the default one (its rope_theta
+    and partial_rotary_factor kept; the builder's Qwen2 and Mistral refuse dynamic, its Llama takes it as default),
+    and the rope type also under longrope's older key ``type``, which the builder reads (Phi-3 128k)."""
+    fields = {name: value for name, value in fields.items() if name != "quantization_config"}
+    rope = fields.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_type" not in rope:
+        return fields
+    if rope_types(fields).get(ALL_LAYERS) == "dynamic":
+        kept = {name: value for name, value in rope.items() if name in ("rope_theta", "partial_rotary_factor")}
+        rope = {**kept, "rope_type": "default"}
+    return {**fields, "rope_parameters": {"type": rope["rope_type"], **rope}}
 
 
 def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
@@ -92,7 +135,8 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     Raises:
         RuntimeError: onnxruntime-genai is not installed, or the builder failed (its last
             error line, e.g. an architecture it does not know).
-        ValueError: a model the builder is known to fail on (:func:`check_builder_accepts`), before it runs.
+        ValueError: a model the builder is known to fail on or to compute otherwise than transformers
+            (:func:`check_builder_accepts`), before it runs.
     """
     require_builder()
     check_builder_accepts(model.config)
@@ -101,12 +145,7 @@ def write_fused_graph(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         model.save_pretrained(checkpoint)
         tokenizer.save_pretrained(checkpoint)
         config_file = checkpoint / "config.json"
-        config = json.loads(config_file.read_text())
-        config.pop("quantization_config", None)  # a GGUF-loaded model is dequantized already (DESIGN.md §8)
-        rope = config.get("rope_parameters")
-        if isinstance(rope, dict) and "rope_type" in rope:  # the builder reads longrope's older key (Phi-3 128k)
-            rope.setdefault("type", rope["rope_type"])
-        config_file.write_text(json.dumps(config, indent=2))
+        config_file.write_text(json.dumps(prepare_builder_config(json.loads(config_file.read_text())), indent=2))
         done = subprocess.run([sys.executable, "-m", BUILDER, "-i", str(checkpoint), "-o", str(out), "-p", "fp32",
                                "-e", "cpu", "-c", str(Path(tmp) / "cache")], capture_output=True, text=True)
         if done.returncode != 0:

@@ -27,9 +27,9 @@ What the export traces, to keep a decode step to its weight reads (GitHub issue 
   (MatMulNBits ``accuracy_level`` 4) grow into logit differences above 1, so verification left greedy AR.
 - RoPE (:func:`rotary_joint`) rotates the query and key heads of a layer together, with
   the sign of rotate_half folded into the sine: one half-swap instead of two, no Neg.
-- Dynamic-NTK RoPE (``rope_type`` ``"dynamic"``) is traced as the default RoPE (:func:`step_graph_model`):
-  transformers recomputes its frequencies only once a forward's positions pass ``max_position_embeddings``, which
-  a bundle's context never does, and below that they are the default ones.
+- Dynamic-NTK RoPE (``rope_type`` ``"dynamic"``, also one layer type's, as Gemma3 may have) is traced as the
+  default RoPE (:func:`step_graph_model`): transformers recomputes its frequencies only once a forward's positions
+  pass ``max_position_embeddings``, which a bundle's context never does, and below that they are the default ones.
 - RMSNorm (:func:`rms_norm_div_form`) is traced as ``x / sqrt(mean(x²) + eps) * w``, the
   pattern onnxruntime's graph optimizer fuses into one ``SimplifiedLayerNormalization``
   when it loads the graph; the file itself holds only standard ONNX ops (TensorRT reads it).
@@ -219,7 +219,8 @@ def step_graph_model(model: PreTrainedModel):
 
     Inside: attention is :func:`step_attention`, every RMSNorm of a known family runs
     :func:`rms_norm_div_form`, those families' RoPE is :func:`rotary_joint`, and a dynamic-NTK rotary
-    embedding runs as the default one. The weights are shared, never copied.
+    embedding (or layer type of one, :func:`as_default_rope`) runs as the default one. The weights are shared,
+    never copied.
 
     Dynamic NTK: transformers' ``dynamic_rope_update`` branches on the forward's largest position (which
     torch.export cannot trace) and rescales the frequencies only past ``max_position_embeddings``; below, they
@@ -229,25 +230,45 @@ def step_graph_model(model: PreTrainedModel):
     previous = model.config._attn_implementation
     norms = [m for m in model.modules() if isinstance(m, RMS_NORM_TYPES)]
     rotaries = [family.apply_rotary_pos_emb for family in FAMILIES]
-    dynamic = [(m, m.rope_type) for m in model.modules() if "dynamic" in str(getattr(m, "rope_type", ""))]
+    dynamic = {m: m.rope_type for m in model.modules()
+               if isinstance(getattr(m, "rope_type", None), (str, dict)) and as_default_rope(m) != m.rope_type}
     model.set_attn_implementation(STEP_ATTENTION)
     for norm in norms:
         norm.forward = lambda hidden, norm=norm: rms_norm_div_form(norm, hidden)
     for family in FAMILIES:
         family.apply_rotary_pos_emb = rotary_joint
-    for rotary, _ in dynamic:
-        assert torch.equal(rotary.inv_freq, rotary.original_inv_freq), "dynamic RoPE rescaled before export"
-        rotary.rope_type = "default"
+    for rotary in dynamic:
+        rotary.rope_type = as_default_rope(rotary)
     try:
         yield model
     finally:
-        for rotary, rope_type in dynamic:
+        for rotary, rope_type in dynamic.items():
             rotary.rope_type = rope_type
         for family, rotary in zip(FAMILIES, rotaries):
             family.apply_rotary_pos_emb = rotary
         for norm in norms:
             del norm.forward
         model.set_attn_implementation(previous)
+
+
+def as_default_rope(rotary: torch.nn.Module) -> str | dict[str, str]:
+    """The ``rope_type`` of a transformers rotary embedding with each dynamic-NTK type (any name holding
+    ``"dynamic"``, as ``dynamic_rope_update`` tests it) made ``"default"``: the one type, or the type of each
+    layer type where the module holds one per layer type (Gemma3's ``{"full_attention": ..., ...}``, whose
+    frequencies are ``{layer_type}_inv_freq``).
+
+    Raises:
+        AssertionError: a dynamic type's frequencies are not the ones computed at load (a forward past
+            ``max_position_embeddings`` rescaled them before the export).
+    """
+    per_layer = rotary.rope_type if isinstance(rotary.rope_type, dict) else {"": rotary.rope_type}
+    is_dynamic = {layer: isinstance(name, str) and "dynamic" in name for layer, name in per_layer.items()}
+    for layer in (layer for layer, dynamic in is_dynamic.items() if dynamic):
+        prefix = f"{layer}_" if layer else ""
+        assert torch.equal(getattr(rotary, f"{prefix}inv_freq"), getattr(rotary, f"{prefix}original_inv_freq")), \
+            "dynamic RoPE rescaled before export"
+    default = {layer: "default" if is_dynamic[layer] else name for layer, name in per_layer.items()}
+    return default if isinstance(rotary.rope_type, dict) else default[""]
 
 
 def prepare_fp16_model(model: PreTrainedModel) -> PreTrainedModel:

@@ -16,11 +16,16 @@ once one passes it (transformers picks the set by the forward's largest position
 rotated with the short factors, so step-wise decoding cannot follow that switch: the bundle's context is capped to
 ``original_max_position_embeddings``, within which the step graph (and the fused graph, which picks its cache by
 the attention mask's length) uses the short factors throughout, as transformers does. Where transformers reads
-that field, and which rope type names mean longrope, is :func:`longrope_original_context`'s to say.
+that field, and which rope type names mean longrope, is :func:`longrope_original_context`'s to say; where
+transformers reads the rope settings (``rope_scaling`` or ``rope_parameters``, possibly one per layer type, as
+Gemma3's ``full_attention`` and ``sliding_attention``), and which rope type it runs, is :func:`rope_settings`'.
 
 Dynamic-NTK rope scaling needs no cap: transformers rescales that rope only once a forward passes
 ``max_position_embeddings``, which no bundle's context does (the step graph traces it as the default rope,
-:func:`mars_export.step_module.step_graph_model`).
+:func:`mars_export.step_module.step_graph_model`, and the fused graph's builder is given it as the default rope,
+:func:`mars_export.fused_graph.prepare_builder_config`). Linear, yarn and llama3 frequencies do not depend on the
+sequence: nothing to cap (which of them the fused graph computes as transformers does is
+:data:`mars_export.fused_graph.FUSED_ROPE_TYPES`' to say).
 """
 
 from __future__ import annotations
@@ -32,14 +37,19 @@ from runtime.model_types import base_model_type
 # What a config.json that lacks one of the fields the rule reads means, per model type: transformers' defaults
 # (models/<type>/configuration_<type>.py, transformers 5.x). Qwen2 and Qwen3 slide only with use_sliding_window,
 # from layer max_window_layers on; Gemma2 slides every other layer, Gemma3 five of six (sliding_window_pattern);
-# Mistral slides every layer. A type not listed (Llama) has no default: a missing field is absent.
+# Mistral slides every layer. A type not listed has no default: a missing field is absent.
 FIELD_DEFAULTS: dict[str, dict] = {
-    "mistral": {"sliding_window": 4096},
-    "phi3": {"original_max_position_embeddings": 4096},
-    "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
-    "qwen3": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "num_hidden_layers": 32},
-    "gemma2": {"sliding_window": 4096, "sliding_window_pattern": 2, "num_hidden_layers": 26},
-    "gemma3_text": {"sliding_window": 4096, "sliding_window_pattern": 6, "num_hidden_layers": 26},
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "num_hidden_layers": 32},
+    "qwen3": {"max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "num_hidden_layers": 32},
+    "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096, "sliding_window_pattern": 2,
+               "num_hidden_layers": 26},
+    "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "num_hidden_layers": 26},
 }
 
 
@@ -102,36 +112,75 @@ def _derived_layer_types(fields: Mapping) -> list[str] | None:
 # renames "yarn" to longrope, which the other types run as yarn.
 LONGROPE_NAMES = ("longrope", "su")
 LONGROPE_NAMES_OF_TYPE = {"phi3": ("longrope", "su", "yarn")}
-TOP_LEVEL_ORIGINAL_TYPES = ("phi3",)
 # Model types whose config declares a top-level original_max_position_embeddings (Phi3Config, default 4096:
 # FIELD_DEFAULTS), which transformers writes into the rope settings over theirs; other types read the rope settings'.
+TOP_LEVEL_ORIGINAL_TYPES = ("phi3",)
+# Model types whose config holds the rope settings per layer type, a default for each of full_attention and
+# sliding_attention, and puts a rope_scaling (older files) into full_attention's (Gemma3TextConfig).
+PER_LAYER_ROPE_TYPES = ("gemma3_text",)
+ALL_LAYERS = ""  # the layer type key of rope settings that apply to every layer
+
+
+def rope_settings(fields: Mapping) -> dict[str, dict]:
+    """The rope settings transformers reads from ``fields``, by the layer type they apply to (:data:`ALL_LAYERS`
+    where they are not given per layer type), each as written with ``rope_type`` set where it is missing (to
+    ``type``, else ``"default"``), as transformers' ``standardize_rope_params`` sets it.
+
+    Args:
+        fields: as for :func:`sliding_window`. The settings are ``rope_scaling`` (older files) where it is set, else
+            ``rope_parameters`` (transformers 5); a dict of dicts (``{"full_attention": {...}, "sliding_attention":
+            {...}}``) holds settings per layer type (a layer type saved as None has none). For the types of
+            :data:`PER_LAYER_ROPE_TYPES` a rope_scaling goes into full_attention's settings instead.
+    """
+    fields = with_defaults(fields)
+    scaling, parameters = fields.get("rope_scaling"), fields.get("rope_parameters")
+    if base_model_type(fields.get("model_type")) in PER_LAYER_ROPE_TYPES:
+        rope = {"full_attention": {}, "sliding_attention": {}, **(parameters or {})}
+        if scaling:
+            rope["full_attention"] = {**(rope["full_attention"] or {}), **scaling}
+    else:
+        rope = scaling or parameters or {}
+    per_layer = rope if any(isinstance(value, Mapping) for value in rope.values()) else {ALL_LAYERS: rope}
+    return {layer: {"rope_type": settings.get("type", "default"), **settings}
+            for layer, settings in per_layer.items() if settings is not None}
+
+
+def rope_types(fields: Mapping) -> dict[str, str]:
+    """The rope type transformers runs, by layer type (the keys of :func:`rope_settings`): their ``rope_type``, a
+    name of longrope (:data:`LONGROPE_NAMES_OF_TYPE`, else :data:`LONGROPE_NAMES`) as ``"longrope"``."""
+    longrope_names = LONGROPE_NAMES_OF_TYPE.get(base_model_type(fields.get("model_type")), LONGROPE_NAMES)
+    return {layer: "longrope" if settings["rope_type"] in longrope_names else settings["rope_type"]
+            for layer, settings in rope_settings(fields).items()}
 
 
 def longrope_original_context(fields: Mapping) -> int | None:
     """The positions a model with longrope rope scaling keeps its short factors for (the
-    ``original_max_position_embeddings`` transformers' rope reads), or None without longrope scaling.
+    ``original_max_position_embeddings`` transformers' rope reads; with settings per layer type, the fewest of
+    those with longrope), or None without longrope scaling.
 
     Args:
-        fields: as for :func:`sliding_window`. The rope settings are ``rope_scaling`` (older files) where it is
-            set, else ``rope_parameters`` (transformers 5), as transformers reads them; their type ``rope_type``,
-            else ``type``, is longrope under one of its names (:data:`LONGROPE_NAMES_OF_TYPE`, else
-            :data:`LONGROPE_NAMES`).
+        fields: as for :func:`sliding_window`; the rope settings and types as transformers reads them
+            (:func:`rope_settings`, :func:`rope_types`).
 
     The top-level field (for Phi3, 4096 when absent) comes before the rope settings' for the types that declare it
     (:data:`TOP_LEVEL_ORIGINAL_TYPES`), except under the name ``"su"``: transformers moves the top-level field
     into the rope settings only for a type it knows (longrope, yarn, llama3), before Phi3Config renames ``"su"``,
-    so an ``"su"`` model keeps the rope settings' own.
+    so an ``"su"`` model keeps the rope settings' own. Settings without the field have nothing to cap
+    (transformers takes ``max_position_embeddings``).
     """
     fields = with_defaults(fields)
-    model_type = base_model_type(fields.get("model_type"))
-    rope = fields.get("rope_scaling") or fields.get("rope_parameters") or {}
-    names = (rope.get("rope_type"), rope.get("type"))  # a loaded config's to_dict() keeps "type" as written
-    if rope.get("rope_type", rope.get("type")) not in LONGROPE_NAMES_OF_TYPE.get(model_type, LONGROPE_NAMES):
-        return None
-    original = rope.get("original_max_position_embeddings")
-    if model_type in TOP_LEVEL_ORIGINAL_TYPES and not (original and "su" in names):
-        original = fields.get("original_max_position_embeddings") or original
-    return int(original) if original else None
+    top_level = base_model_type(fields.get("model_type")) in TOP_LEVEL_ORIGINAL_TYPES
+    settings, types = rope_settings(fields), rope_types(fields)
+    originals = []
+    for layer in (layer for layer, rope_type in types.items() if rope_type == "longrope"):
+        rope = settings[layer]
+        original = rope.get("original_max_position_embeddings")
+        named_su = "su" in (rope["rope_type"], rope.get("type"))  # a loaded config's to_dict() keeps "type" as written
+        if top_level and not (original and named_su):
+            original = fields.get("original_max_position_embeddings") or original
+        if original:
+            originals.append(int(original))
+    return min(originals, default=None)
 
 
 def max_context_of(fields: Mapping) -> tuple[int, str | None]:
@@ -139,9 +188,10 @@ def max_context_of(fields: Mapping) -> tuple[int, str | None]:
     ``original_max_position_embeddings`` where smaller, with ``note`` the line saying so (None when not capped).
 
     Args:
-        fields: as for :func:`sliding_window`; ``max_position_embeddings`` is read (0 when absent).
+        fields: as for :func:`sliding_window`; ``max_position_embeddings`` is read (transformers' default for the
+            model type when absent, :data:`FIELD_DEFAULTS`; 0 for a type without one).
     """
-    positions = fields.get("max_position_embeddings") or 0
+    positions = with_defaults(fields).get("max_position_embeddings") or 0
     window, original = sliding_window(fields), longrope_original_context(fields)
     caps = []
     if window is not None and window < positions:

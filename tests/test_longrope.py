@@ -4,7 +4,9 @@
 transformers rotates every position with the short factors while a forward's largest position stays below
 ``original_max_position_embeddings``, and every position with the long ones once it passes (modeling_rope_utils'
 ``longrope_frequency_update``); keys cached with the short factors cannot follow that switch, so past it neither
-graph can match. Within the cap both graphs pass parity, and the runtime's greedy ids are transformers'.
+graph can match. Within the cap both graphs pass parity, and the runtime's greedy ids are transformers'. A model
+whose rope settings are given per layer type (Gemma3: full_attention, sliding_attention) is capped by its longrope
+layers' original context.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 from support import export
 from tiny_models import make_checkpoint
-from transformers import Phi3Config
+from transformers import Gemma3TextConfig, Phi3Config
 
 from mars_export.context import config_fields
 from mars_export.model_source import load_checkpoint
@@ -87,6 +89,45 @@ def test_the_original_context_of_a_config_json_is_transformers(fields):
     expected = rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope" else None
     assert longrope_original_context(fields) == expected
     assert longrope_original_context(config_fields(config)) == expected
+
+
+PER_LAYER = {"full_attention": {"rope_type": "longrope", "original_max_position_embeddings": 2048, **FACTORS},
+             "sliding_attention": {"rope_type": "default"}}
+
+
+@pytest.mark.parametrize("fields", [
+    {"rope_parameters": PER_LAYER},
+    {"rope_parameters": {**PER_LAYER, "sliding_attention": None}},
+    {"rope_parameters": {**PER_LAYER, "full_attention": {"rope_type": "longrope", **FACTORS}}},
+    {"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 2048, **FACTORS}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    {},
+], ids=["per-layer", "sliding-none", "per-layer-no-original", "rope-scaling-to-full-attention", "linear", "none"])
+def test_the_original_context_of_rope_settings_per_layer_type_is_transformers(fields):
+    """Gemma3 gives rope settings per layer type; a rope_scaling (older files) is full_attention's. The context is
+    capped to the original context of the layers transformers runs with longrope (none: its positions)."""
+    fields = {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+              "num_hidden_layers": 6, "max_position_embeddings": 131072, "sliding_window": 131072, **fields}
+    config = Gemma3TextConfig.from_dict(json.loads(json.dumps(fields)))
+    longrope = [rope for rope in config.rope_parameters.values() if rope and rope["rope_type"] == "longrope"]
+    expected = min([rope["original_max_position_embeddings"] for rope in longrope], default=131072)
+    assert max_context_of(fields)[0] == expected
+    assert max_context_of(config_fields(config))[0] == expected
+
+
+def test_a_gemma3_step_graph_with_longrope_full_attention_is_capped_and_passes_parity(tmp_path, capsys):
+    """Longrope on Gemma3's full_attention layers only: uncapped, the parity prompts pass the original context and
+    transformers switches those layers to the long factors (max |Δlogit| 2.1 before the per-layer settings were
+    read); capped, the step graph passes, and the runtime's sizing of the saved config.json holds the same context."""
+    rope = {"full_attention": {**LONGROPE["rope_parameters"], "original_max_position_embeddings": ORIGINAL},
+            "sliding_attention": {"rope_type": "default"}}
+    ckpt = make_checkpoint("gemma3_text", tmp_path / "ckpt", rope_parameters=rope, sliding_window=512,
+                           layer_types=["sliding_attention", "full_attention"])
+    bundle = export(str(ckpt), tmp_path / "step", 4, 4, "--mask-token", "<mask>")
+    config = load_config(bundle)
+    assert config.max_context == ORIGINAL and config.parity["max_abs_logit_diff"] <= 1e-3
+    assert f"max context {ORIGINAL} tokens" in capsys.readouterr().err
+    assert max_context_of(json.loads((ckpt / "config.json").read_text()))[0] == ORIGINAL
 
 
 @pytest.mark.parametrize("graph", ["step", "fused"])

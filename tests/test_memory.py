@@ -176,6 +176,18 @@ def test_a_config_json_lacking_fields_is_sized_with_transformers_defaults(fields
     assert sized.max_context == expected == max_context_of(AutoConfig.from_pretrained(path.parent))[0]
 
 
+@pytest.mark.parametrize("model_type", [*memory.ARCHS, "a2d-qwen2"])
+def test_a_config_json_lacking_max_position_embeddings_is_sized_to_transformers_default(model_type, tmp_path):
+    """Without max_position_embeddings a config.json holds transformers' default for its model type, as the export of
+    the checkpoint does (a llama file was sized to a max context of 0 tokens before, its bundle holding 2048)."""
+    fields = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    path = tmp_path / "model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({**fields, "model_type": model_type}))
+    expected = max_context_of(AutoConfig.for_model(model_type.removeprefix("a2d-"), **fields))[0]
+    assert memory.from_hf_config(path, "fp16", "fp16").max_context == expected > 0
+
+
 def test_a_phi3_longrope_config_json_is_sized_to_its_original_context(tmp_path):
     """Phi3 (Phi-3 128k, Phi-3.5) is sized, up to the longrope original context its bundle holds (runtime.context),
     and the report says why with the line the export logs."""

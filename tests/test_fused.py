@@ -187,17 +187,32 @@ def test_threshold_steps_through_the_confidence_gate_keep_the_logits_paths_token
     assert gated == decoded()
 
 
-def test_confidence_tau_needs_the_fused_graphs_gate(fused_bundles):
-    """A threshold step asked of a fused graph without the gate (exported before it, or quantized) is refused."""
+@pytest.mark.parametrize("name, match", [
+    ("int8", r"no confidence gate .*: the gate exists only on float32 bundles and this one is int8 .*: use a float32 "
+             r"bundle \(mars-export without --int8\), or decode without the gate"),
+    ("int4", r"only on float32 bundles and this one is int4 .*without --int4\), or decode without the gate"),
+    ("untiled", r"no confidence gate .*: this float32 bundle was exported before the gate existed: re-export it with "
+                r"mars-export --graph fused"),
+])
+def test_confidence_tau_needs_the_fused_graphs_gate(fused_bundles, name, match):
+    """A threshold step asked of a fused graph without the gate is refused, naming why it has none: a quantized
+    bundle never has one (exporting it again adds none: use a float32 bundle), a float32 one exported before the
+    gate gets it by being exported again. The backend and the fused step say the same."""
     _, bundles = fused_bundles
-    config = load_config(bundles["int8"])
-    backend = OnnxBackend(bundles["int8"], config)
+    config = load_config(bundles[name])
+    backend = OnnxBackend(bundles[name], config)
     assert not backend.takes_confidence_gate
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 16, config.dtype)
     cache.reserve(config.window)
-    with pytest.raises(ValueError, match="confidence_tau needs greedy_ids and a graph with the confidence gate"):
-        run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True,
-                  confidence_tau=np.full(1, 0.5, np.float32))
+    taus = np.full(1, 0.5, np.float32)
+    with pytest.raises(ValueError, match=match) as raised:
+        run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True, confidence_tau=taus)
+    assert config.weight_dtype == "float32" or "re-export" not in str(raised.value)
+    ids, positions = np.full((1, config.window), 5, np.int64), np.arange(config.window)[None]
+    with pytest.raises(ValueError, match=match):
+        backend.fused(ids, positions, cache.past(1), greedy_ids=True, confidence_tau=taus)
+    with pytest.raises(ValueError, match="confidence_tau needs greedy_ids=True"):
+        backend.step(ids, positions, None, cache.past(1), confidence_tau=taus)
 
 
 def test_greedy_ids_need_the_greedy_head(fused_bundles):

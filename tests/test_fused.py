@@ -392,6 +392,23 @@ def test_memory_sizing_of_a_fused_bundle(fused_bundles, capsys):
     assert "B=1:" in out and "B=4:" not in out
 
 
+@pytest.mark.parametrize("batches", [["2"], ["4", "8"]])
+def test_memory_sizing_of_a_fused_bundle_at_no_batch_it_runs_is_refused(fused_bundles, capsys, batches):
+    """The runtime runs a fused bundle at batch 1 only, whatever the window (the engine refuses more slots, the
+    fused step more rows): sizing it only at larger batches is one error line and exit status 2, not an empty
+    table."""
+    bundle = fused_bundles[1]["float32"]
+    assert memory.main([str(bundle), "--batch", *batches, "--context", "64"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: bundle {bundle} ")
+    assert (f"runs at most 1 sequence(s) at once (a fused bundle), so --batch {' '.join(batches)} leaves nothing to "
+            "size; pass --batch 1, or size a bundle exported with --graph step") in captured.err
+    config = load_config(bundle)
+    with pytest.raises(ValueError, match="exceeds the backend's largest batch 1"):
+        Engine(OnnxBackend(bundle, config), config, EngineConfig(max_batch_size=2))
+
+
 def test_a_step_graph_config_cannot_say_fused(fused_bundles, tiny_bundle, tmp_path):
     """The graph field must match the file: a step graph under graph "fused" is one error line."""
     _, bundle = tiny_bundle("llama", 4)

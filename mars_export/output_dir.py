@@ -2,18 +2,20 @@
 
 ``--force`` replaces a bundle, never anything else: the output may not be a file or a symbolic link, may not be
 or hold the model it is exported from or what a link in the model's folder points to (a Hugging Face hub
-snapshot's ``blobs/``; a bundle inside a model's folder is fine), and an existing directory is replaced only when
-it is a bundle (holds ``mars_config.json``) or is empty. Torch-free: ``mars-export`` checks before it loads the
-model. The rule that an output may not be or hold the model (:func:`check_apart_from_model`) also guards
+snapshot's ``blobs/``; a bundle inside a model's folder is fine), an existing directory is replaced only when
+it is a bundle (holds ``mars_config.json``) or is empty, and the export must be able to make its folders there
+(:func:`check_can_write`). Torch-free: ``mars-export`` checks before it loads the model. The rule that an output may not be or hold the model (:func:`check_apart_from_model`) also guards
 ``mars-train --output`` (:mod:`mars_export.training.output_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from mars_export.default_model import DEFAULT_SPEC, MARS_DEFAULT_SPEC, default_model_dir, shipped_adapter_dir
@@ -30,11 +32,13 @@ def model_paths(spec: str) -> list[Path]:
 
 
 def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) -> None:
-    """Raise if the bundle may not be written to ``out_dir``; nothing is touched.
+    """Raise if the bundle may not be written to ``out_dir``; nothing is left behind (:func:`check_can_write` makes
+    a folder and removes it at once).
 
     Raises:
         ValueError: ``out_dir`` is a symbolic link or not a directory, lies under a file, overlaps one of ``model_paths``
-            (:func:`check_apart_from_model`), or (with ``overwrite``) is a non-empty directory that is not a bundle.
+            (:func:`check_apart_from_model`), (with ``overwrite``) is a non-empty directory that is not a bundle, or
+            no folder can be made where the export makes its first one (:func:`check_can_write`).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if out_dir.is_symlink():
@@ -51,6 +55,25 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise ValueError(f"-o {out_dir} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
                          "only a bundle: choose another -o, or move its files away")
+    check_can_write(out_dir)
+
+
+def check_can_write(out_dir: Path) -> None:
+    """Raise ValueError where the export could not make its first folder: its work directory beside ``out_dir``
+    (:func:`partial_prefix`; renamed to ``out_dir`` at the end) or, where ``out_dir``'s parent is missing, the
+    folder :func:`make_parent_folders` makes first in the nearest existing folder above it. Tried as the export
+    does it (a hidden folder made there and removed at once), so a read-only disk, missing permissions (also for
+    root on a read-only mount) and a folder that takes no new entries (``/proc``) all fail here, before the model
+    loads. One killed meanwhile is a stale partial (:func:`remove_stale_partials`)."""
+    base = next(folder for folder in out_dir.absolute().parents if folder.exists())  # the root always exists
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=base))
+    except OSError as e:
+        problem = (e.strerror or str(e)).lower()
+        todo = {errno.EROFS: "choose an -o on a writable disk", errno.EACCES: "choose an -o where you may write",
+                errno.EPERM: "choose an -o where you may write"}.get(e.errno, "choose another -o")
+        raise ValueError(f"-o {out_dir} cannot be written: no folder can be made in {base} ({problem}); "
+                         f"{todo}") from e
 
 
 def _file_on_path(out_dir: Path) -> Path | None:

@@ -204,6 +204,30 @@ def has_greedy_head(config: "BundleConfig") -> bool:
     return "greedy_head_agreement" in (config.parity or {})
 
 
+def why_no_confidence_gate(config: "BundleConfig", provider: str = "cpu") -> str:
+    """Why a backend over this bundle on ``provider`` has no confidence gate (mars_export.confidence_gate), and what
+    to do: the end of the message that refuses a step asked for ``confidence_tau``.
+
+    The gate comes with the greedy head, which only float32 exports get (not --fp16, --int8, --int4 nor --trt;
+    re-exporting such a bundle never adds it) and only onnxruntime's cpu provider runs; a float32 bundle without it
+    was exported before the gate existed (float32 step graphs since the twenty-seventh session, fused since the
+    twenty-eighth) and gets it by being exported again.
+    """
+    without = "or decode without the gate (leave confidence_tau out)"
+    if config.weight_dtype != "float32":
+        flag = "--fp16" if config.weight_dtype == "float16" else f"--{config.weight_dtype}"
+        return (f"the gate exists only on float32 bundles and this one is {config.weight_dtype} (a {flag} export "
+                f"never has it, so exporting it again does not add it): use a float32 bundle (mars-export without "
+                f"{flag}), {without}")
+    if provider != "cpu":
+        return f"the gate runs on the cpu provider only, not {provider}: use the cpu provider, {without}"
+    if config.engine_file is not None:
+        return (f"a bundle exported with --trt has no gate (TensorRT parses no greedy head): export the float32 bundle "
+                f"again without --trt, {without}")
+    graph = " --graph fused" if config.graph == "fused" else ""
+    return f"this float32 bundle was exported before the gate existed: re-export it with mars-export{graph}, {without}"
+
+
 def strip_greedy_head(model) -> None:
     """Remove the greedy head (mars_export.greedy_head) and its confidence gate (mars_export.confidence_gate) from
     ``model`` (an onnx ModelProto), in place: their nodes and initializers (named from :data:`GREEDY_HEAD_PREFIX`),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ KV_BYTES = {"fp32": 4, "fp16": 2, "float32": 4, "float16": 2}
 BUDGETS_GIB = {"Orin Nano 8GB": 8, "Orin NX 16GB": 16, "AGX Orin 32GB": 32, "AGX Orin 64GB": 64}
 GIB = 1024**3
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# config.json fields count_parameters reads: positive integers; the optional ones may be absent or null (derived)
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
+OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -99,16 +103,20 @@ def count_parameters(config: dict) -> int:
     an lm_head V · d unless ``tie_word_embeddings``.
 
     Raises:
-        ValueError: another ``model_type``, or a required field is missing.
+        ValueError: another ``model_type``, a required field is missing, or a field of :data:`REQUIRED_FIELDS` or
+            :data:`OPTIONAL_FIELDS` is not a positive integer.
     """
     arch = base_model_type(config.get("model_type"))  # a published MARS checkpoint: its base's count
     if arch not in ARCHS:
         raise ValueError(f"model_type {arch!r} is not supported for sizing; supported: {ARCHS}")
-    try:
-        d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-        heads, width = config["num_attention_heads"], config["intermediate_size"]
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}, needed to count parameters") from e
+    for name in REQUIRED_FIELDS + OPTIONAL_FIELDS:
+        value = config.get(name)
+        if value is None and name in REQUIRED_FIELDS:
+            raise ValueError(f"config.json lacks {name!r}, needed to count parameters")
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"config.json's {name} must be a positive integer, got {value!r}")
+    d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads, width = config["num_attention_heads"], config["intermediate_size"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or d // heads
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -128,10 +136,18 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
     the KV held twice), up to the context its bundle would hold (:func:`runtime.context.max_context_of`).
 
     Raises:
-        ValueError: the file cannot be read or its model cannot be sized (:func:`count_parameters`).
+        ValueError: the file cannot be read or its model cannot be sized (:func:`count_parameters`, a
+            ``max_position_embeddings`` that is no positive integer).
     """
     raw = _read_json(path)
-    num_params = count_parameters(raw)
+    try:
+        num_params = count_parameters(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    positions = raw.get("max_position_embeddings")
+    if type(positions) is not int or positions < 1:
+        raise ValueError(f"{path}: max_position_embeddings must be a positive integer (the model's context in tokens), "
+                         f"got {positions!r}")
     heads = raw["num_attention_heads"]
     max_context, context_note = max_context_of(raw)
     return ModelMemory(
@@ -151,7 +167,8 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
         plan: the engine file the user named, when sizing came from it (only for the error below).
 
     Raises:
-        ValueError: ``trt`` for a fused bundle (TensorRT builds only the step graph).
+        ValueError: ``trt`` for a fused bundle (TensorRT builds only the step graph); no ONNX graph to size (nor,
+            with ``trt``, an engine).
     """
     from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
@@ -159,9 +176,15 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
         fix = "size the bundle directory, without --trt" if plan else "size it without --trt"
         raise ValueError(f"{plan or bundle_dir}: the bundle holds a {config.graph} graph, which runs on onnxruntime "
                          f"only (TensorRT builds the step graph); {fix}")
+    has_engine = trt and config.engine_file is not None and (bundle_dir / config.engine_file).is_file()
+    if not (bundle_dir / config.onnx_file).is_file() and not has_engine:
+        raise ValueError(f"{bundle_dir / config.onnx_file} not found: the bundle has no graph to size; re-export the "
+                         "bundle with mars-export")
     files = [bundle_dir / config.onnx_file, bundle_dir / external_data_file(config.onnx_file)]
     weights = sum(f.stat().st_size for f in files if f.is_file())
-    note = f"{config.onnx_file} on disk ({config.dtype})"
+    precision = (config.dtype if config.weight_dtype == config.dtype
+                 else f"{config.weight_dtype} weights, {config.dtype} activations and KV")
+    note = f"{config.onnx_file} on disk ({precision})"
     is_fused = config.graph == "fused"
     if is_fused:
         note += "; fused graph: one sequence at a time, CPU"
@@ -178,14 +201,28 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
 
 
 def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
-    """The sizing table of one model as text (batches above the model's ``max_batch`` left out, and said so)."""
+    """The sizing table of one model as text: batches above the model's ``max_batch`` left out, contexts above its
+    ``max_context`` capped to it, each said so.
+
+    Raises:
+        ValueError: no batch of ``batches`` runs on the model (a fused bundle runs one sequence at a time: the
+            runtime refuses a batch above 1 on it, whatever the window).
+    """
     per_token = model.kv_bytes(1, 1)
     lines = [f"== {model.name}"]
     runnable = [b for b in batches if model.max_batch is None or b <= model.max_batch]
+    if not runnable:
+        raise ValueError(f"{model.name} runs at most {model.max_batch} sequence(s) at once (a fused bundle), so "
+                         f"--batch {' '.join(map(str, batches))} leaves nothing to size; pass --batch 1, or size a "
+                         "bundle exported with --graph step for larger batches")
     if runnable != batches:
         lines.append(f"batch {', '.join(str(b) for b in batches if b not in runnable)} left out: this bundle runs "
                      f"at most {model.max_batch} sequence(s) at once")
     batches = runnable
+    capped = [c for c in contexts if c > model.max_context]
+    if capped:
+        lines.append(f"context {', '.join(map(str, capped))} capped to the model's max context {model.max_context}")
+    contexts = sorted({min(c, model.max_context) for c in contexts})
     if model.num_params is not None:
         sizes = " | ".join(f"{k} {model.num_params * b / GIB:.2f}" for k, b in BYTES_PER_PARAM.items())
         lines.append(f"parameters {model.num_params:,}; weights GiB: {sizes}")
@@ -200,7 +237,7 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
     lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
                  + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))
     for batch in batches:
-        for context in [c for c in contexts if c <= model.max_context]:
+        for context in contexts:
             kv = model.kv_bytes(context, batch)
             total = (model.weights_bytes + kv) / GIB
             fits = "  ".join(f"{'fits' if total + reserve_gib <= gib else '-':>{len(name)}}"
@@ -239,10 +276,21 @@ def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False
 
 
 def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ValueError naming the path where it cannot be read or holds none."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
+        raw = json.loads(path.read_bytes().decode())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:  # a ValueError: before JSONDecodeError's
+        raise ValueError(f"{path} is not a Hugging Face config.json (not UTF-8 text); give a bundle directory or a "
+                         "model's config.json") from e
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays nested too deeply
+        raise ValueError(f"{path} is not a Hugging Face config.json (not valid JSON: {e}); give a bundle directory "
+                         "or a model's config.json") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a Hugging Face config.json (it holds no JSON object); give a bundle "
+                         "directory or a model's config.json")
+    return raw
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -267,14 +315,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if min(args.batch) < 1 or min(args.context) < 1 or args.reserve_gib < 0:
-            raise ValueError("--batch and --context must be >= 1 and --reserve-gib >= 0")
+        check_options(args)
         models = [load(Path(p), args.weights_dtype, args.kv_dtype, args.trt) for p in args.paths]
+        text = "\n\n".join(report(m, args.batch, args.context, args.reserve_gib) for m in models)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("\n\n".join(report(m, args.batch, args.context, args.reserve_gib) for m in models))
+    print(text)
     return 0
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first bad value of ``--batch``, ``--context`` or ``--reserve-gib``."""
+    for flag, values, what in (("--batch", args.batch, "a batch size"), ("--context", args.context, "a context")):
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise ValueError(f"{flag} {bad[0]}: {what} must be >= 1")
+    if not (math.isfinite(args.reserve_gib) and args.reserve_gib >= 0):
+        raise ValueError(f"--reserve-gib {args.reserve_gib:g}: must be a number of GiB >= 0")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ step graph, and hold the engine to the logits path, token for token and forward 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -155,6 +157,28 @@ def test_a_head_behind_soft_capping_gets_no_gate():
     screening = greedy_head.add_greedy_head(model.graph, MASK, has_default=True)
     assert not confidence_gate.add_confidence_gate(model.graph, screening, MASK)
     assert bundle.CONFIDENCE_TAU not in {value.name for value in model.graph.inputs}
+
+
+TINY = bundle.BundleConfig(block_size=4, window=4, mask_token="<mask>", mask_token_id=1, eos_token_ids=(2,),
+                           pad_token_id=0, bos_token_id=None, num_layers=1, num_kv_heads=1, head_dim=4, vocab_size=8,
+                           max_context=16, dtype="float32", source_model="tiny")
+
+
+@pytest.mark.parametrize("changes, provider, expected", [
+    ({}, "cpu", "this float32 bundle was exported before the gate existed: re-export it with mars-export, or"),
+    ({"graph": "fused"}, "cpu", "exported before the gate existed: re-export it with mars-export --graph fused, or"),
+    ({"weight_dtype": "int8"}, "cpu", "only on float32 bundles and this one is int8 (a --int8 export never has it"),
+    ({"weight_dtype": "int4", "graph": "fused"}, "cpu", "this one is int4 (a --int4 export never has it"),
+    ({"dtype": "float16", "weight_dtype": "float16"}, "cpu", "this one is float16 (a --fp16 export never"),
+    ({"engine_file": "engine.plan"}, "cpu", "exported with --trt has no gate"),
+    ({}, "cuda", "the gate runs on the cpu provider only, not cuda: use the cpu provider, or decode without"),
+])
+def test_a_bundle_without_the_gate_is_told_why_and_what_to_do(changes, provider, expected):
+    """Only a float32 bundle exported before the gate gets it by being exported again; a quantized, fp16 or --trt one
+    never has it (use a float32 bundle), a GPU provider never runs it; and every one may decode without it."""
+    reason = bundle.why_no_confidence_gate(replace(TINY, **changes), provider)
+    assert expected in reason and reason.endswith("or decode without the gate (leave confidence_tau out)")
+    assert ("re-export" in reason) == (not changes.keys() - {"graph"} and provider == "cpu")
 
 
 def test_a_proven_rejection_reads_its_row_only():

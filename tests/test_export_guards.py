@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from support import export
 from tiny_models import make_checkpoint
 from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from mars_export import bundle_writer
+from mars_export import bundle_writer, model_source
 from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
 from mars_export.context import config_fields, max_context_of
@@ -297,14 +298,73 @@ def test_folders_above_the_output_made_before_one_that_cannot_be_made_are_remove
     assert raised.value.filename == str(tmp_path / "a" / "b") and os.listdir(tmp_path) == []
 
 
+class ModelLoaded(Exception):
+    """Raised by a stand-in for load_model: the export got past its output checks."""
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """mars-export may not load the model: its output checks must refuse first."""
+    def load_model(*args, **kwargs):
+        raise ModelLoaded
+    monkeypatch.setattr(model_source, "load_model", load_model)
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
-def test_an_output_whose_folder_cannot_be_made_gives_one_line(checkpoint, capsys):
-    """-o /proc/forbidden/x: /proc takes no new folders (ENOENT for root, EACCES for others)."""
-    code, err = run_export(capsys, checkpoint, "/proc/forbidden/x", "--block", "4", "--mask-token", "<mask>")
+@pytest.mark.parametrize("out", ["/proc/forbidden/x", "/proc/x"])
+def test_an_output_whose_folder_cannot_be_made_is_refused_before_the_model_loads(checkpoint, capsys, no_model_load,
+                                                                                 out):
+    """-o /proc/forbidden/x (a folder to make first) or /proc/x (the work directory beside it): /proc takes no new
+    folders, for root too (ENOENT; EACCES for others). One line, before the model loads, nothing made."""
+    code, err = run_export(capsys, checkpoint, out, "--block", "4", "--mask-token", "<mask>")
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: cannot write the bundle to -o /proc/forbidden/x: cannot make the folder "
-                             "/proc/forbidden: ")
+    assert err[0].startswith(f"error: -o {out} cannot be written: no folder can be made in /proc (")
     assert "choose" in err[0] and "Errno" not in err[0]
+    assert not any(name.startswith(".x.partial-") for name in os.listdir("/proc"))
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write in a folder without write permission")
+def test_an_output_under_a_read_only_folder_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys,
+                                                                              no_model_load):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    try:
+        code, err = run_export(capsys, checkpoint, tmp_path / "ro" / "a" / "bundle", "--block", "4")
+        assert code == 2 and len(err) == 1, err
+        assert f"no folder can be made in {tmp_path / 'ro'} (permission denied); choose an -o where you may write" \
+            in err[0]
+        assert os.listdir(tmp_path / "ro") == []
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+
+
+@pytest.mark.parametrize("failure, todo", [(errno.EROFS, "choose an -o on a writable disk"),
+                                           (errno.EACCES, "choose an -o where you may write"),
+                                           (errno.ENOSPC, "choose another -o")])
+def test_a_folder_that_cannot_be_made_names_the_folder_and_the_fix(tmp_path, monkeypatch, failure, todo):
+    """A read-only disk (root too), no permission, a full disk: the folder where the export would make its first
+    folder, the problem and what to do; nothing made."""
+    def refuse(*args, dir=None, **kwargs):
+        raise OSError(failure, os.strerror(failure), str(Path(dir) / ".bundle.partial-1-x"))
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(ValueError) as raised:
+        check_output_dir(tmp_path / "a" / "b" / "bundle", [], overwrite=False)
+    assert str(raised.value) == (f"-o {tmp_path / 'a' / 'b' / 'bundle'} cannot be written: no folder can be made in "
+                                 f"{tmp_path} ({os.strerror(failure).lower()}); {todo}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_writable_output_is_checked_without_leaving_anything(tmp_path):
+    check_output_dir(tmp_path / "bundle", [], overwrite=False)
+    check_output_dir(tmp_path / "a" / "b" / "bundle", [], overwrite=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_output_that_is_a_file_is_refused_before_the_model_loads(checkpoint, tmp_path, capsys, no_model_load):
+    (tmp_path / "out").write_text("a file")
+    code, err = run_export(capsys, checkpoint, tmp_path / "out", "--block", "4")
+    assert code == 2 and err == [f"error: -o {tmp_path / 'out'} is a file, not a directory; choose another -o"]
+    assert os.listdir(tmp_path) == ["out"]
 
 
 def test_force_fills_an_empty_folder_and_removes_dead_exports_leftovers(checkpoint, tmp_path):

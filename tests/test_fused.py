@@ -187,17 +187,32 @@ def test_threshold_steps_through_the_confidence_gate_keep_the_logits_paths_token
     assert gated == decoded()
 
 
-def test_confidence_tau_needs_the_fused_graphs_gate(fused_bundles):
-    """A threshold step asked of a fused graph without the gate (exported before it, or quantized) is refused."""
+@pytest.mark.parametrize("name, match", [
+    ("int8", r"no confidence gate .*: the gate exists only on float32 bundles and this one is int8 .*: use a float32 "
+             r"bundle \(mars-export without --int8\), or decode without the gate"),
+    ("int4", r"only on float32 bundles and this one is int4 .*without --int4\), or decode without the gate"),
+    ("untiled", r"no confidence gate .*: this float32 bundle was exported before the gate existed: re-export it with "
+                r"mars-export --graph fused"),
+])
+def test_confidence_tau_needs_the_fused_graphs_gate(fused_bundles, name, match):
+    """A threshold step asked of a fused graph without the gate is refused, naming why it has none: a quantized
+    bundle never has one (exporting it again adds none: use a float32 bundle), a float32 one exported before the
+    gate gets it by being exported again. The backend and the fused step say the same."""
     _, bundles = fused_bundles
-    config = load_config(bundles["int8"])
-    backend = OnnxBackend(bundles["int8"], config)
+    config = load_config(bundles[name])
+    backend = OnnxBackend(bundles[name], config)
     assert not backend.takes_confidence_gate
     cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 16, config.dtype)
     cache.reserve(config.window)
-    with pytest.raises(ValueError, match="confidence_tau needs greedy_ids and a graph with the confidence gate"):
-        run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True,
-                  confidence_tau=np.full(1, 0.5, np.float32))
+    taus = np.full(1, 0.5, np.float32)
+    with pytest.raises(ValueError, match=match) as raised:
+        run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True, confidence_tau=taus)
+    assert config.weight_dtype == "float32" or "re-export" not in str(raised.value)
+    ids, positions = np.full((1, config.window), 5, np.int64), np.arange(config.window)[None]
+    with pytest.raises(ValueError, match=match):
+        backend.fused(ids, positions, cache.past(1), greedy_ids=True, confidence_tau=taus)
+    with pytest.raises(ValueError, match="confidence_tau needs greedy_ids=True"):
+        backend.step(ids, positions, None, cache.past(1), confidence_tau=taus)
 
 
 def test_greedy_ids_need_the_greedy_head(fused_bundles):
@@ -375,6 +390,23 @@ def test_memory_sizing_of_a_fused_bundle(fused_bundles, capsys):
     per_token = 2 * 2 * 2 * 16 * 4  # tiny llama: 2 layers, 2 KV heads, 16 dims, fp32
     assert f"KV cache {per_token:,} bytes per token = 2 x 2 layers x 2 KV heads x 16 dims x 4 B;" in out
     assert "B=1:" in out and "B=4:" not in out
+
+
+@pytest.mark.parametrize("batches", [["2"], ["4", "8"]])
+def test_memory_sizing_of_a_fused_bundle_at_no_batch_it_runs_is_refused(fused_bundles, capsys, batches):
+    """The runtime runs a fused bundle at batch 1 only, whatever the window (the engine refuses more slots, the
+    fused step more rows): sizing it only at larger batches is one error line and exit status 2, not an empty
+    table."""
+    bundle = fused_bundles[1]["float32"]
+    assert memory.main([str(bundle), "--batch", *batches, "--context", "64"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: bundle {bundle} ")
+    assert (f"runs at most 1 sequence(s) at once (a fused bundle), so --batch {' '.join(batches)} leaves nothing to "
+            "size; pass --batch 1, or size a bundle exported with --graph step") in captured.err
+    config = load_config(bundle)
+    with pytest.raises(ValueError, match="exceeds the backend's largest batch 1"):
+        Engine(OnnxBackend(bundle, config), config, EngineConfig(max_batch_size=2))
 
 
 def test_a_step_graph_config_cannot_say_fused(fused_bundles, tiny_bundle, tmp_path):

@@ -112,6 +112,74 @@ def test_cli_rejects_other_paths(tmp_path, capsys):
     assert "is neither a MARS bundle nor a Hugging Face config.json" in capsys.readouterr().err
 
 
+def config_json(tmp_path: Path, **changes) -> Path:
+    """A tiny Llama config.json with ``changes`` (None: null)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, "model_type": "llama", **changes}))
+    return path
+
+
+@pytest.mark.parametrize("make, extra, message", [
+    (lambda tmp, bundle: bundle, ["--batch", "0"], "--batch 0: a batch size must be >= 1"),
+    (lambda tmp, bundle: bundle, ["--context", "512", "-5"], "--context -5: a context must be >= 1"),
+    (lambda tmp, bundle: bundle, ["--reserve-gib", "nan"], "--reserve-gib nan: must be a number of GiB >= 0"),
+    (lambda tmp, bundle: tmp, [], "is neither a MARS bundle nor a Hugging Face config.json"),
+    (lambda tmp, bundle: bundle / "model.onnx", [], "model.onnx is not a Hugging Face config.json (not UTF-8 text)"),
+    (lambda tmp, bundle: (tmp / "c.json").write_text("[1]") and tmp / "c.json", [], "(it holds no JSON object)"),
+    (lambda tmp, bundle: config_json(tmp, hidden_size="64"), [],
+     "config.json: config.json's hidden_size must be a positive integer, got '64'"),
+    (lambda tmp, bundle: config_json(tmp, num_attention_heads=0), [], "num_attention_heads must be a positive integer"),
+    (lambda tmp, bundle: config_json(tmp, head_dim=0), [], "head_dim must be a positive integer, got 0"),
+    (lambda tmp, bundle: config_json(tmp, num_hidden_layers=None), [], "lacks 'num_hidden_layers'"),
+    (lambda tmp, bundle: config_json(tmp, max_position_embeddings="x"), [],
+     "max_position_embeddings must be a positive integer (the model's context in tokens), got 'x'"),
+    (lambda tmp, bundle: config_json(tmp, max_position_embeddings=None), [],
+     "max_position_embeddings must be a positive integer (the model's context in tokens), got None"),
+], ids=["batch-0", "negative-context", "nan-reserve", "no-bundle", "onnx-file", "json-list", "string-field",
+        "zero-heads", "zero-head-dim", "null-layers", "string-context", "no-context"])
+def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extra, message):
+    """No traceback, no table: one line naming the bad value or file and what is allowed, exit status 2."""
+    _, bundle = tiny_bundle("llama", 4)
+    path = make(tmp_path, bundle)
+    assert memory.main([str(path), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
+    assert message in captured.err, captured.err
+
+
+def test_a_bundle_without_its_graph_is_refused(tiny_bundle, tmp_path, capsys):
+    """A bundle folder missing model.onnx would be sized as 0 bytes of weights."""
+    _, bundle = tiny_bundle("llama", 4)
+    (tmp_path / "mars_config.json").write_bytes((bundle / "mars_config.json").read_bytes())
+    assert memory.main([str(tmp_path)]) == 2
+    assert f"{tmp_path / 'model.onnx'} not found: the bundle has no graph to size; re-export" in capsys.readouterr().err
+
+
+def test_contexts_above_the_models_are_capped_to_it(tiny_bundle, capsys):
+    """--context beyond the bundle's max context sizes the max context (the option's help: capped), not an empty
+    table."""
+    _, bundle = tiny_bundle("llama", 4)
+    max_context = memory.load(bundle, "fp16", None).max_context
+    assert memory.main([str(bundle), "--batch", "1", "--context", "64", str(10 * max_context)]) == 0
+    out = capsys.readouterr().out
+    assert f"context {10 * max_context} capped to the model's max context {max_context}" in out
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith("    1 ")]
+    assert rows == [["1", "64"], ["1", str(max_context)]]
+
+
+def test_a_quantized_bundle_names_its_weights_dtype(tiny_bundle, tmp_path, capsys):
+    """An int8 bundle's weights are int8, its activations and KV float32: the note says both."""
+    _, bundle = tiny_bundle("llama", 4)
+    quantized = tmp_path / "int8"
+    shutil.copytree(bundle, quantized)
+    raw = json.loads((bundle / "mars_config.json").read_text())
+    (quantized / "mars_config.json").write_text(json.dumps({**raw, "weight_dtype": "int8"}))
+    assert memory.main([str(quantized), "--batch", "1", "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "(model.onnx on disk (int8 weights, float32 activations and KV))" in out
+    assert f"KV cache {2 * 2 * 2 * 16 * 4:,} bytes per token" in out
+
+
 def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     """onnxruntime writes the step's entries into the cache in place (one copy); TensorRT's present outputs,
     [n, H, S, D] per layer beside the cache (runtime.backends.trt), are a second copy: --trt or an engine.plan."""
@@ -137,7 +205,7 @@ def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
     model = memory.ModelMemory("m", memory.GIB, None, 1, 1, 1024 * 1024 // 4, 2, 100_000, "hand-made", kv_copies=2)
     assert "Orin Nano 8GB  B=1: 3584  B=2: 1792" in memory.report(model, [1, 2], [1024], 0.0)
     fused = tmp_path / "fused"
-    fused.mkdir()
+    shutil.copytree(bundle, fused)
     raw = json.loads((bundle / "mars_config.json").read_text())
     (fused / "mars_config.json").write_text(json.dumps({**raw, "graph": "fused"}))
     assert memory.load(fused, "fp16", None).kv_copies == 1

@@ -21,6 +21,7 @@ from mars_export import quantize
 from runtime import generate
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import has_greedy_head, load_config
+from runtime.decode.batch import run_batch
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 
@@ -105,6 +106,25 @@ def test_runtime_runs_the_quantized_bundle(quantized_bundle, arch, weight_dtype,
     ids = Decoder(OnnxBackend(bundle, config), config).generate(prompt, params).token_ids
     ref = Decoder(OnnxBackend(fp32, ref_config), ref_config).generate(prompt, params).token_ids
     assert len(ids) >= 1 and quantize.common_prefix(ids, ref) <= len(ref)
+
+
+def test_a_threshold_step_on_a_quantized_bundle_is_told_the_gate_is_float32_only(quantized_bundle):
+    """The confidence gate exists only on float32 bundles: a step asked for confidence_tau on an int8 step graph is
+    refused naming that and the two ways on (a float32 bundle, or no gate), not an export again, which adds none.
+    The engine never asks (its threshold steps read the logits: test_runtime_runs_the_quantized_bundle)."""
+    _, bundle = quantized_bundle("qwen3", "int8")
+    config = load_config(bundle)
+    backend = OnnxBackend(bundle, config)
+    assert not backend.takes_confidence_gate
+    cache = backend.make_cache(config.num_layers, config.num_kv_heads, config.head_dim, 16, config.dtype)
+    cache.reserve(config.window)
+    with pytest.raises(ValueError) as raised:
+        run_batch(backend, cache, [[5] * config.window], config.pad_token_id, greedy_ids=True,
+                  confidence_tau=np.full(1, 0.5, np.float32))
+    message = str(raised.value)
+    assert "exists only on float32 bundles and this one is int8" in message, message
+    assert "use a float32 bundle (mars-export without --int8), or decode without the gate" in message
+    assert "re-export" not in message
 
 
 def test_output_head_can_stay_float32(tiny_bundle, tmp_path):

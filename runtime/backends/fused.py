@@ -41,7 +41,8 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.backends.kv_binding import KVBinding
-from runtime.bundle import ATTENTION_MASK, CONFIDENCE_TAU, INPUT_IDS, NUM_GREEDY, NUM_LOGITS, BundleConfig
+from runtime.bundle import (ATTENTION_MASK, CONFIDENCE_TAU, INPUT_IDS, NUM_GREEDY, NUM_LOGITS, BundleConfig,
+                            why_no_confidence_gate)
 from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
@@ -107,14 +108,16 @@ class FusedStep:
         if batch != 1:
             raise ValueError(f"a fused bundle runs one sequence at a time (batch 1), got {batch} rows; "
                              "set the batch size to 1 or export with --graph step")
+        if confidence_tau is not None and not greedy_ids:
+            raise ValueError("confidence_tau needs greedy_ids=True: the confidence gate tests the greedy head's rows")
+        if confidence_tau is not None and not self.takes_confidence_gate:
+            raise ValueError("this fused graph has no confidence gate (confidence_tau input): "
+                             + why_no_confidence_gate(self.config))
         if greedy_ids and not self.takes_num_greedy:
             dtype = self.config.weight_dtype
             fix = (f"read the logits: an --{dtype} bundle's argmaxes come from its own {dtype} output head"
                    if dtype != self.config.dtype else "re-export it with mars-export --graph fused, or read the logits")
             raise ValueError(f"this fused graph has no greedy head (num_greedy input); {fix}")
-        if confidence_tau is not None and not (greedy_ids and self.takes_confidence_gate):
-            raise ValueError("confidence_tau needs greedy_ids and a fused graph with the confidence gate "
-                             "(confidence_tau input); re-export the bundle with mars-export --graph fused")
         if not np.array_equal(position_ids[0], np.arange(start, start + window)):
             raise ValueError(f"a fused graph takes consecutive positions from the committed length, got {position_ids[0]}")
         ids = input_ids

@@ -46,6 +46,8 @@ class OnnxBackend:
 
     Attributes:
         huge_page_bytes: bytes of the session's memory moved onto huge pages at load (0 where none).
+        why_no_gate: without the confidence gate (``takes_confidence_gate`` False), why this bundle on this
+            provider has none and what to do (:func:`runtime.bundle.why_no_confidence_gate`); else None.
 
     Raises:
         BundleError: the ONNX file is missing, corrupt or truncated, or its I/O names do
@@ -86,6 +88,8 @@ class OnnxBackend:
         # float32 step graphs since the twenty-seventh session, float32 fused graphs since the twenty-eighth
         self.takes_confidence_gate = self.takes_num_greedy and (self.fused.takes_confidence_gate if self.fused
                                                                 else bundle.CONFIDENCE_TAU in defaults)
+        # what a step asked for confidence_tau without the gate is told (bundle.why_no_confidence_gate)
+        self.why_no_gate = None if self.takes_confidence_gate else bundle.why_no_confidence_gate(config, provider)
         self.max_batch: int | None = 1 if self.fused else None
         self.max_past = config.max_context
         self.kv = KVBinding(self.session, ort)
@@ -133,14 +137,15 @@ class OnnxBackend:
                 or, where the step writes into it, a past that is not C-contiguous and writeable
                 (:func:`runtime.bundle.check_step_inputs`, :class:`~runtime.backends.kv_binding.KVBinding`);
                 ``greedy_ids`` on a graph without the greedy head, ``confidence_tau`` without ``greedy_ids`` or on a
-                graph without the gate.
+                graph without the gate (``why_no_gate`` says why it has none and what to do).
 
         A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
         past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
-        if confidence_tau is not None and not (greedy_ids and self.takes_confidence_gate):
-            raise ValueError("confidence_tau needs greedy_ids and a graph with the confidence gate "
-                             "(takes_confidence_gate); re-export the float32 bundle with mars-export")
+        if confidence_tau is not None and not greedy_ids:
+            raise ValueError("confidence_tau needs greedy_ids=True: the confidence gate tests the greedy head's rows")
+        if confidence_tau is not None and not self.takes_confidence_gate:
+            raise ValueError(f"this bundle has no confidence gate (confidence_tau input): {self.why_no_gate}")
         if self.fused:
             return self.fused(input_ids, position_ids, past, logits, greedy_ids, confidence_tau)
         if greedy_ids and not self.takes_num_greedy:

@@ -145,11 +145,11 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     positions = raw.get("max_position_embeddings")
-    if type(positions) is not int or positions < 1:
+    if "max_position_embeddings" in raw and (type(positions) is not int or positions < 1):
         raise ValueError(f"{path}: max_position_embeddings must be a positive integer (the model's context in tokens), "
                          f"got {positions!r}")
     heads = raw["num_attention_heads"]
-    max_context, context_note = max_context_of(raw)
+    max_context, context_note = max_context_of(raw)  # absent: transformers' default for the (sized) model type
     return ModelMemory(
         name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
         num_params=num_params, num_layers=raw["num_hidden_layers"],

@@ -26,6 +26,7 @@ from mars_export.default_model import check_model_spec
 from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES, check_revision, fetch_snapshot,
                                    is_hub_id)
 from mars_export.output_dir import check_output_dir, model_paths
+from mars_export.training.config import TrainConfig
 from runtime.bundle import load_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -100,6 +101,8 @@ def test_revision_is_for_hub_ids_only(tmp_path, monkeypatch):
     for spec in ("default", str(tmp_path)):
         with pytest.raises(ValueError, match="--revision v1 .* no hub id"):
             check_revision(spec, "v1")
+    with pytest.raises(ValueError, match="no hub id"):
+        TrainConfig(model="default", data=["d.jsonl"], output="out", revision="v1")
 
 
 def test_only_the_files_loading_reads_are_asked_for():

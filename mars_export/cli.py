@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # downloading a hub id into its cache (a full disk)
+        print(f"error: {_os_error_message(e, None)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # during that download
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
     window = args.window if args.window is not None else block
     if not 1 <= block <= window:
         print(f"error: need 1 <= --block <= --window, got {'--block ' if args.block is not None else 'block size '}"

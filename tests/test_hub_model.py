@@ -8,6 +8,7 @@ files asked for and the output-folder guard with no model; tier 2 exports a tiny
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -21,7 +22,7 @@ from huggingface_hub.utils import filter_repo_objects
 from support import ROOT, export
 from tiny_models import make_a2d_checkpoint, make_checkpoint
 
-from mars_export import hub_model
+from mars_export import cli as export_cli
 from mars_export.default_model import check_model_spec
 from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES, check_revision, fetch_snapshot,
                                    is_hub_id)
@@ -152,6 +153,21 @@ def test_an_unreachable_hub_is_one_line_with_the_fix(monkeypatch):
     assert "\n" not in message and message.startswith("cannot load model 'owner/name' at revision 'v2': ")
     assert "not in the local cache" in message and "could not be reached" in message
     assert "hf download owner/name --revision v2" in message
+
+
+@pytest.mark.parametrize("raised, code, line", [
+    (OSError(errno.ENOSPC, "No space left on device", "/cache/blobs/x"), 2,
+     "error: cannot load the model: /cache/blobs/x: no space left on device; free space on its disk"),
+    (KeyboardInterrupt(), 130, "error: interrupted; nothing was written")])
+def test_a_download_that_stops_is_one_line(raised, code, line, tmp_path, monkeypatch, capsys):
+    """A full disk or Ctrl-C while mars-export fetches a hub id: one line, no traceback, nothing written."""
+    def fetch(repo_id, revision):
+        raise raised
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(export_cli, "fetch_snapshot", fetch)
+    assert export_cli.main(["owner/name", "-o", "out", "--block", "4"]) == code
+    assert capsys.readouterr().err.splitlines() == [line] and not (tmp_path / "out").exists()
 
 
 def test_the_output_may_not_be_or_hold_a_cached_hub_model(tmp_path, hub_cache, monkeypatch):

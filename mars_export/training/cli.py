@@ -27,6 +27,7 @@ def make_train_parser() -> argparse.ArgumentParser:
                                 "(two streams, block size B, loss = CE(noisy) + alpha * CE(clean)).",
                                 epilog="Self-distillation data: mars-train distill --help")
     p.add_argument("model", metavar="MODEL", help=MODEL_SPECS_HELP)
+    p.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit to train (default: main)")
     p.add_argument("--data", action="append", required=True, metavar="FILE",
                    help="training data (.jsonl/.json; chat, prompt/response, instruction or GSM8K records); repeatable")
     p.add_argument("--output", required=True, metavar="DIR", help="checkpoints and the final model go here")
@@ -70,6 +71,8 @@ def make_distill_parser() -> argparse.ArgumentParser:
                                             "engine at tau 1, continuous batching); write chat JSONL.")
     p.add_argument("model", metavar="MODEL",
                    help=MODEL_SPECS_HELP + " (exported to a temporary bundle first), or a bundle directory of it")
+    p.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit to answer with "
+                                                    "(default: main)")
     p.add_argument("--prompts", action="append", required=True, metavar="FILE",
                    help="any data file mars-train reads (answers ignored); repeatable")
     p.add_argument("--output", required=True, metavar="FILE", help="chat JSONL to write")
@@ -102,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler=args.lr_scheduler,
         warmup_steps=args.warmup_steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seed=args.seed, save_steps=args.save_steps, logging_steps=args.logging_steps, resume=args.resume,
-        precision=args.precision, group_by_length=args.group_by_length,
+        precision=args.precision, group_by_length=args.group_by_length, revision=args.revision,
     )
 
 
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from mars_export.training.distill import distill
         try:
             report = distill(args.model, args.prompts, args.output, args.max_new_tokens, args.batch_size,
-                             args.max_prompts, args.mask_token, args.threads)
+                             args.max_prompts, args.mask_token, args.threads, args.revision)
         except ValueError as err:
             parser.error(str(err))
         except OnnxRuntimeMissing as err:  # a bundle to distill from, installed without the [cpu] extra

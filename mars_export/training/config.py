@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mars_export.hub_model import check_revision
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
@@ -65,7 +67,8 @@ class TrainConfig:
 
     ``max_steps`` > 0 overrides ``epochs``. ``save_steps`` 0 saves no periodic checkpoints.
     ``lora`` None means full fine-tuning. ``group_by_length`` batches examples of similar
-    length together (less padding), in a random order of such groups.
+    length together (less padding), in a random order of such groups. ``revision`` is the branch,
+    tag or commit of a ``model`` given as a Hugging Face hub id (None: ``main``).
     """
 
     model: str
@@ -89,8 +92,10 @@ class TrainConfig:
     resume: bool = False
     precision: str = "auto"
     group_by_length: bool = False
+    revision: str | None = None
 
     def __post_init__(self) -> None:
+        check_revision(self.model, self.revision)
         if not self.data:
             raise ValueError("give at least one --data FILE")
         checks = {"--block-size": self.block_size, "--batch-size": self.batch_size,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from mars_export.hub_model import check_revision
 from mars_export.training.data import Messages, read_records, record_prompt_messages
 
 # runtime.bundle.CONFIG_FILE, not imported: the GPU training tree (scripts/gpu_train.py) has no runtime package
@@ -80,7 +81,7 @@ def prepare_record(prompt: Messages, answer_ids: list[int], stop_ids: set[int],
 
 
 @contextmanager
-def open_bundle(model_spec: str, mask_token: str | None = None) -> Iterator[Path]:
+def open_bundle(model_spec: str, mask_token: str | None = None, revision: str | None = None) -> Iterator[Path]:
     """A bundle directory of ``model_spec``: the spec itself if it is one, else a temporary export.
 
     The temporary bundle (block size 4, float32, parity-checked as ``mars-export`` does) is
@@ -96,7 +97,7 @@ def open_bundle(model_spec: str, mask_token: str | None = None) -> Iterator[Path
     from mars_export.cli import FP32_PARITY_TOL
     from mars_export.model_source import load_model
 
-    loaded = load_model(model_spec, mask_token)
+    loaded = load_model(model_spec, mask_token, revision)
     with tempfile.TemporaryDirectory(prefix="mars-distill-") as tmp:
         write_bundle(loaded, Path(tmp) / "bundle", EXPORT_BLOCK_SIZE, EXPORT_BLOCK_SIZE, FP32_PARITY_TOL)
         del loaded
@@ -105,7 +106,7 @@ def open_bundle(model_spec: str, mask_token: str | None = None) -> Iterator[Path
 
 def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str | Path, max_new_tokens: int = 512,
             batch_size: int = 8, max_prompts: int | None = None, mask_token: str | None = None,
-            num_threads: int = 0) -> DistillReport:
+            num_threads: int = 0, revision: str | None = None) -> DistillReport:
     """Write one chat record per prompt (:func:`prepare_record`) with the engine's greedy answer.
 
     Args:
@@ -118,6 +119,7 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
         max_new_tokens: the token cap; longer answers are cut there and marked.
         batch_size: engine slots (rows decoding at once; continuous batching).
         num_threads: onnxruntime intra-op threads (0: its choice).
+        revision: the branch, tag or commit of a ``model_spec`` given as a hub id (None: ``main``).
 
     Raises:
         ValueError: a bad argument (``output_path`` a directory or in a missing one: before any export),
@@ -130,13 +132,14 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
         raise ValueError(f"--output {output_path} is a directory; give the path of the JSONL file to write")
     if not output_path.parent.is_dir():
         raise ValueError(f"--output {output_path}: the folder {output_path.parent} does not exist; create it first")
+    check_revision(model_spec, revision)
     from runtime.decode.engine import Engine, EngineConfig
     from runtime.backends.loading import load_backend
     from runtime.decode.params import DecodeParams
     from runtime.text.tokenizer import Tokenizer
 
     prompts = read_prompts(prompts_paths, max_prompts)
-    with open_bundle(model_spec, mask_token) as bundle_dir:
+    with open_bundle(model_spec, mask_token, revision) as bundle_dir:
         backend, config, _ = load_backend(bundle_dir, "cpu", num_threads)
         tokenizer = Tokenizer(bundle_dir)
         engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size))

@@ -131,7 +131,7 @@ def prepare_trainer(config: TrainConfig) -> tuple[MarsTrainer, str | None]:
     """
     resume_from = find_resume_checkpoint(config)
     set_seed(config.seed)
-    loaded = load_model(config.model, config.mask_token)
+    loaded = load_model(config.model, config.mask_token, config.revision)
     examples, _ = load_examples(config.data, loaded.tokenizer, config.max_length)
     model = loaded.model.train()
     if config.lora is not None:

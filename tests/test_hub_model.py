@@ -91,6 +91,28 @@ def test_neither_path_nor_hub_id_keeps_the_clear_error_naming_hub_ids(spec, tmp_
         check_model_spec(spec)
 
 
+@pytest.mark.parametrize("make", [Path.mkdir, lambda path: path.write_text("")], ids=["folder", "file"])
+def test_a_local_path_spelled_as_a_hub_id_that_is_no_model_says_it_shadows_the_id(make, tmp_path, monkeypatch):
+    """mars-export owner/name -o owner/name/bundle makes ./owner/name; the next run of owner/name reads that folder,
+    and the error says why the hub id was not fetched."""
+    monkeypatch.chdir(tmp_path)
+    Path("owner").mkdir()
+    make(Path("owner/name"))
+    with pytest.raises(ValueError) as raised:
+        check_model_spec("owner/name")
+    message = str(raised.value)
+    assert "a local path wins over the Hugging Face hub id owner/name" in message
+    assert "(holding config.json)" not in message
+
+
+def test_a_path_not_spelled_as_a_hub_id_that_is_no_model_says_nothing_of_hub_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("a/b/c").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"it is a directory without config.json \(expected 'default'") as raised:
+        check_model_spec("a/b/c")
+    assert "local path wins" not in str(raised.value)
+
+
 def test_a_hub_id_passes_the_torch_free_check(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     check_model_spec(REPO)

@@ -209,9 +209,12 @@ def why_no_confidence_gate(config: "BundleConfig", provider: str = "cpu") -> str
     to do: the end of the message that refuses a step asked for ``confidence_tau``.
 
     The gate comes with the greedy head, which only float32 exports get (not --fp16, --int8, --int4 nor --trt;
-    re-exporting such a bundle never adds it) and only onnxruntime's cpu provider runs; a float32 bundle without it
+    re-exporting such a bundle never adds it) and only onnxruntime's cpu provider runs. A float32 bundle without it
     was exported before the gate existed (float32 step graphs since the twenty-seventh session, fused since the
-    twenty-eighth) and gets it by being exported again.
+    twenty-eighth) and gets it by being exported again, unless its model never gets it: one whose logits pass an op
+    after the output head (Gemma2's soft-capping: mars_export.confidence_gate.add_confidence_gate), or, without the
+    greedy head (:func:`has_greedy_head`), one whose hidden size is no multiple of the head's int8 block (32). The
+    config cannot tell these apart, so the message names both.
     """
     without = "or decode without the gate (leave confidence_tau out)"
     if config.weight_dtype != "float32":
@@ -225,7 +228,14 @@ def why_no_confidence_gate(config: "BundleConfig", provider: str = "cpu") -> str
         return (f"a bundle exported with --trt has no gate (TensorRT parses no greedy head): export the float32 bundle "
                 f"again without --trt, {without}")
     graph = " --graph fused" if config.graph == "fused" else ""
-    return f"this float32 bundle was exported before the gate existed: re-export it with mars-export{graph}, {without}"
+    if has_greedy_head(config):
+        return (f"this float32 bundle has the greedy head but no gate: either it was exported before the gate existed "
+                f"(re-export it with mars-export{graph}), or its model changes the logits after the output head "
+                f"(Gemma2's final_logit_softcapping), which the gate cannot bound and exporting again does not change; "
+                f"{without}")
+    return (f"this float32 bundle has no greedy head, which the gate tests: either it was exported before the head "
+            f"existed (re-export it with mars-export{graph}), or its model's hidden size is no multiple of 32 (the "
+            f"head's int8 blocks), which exporting again does not change; {without}")
 
 
 def strip_greedy_head(model) -> None:

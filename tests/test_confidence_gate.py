@@ -162,11 +162,18 @@ def test_a_head_behind_soft_capping_gets_no_gate():
 TINY = bundle.BundleConfig(block_size=4, window=4, mask_token="<mask>", mask_token_id=1, eos_token_ids=(2,),
                            pad_token_id=0, bos_token_id=None, num_layers=1, num_kv_heads=1, head_dim=4, vocab_size=8,
                            max_context=16, dtype="float32", source_model="tiny")
+GREEDY = {"max_abs_logit_diff": 0.0, "greedy_head_agreement": 1.0}  # the parity an export with the greedy head records
 
 
 @pytest.mark.parametrize("changes, provider, expected", [
-    ({}, "cpu", "this float32 bundle was exported before the gate existed: re-export it with mars-export, or"),
-    ({"graph": "fused"}, "cpu", "exported before the gate existed: re-export it with mars-export --graph fused, or"),
+    ({}, "cpu", "no greedy head, which the gate tests: either it was exported before the head existed (re-export "
+                "it with mars-export), or its model's hidden size is no multiple of 32"),
+    ({"graph": "fused"}, "cpu", "exported before the head existed (re-export it with mars-export --graph fused)"),
+    ({"parity": GREEDY}, "cpu", "has the greedy head but no gate: either it was exported before the gate existed "
+                                "(re-export it with mars-export), or its model changes the logits after the output "
+                                "head (Gemma2's final_logit_softcapping)"),
+    ({"parity": GREEDY, "graph": "fused"}, "cpu", "before the gate existed (re-export it with mars-export --graph "
+                                                  "fused)"),
     ({"weight_dtype": "int8"}, "cpu", "only on float32 bundles and this one is int8 (a --int8 export never has it"),
     ({"weight_dtype": "int4", "graph": "fused"}, "cpu", "this one is int4 (a --int4 export never has it"),
     ({"dtype": "float16", "weight_dtype": "float16"}, "cpu", "this one is float16 (a --fp16 export never"),
@@ -178,7 +185,14 @@ def test_a_bundle_without_the_gate_is_told_why_and_what_to_do(changes, provider,
     never has it (use a float32 bundle), a GPU provider never runs it; and every one may decode without it."""
     reason = bundle.why_no_confidence_gate(replace(TINY, **changes), provider)
     assert expected in reason and reason.endswith("or decode without the gate (leave confidence_tau out)")
-    assert ("re-export" in reason) == (not changes.keys() - {"graph"} and provider == "cpu")
+    assert ("re-export" in reason) == (not changes.keys() - {"graph", "parity"} and provider == "cpu")
+
+
+def test_a_fresh_float32_export_whose_head_gets_no_gate_is_not_told_it_is_old():
+    """Gemma2 soft-caps its logits after the head: its float32 bundle has the greedy head (the parity records it) and
+    never the gate; 'exported before the gate existed: re-export it' alone sent its user round in circles."""
+    reason = bundle.why_no_confidence_gate(replace(TINY, parity=GREEDY))
+    assert "softcapping" in reason and "exporting again does not change" in reason
 
 
 def test_a_proven_rejection_reads_its_row_only():

@@ -149,7 +149,12 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
         raise ValueError(f"{path}: max_position_embeddings must be a positive integer (the model's context in tokens), "
                          f"got {positions!r}")
     heads = raw["num_attention_heads"]
-    max_context, context_note = max_context_of(raw)  # absent: transformers' default for the (sized) model type
+    try:  # absent: transformers' default for the (sized) model type
+        max_context, context_note = max_context_of(raw)
+    except (AttributeError, TypeError, ValueError) as e:  # rope or sliding-window fields of another shape
+        raise ValueError(f"{path}: its context fields (rope_scaling / rope_parameters, sliding_window, layer_types) "
+                         f"are not as transformers writes them ({type(e).__name__}: {e}); give a model's own "
+                         "config.json") from e
     return ModelMemory(
         name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
         num_params=num_params, num_layers=raw["num_hidden_layers"],

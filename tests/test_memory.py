@@ -147,6 +147,18 @@ def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extr
     assert message in captured.err, captured.err
 
 
+@pytest.mark.parametrize("changes", [{"rope_scaling": "yarn"}, {"rope_parameters": [1, 2]},
+                                     {"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": "x"}},
+                                     {"sliding_window": 8, "layer_types": 3}],
+                         ids=["string-rope", "list-rope", "string-original", "number-layer-types"])
+def test_context_fields_of_another_shape_are_one_error_line(changes, tmp_path, capsys):
+    """A rope setting or layer_types not as transformers writes them: one line naming the file, no traceback."""
+    assert memory.main([str(config_json(tmp_path, **changes))]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"error: {tmp_path / 'config.json'}: its context fields"), captured.err
+
+
 def test_a_bundle_without_its_graph_is_refused(tiny_bundle, tmp_path, capsys):
     """A bundle folder missing model.onnx would be sized as 0 bytes of weights."""
     _, bundle = tiny_bundle("llama", 4)

@@ -238,6 +238,18 @@ def why_no_confidence_gate(config: "BundleConfig", provider: str = "cpu") -> str
             f"head's int8 blocks), which exporting again does not change; {without}")
 
 
+def check_confidence_tau(confidence_tau, greedy_ids: bool, why_no_gate: str | None) -> None:
+    """Raise ValueError where a step is asked for ``confidence_tau`` (the confidence gate's input) that it cannot take:
+    without ``greedy_ids`` (the gate tests the greedy head's rows), or on a graph without the gate, ``why_no_gate``
+    (:func:`why_no_confidence_gate`; None where the graph has the gate) saying why it has none and what to do."""
+    if confidence_tau is None:
+        return
+    if not greedy_ids:
+        raise ValueError("confidence_tau needs greedy_ids=True: the confidence gate tests the greedy head's rows")
+    if why_no_gate is not None:
+        raise ValueError(f"this bundle has no confidence gate (confidence_tau input): {why_no_gate}")
+
+
 def strip_greedy_head(model) -> None:
     """Remove the greedy head (mars_export.greedy_head) and its confidence gate (mars_export.confidence_gate) from
     ``model`` (an onnx ModelProto), in place: their nodes and initializers (named from :data:`GREEDY_HEAD_PREFIX`),

@@ -42,7 +42,7 @@ import numpy as np
 
 from runtime.backends.kv_binding import KVBinding
 from runtime.bundle import (ATTENTION_MASK, CONFIDENCE_TAU, INPUT_IDS, NUM_GREEDY, NUM_LOGITS, BundleConfig,
-                            why_no_confidence_gate)
+                            check_confidence_tau, why_no_confidence_gate)
 from runtime.decode.kv_cache import KVCache
 
 MIN_WINDOW = 2  # GroupQueryAttention: a one-row attention gets other bits than longer ones
@@ -108,11 +108,8 @@ class FusedStep:
         if batch != 1:
             raise ValueError(f"a fused bundle runs one sequence at a time (batch 1), got {batch} rows; "
                              "set the batch size to 1 or export with --graph step")
-        if confidence_tau is not None and not greedy_ids:
-            raise ValueError("confidence_tau needs greedy_ids=True: the confidence gate tests the greedy head's rows")
-        if confidence_tau is not None and not self.takes_confidence_gate:
-            raise ValueError("this fused graph has no confidence gate (confidence_tau input): "
-                             + why_no_confidence_gate(self.config))
+        check_confidence_tau(confidence_tau, greedy_ids,
+                             None if self.takes_confidence_gate else why_no_confidence_gate(self.config))
         if greedy_ids and not self.takes_num_greedy:
             dtype = self.config.weight_dtype
             fix = (f"read the logits: an --{dtype} bundle's argmaxes come from its own {dtype} output head"

@@ -142,10 +142,7 @@ class OnnxBackend:
         A fused bundle (n = 1, :class:`runtime.backends.fused.FusedStep`) attends causally over the
         past's positions before ``position_ids[0, 0]`` (what the engine's mask says at batch 1).
         """
-        if confidence_tau is not None and not greedy_ids:
-            raise ValueError("confidence_tau needs greedy_ids=True: the confidence gate tests the greedy head's rows")
-        if confidence_tau is not None and not self.takes_confidence_gate:
-            raise ValueError(f"this bundle has no confidence gate (confidence_tau input): {self.why_no_gate}")
+        bundle.check_confidence_tau(confidence_tau, greedy_ids, self.why_no_gate)
         if self.fused:
             return self.fused(input_ids, position_ids, past, logits, greedy_ids, confidence_tau)
         if greedy_ids and not self.takes_num_greedy:

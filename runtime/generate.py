@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "predictions; threshold: none), lookup (tokens that followed the latest earlier match of "
                         "the context's last n-gram) or both; drafts are kept while they equal the argmax, then "
                         "threshold mode accepts masks by tau; default masks")
+    p.add_argument("--adaptive-masks", action="store_true",
+                   help="feed mask tokens only while they pay: after a step whose masks gained no token, back off "
+                        "1, 2 .. 16 steps without masks (runtime.decode.mask_backoff)")
     p.add_argument("--metric", default="probability", choices=METRICS, help="confidence metric (default probability)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; so is anything below 1e-5); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -50,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         from runtime.backends.onnx import OnnxBackend  # here: without onnxruntime, one error line
-        params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, metric=args.metric,
-                              max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+        params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, adaptive_masks=args.adaptive_masks,
+                              metric=args.metric, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         config = load_config(args.bundle)
         tokenizer = Tokenizer(args.bundle)

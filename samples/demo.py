@@ -1,11 +1,13 @@
 """Run a bundle on a few real prompts and print the text, TPF and tokens/s.
 
-    python samples/demo.py BUNDLE [--tau 1.0 0.9] [--draft both|lookup|masks] [--max-new-tokens 128]
+    python samples/demo.py BUNDLE [--tau 1.0 0.9] [--draft both|lookup|masks] [--adaptive-masks]
+        [--max-new-tokens 128]
 
 Prompts: samples/prompts/demo_prompts.json (GSM8K test questions, HumanEval prompts).
 Each tau runs in threshold mode with the given draft source (DESIGN.md §3): ``masks`` is
 plain MARS; ``lookup`` / ``both`` also feed prompt-lookup drafts, verified exactly, before
 the masks. At tau = 1 the output is the greedy AR output whatever the draft source.
+``--adaptive-masks`` feeds masks only while they pay (:mod:`runtime.decode.mask_backoff`).
 Uses only the torch-free runtime.
 """
 
@@ -30,20 +32,23 @@ def main() -> None:
     p.add_argument("--tau", type=float, nargs="+", default=[1.0, 0.9])
     p.add_argument("--draft", choices=["masks", "lookup", "both"], default="both",
                    help="draft source in every run (default both: lookup drafts, then masks; masks: plain MARS)")
+    p.add_argument("--adaptive-masks", action="store_true",
+                   help="feed mask tokens only while they pay (runtime.decode.mask_backoff)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()
     config = load_config(args.bundle)
     decoder, tokenizer = Decoder(OnnxBackend(args.bundle, config), config), Tokenizer(args.bundle)
     prompts = json.loads(PROMPTS.read_text())["prompts"]
     print(f"bundle {args.bundle}: {config.source_model}, B={config.block_size}, W={config.window}, "
-          f"draft {args.draft}")
+          f"draft {args.draft}{', adaptive masks' if args.adaptive_masks else ''}")
     speeds = {}
     for tau in args.tau:
         tokens = forwards = 0
         seconds = 0.0
         for prompt in prompts:
             ids = tokenizer.encode_chat([{"role": "user", "content": prompt["text"]}])
-            params = DecodeParams(tau=tau, max_new_tokens=args.max_new_tokens, draft=args.draft)
+            params = DecodeParams(tau=tau, max_new_tokens=args.max_new_tokens, draft=args.draft,
+                                  adaptive_masks=args.adaptive_masks)
             result = decoder.generate(ids, params)
             decode_seconds = result.seconds - result.prefill_seconds
             print(f"\n=== {prompt['id']}  tau={tau}  tokens={result.num_tokens}  TPF={result.tpf:.2f}  "

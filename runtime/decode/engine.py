@@ -46,6 +46,7 @@ from runtime.bundle import GREEDY_HEAD_MAX_ROWS, BundleConfig
 from runtime.decode.acceptance import Accepted, ProvenRejection, accept, max_accept
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
+from runtime.decode.mask_backoff import tokens_from_masks
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
 from runtime.decode.sampling import is_greedy, select
 from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan
@@ -404,6 +405,8 @@ class Engine:
             if seq.is_prefilling:
                 self._count_prefilled(seq, acc.num_committed)
                 continue
+            if seq.mask_backoff is not None and acc.tokens:
+                self._record_masks(seq, acc)
             seq.add_tokens(acc.tokens)
             seq.result.num_forwards += 1
             seq.uncached, seq.mask_drafts = (seq.uncached + acc.tokens)[acc.num_committed:], acc.mask_drafts
@@ -417,6 +420,16 @@ class Engine:
             if out.finished:
                 self._finish(seq, out.finish_reason)
         return [out for _, out in advanced]
+
+    def _record_masks(self, seq: Sequence, acc: Accepted) -> None:
+        """Adaptive masks: tell the row's backoff whether this step read a mask prediction of the row (the inputs
+        up to its own width, as :meth:`_accept` reads them) and whether a mask gained a token. Call before
+        :meth:`_commit` moves the row's uncached tokens on."""
+        width = self.scheduler.solo_width(seq, self.default_tau)
+        num_real = min(len(seq.uncached), width)
+        num_drafts = min(len(seq.drafts), width - num_real)
+        gained = tokens_from_masks(len(acc.tokens), num_drafts, seq.drafts_from_masks) > 0
+        seq.mask_backoff.record(fed_masks=width > num_real + num_drafts, gained=gained)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.result.finish_reason = reason

@@ -47,6 +47,11 @@ class DecodeParams:
             the rest of the window). Drafts are kept while each equals the argmax before it; in
             threshold mode the mask predictions after the exact next token are then accepted by
             tau as usual, so at tau >= 1 the output is exactly greedy AR. Greedy only.
+        adaptive_masks: feed mask tokens only while they pay (:mod:`runtime.decode.mask_backoff`): after a step
+            whose masks gained no token the row runs steps without masks, 1, 2, 4 .. 16 of them, between probes.
+            Takes effect on the continuous scheme with a dynamic window axis (where a step can be narrower than W).
+            In threshold mode at tau < 1 the tokens can differ from feeding masks every step (the default, MARS
+            §3); where the output is greedy AR anyway (tau >= 1, verify mode) only the forward count changes.
         metric: confidence metric, one of ``probability``, ``margin``, ``entropy``.
         max_new_tokens: most tokens to generate, >= 1.
         block_size: most tokens accepted per step; None = the bundle's B.
@@ -65,6 +70,7 @@ class DecodeParams:
     tau: float | None = 1.0
     mode: str = "threshold"
     draft: str = "masks"
+    adaptive_masks: bool = False
     metric: str = "probability"
     max_new_tokens: int = 128
     block_size: int | None = None
@@ -89,6 +95,8 @@ class DecodeParams:
         if self.draft != "masks" and self.mode == "ar":
             raise ParamError("draft", f"draft {self.draft!r} needs mode 'verify' or 'threshold' (drafts are verified "
                              "there); mode 'ar' takes draft 'masks'")
+        if not isinstance(self.adaptive_masks, bool):
+            raise ParamError("adaptive_masks", f"adaptive_masks must be true or false, got {self.adaptive_masks!r}")
         if self.metric not in METRICS:
             raise ParamError("metric", f"unknown confidence metric {self.metric!r}; choose one of {METRICS}")
         if self.max_new_tokens < 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.decode.lookup import NgramIndex
+from runtime.decode.mask_backoff import MaskBackoff
 from runtime.decode.params import DecodeParams, GenerationResult
 from runtime.decode.sampling import is_greedy
 
@@ -33,9 +34,11 @@ class Sequence:
         num_prefilled: prompt tokens whose KV is committed.
         uncached: real tokens whose KV is not cached yet, fed first in the next step.
         drafts: this step's draft ids, fed after ``uncached`` (:meth:`prepare_drafts`).
+        drafts_from_masks: ``drafts`` are the previous step's mask predictions (not a lookup proposal).
         mask_drafts: the previous step's predictions at its masks after the last token it
             yielded (empty unless every draft of that step was kept).
         lookup: n-gram index of prompt + generated ids when the draft source uses lookup, else None.
+        mask_backoff: whether the next step feeds masks, with ``params.adaptive_masks``; else None (always).
         rng: random generator (sampling only).
         result: tokens and counters so far.
         start_time: ``time.perf_counter()`` at admission.
@@ -50,8 +53,10 @@ class Sequence:
     num_prefilled: int = 0
     uncached: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
+    drafts_from_masks: bool = False
     mask_drafts: list[int] = field(default_factory=list)
     lookup: NgramIndex | None = None
+    mask_backoff: MaskBackoff | None = None
     rng: np.random.Generator | None = None
     result: GenerationResult = field(default_factory=GenerationResult)
     start_time: float = 0.0
@@ -60,6 +65,8 @@ class Sequence:
         self.uncached = [self.prompt_ids[-1]]
         if self.params.draft in ("lookup", "both"):
             self.lookup = NgramIndex(self.prompt_ids)
+        if self.params.adaptive_masks:
+            self.mask_backoff = MaskBackoff()
         if not is_greedy(self.params.temperature):
             self.rng = np.random.default_rng(self.params.seed)
 
@@ -113,3 +120,4 @@ class Sequence:
         max_drafts = min(self.block_size, self.num_remaining) - 1
         proposal = self.lookup.propose(max_drafts) if self.lookup is not None else []
         self.drafts = proposal or (self.mask_drafts[:max_drafts] if self.params.draft != "lookup" else [])
+        self.drafts_from_masks = not proposal and bool(self.drafts)

@@ -165,9 +165,9 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
                     chat: bool):
     max_new = _check_budget(ctx, prompt_ids, body, prompt_field)
     try:
-        params = DecodeParams(tau=body.tau, mode=body.mode, draft=body.draft, max_new_tokens=max_new,
-                              block_size=body.block_size, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed)
+        params = DecodeParams(tau=body.tau, mode=body.mode, draft=body.draft, adaptive_masks=body.adaptive_masks,
+                              max_new_tokens=max_new, block_size=body.block_size, temperature=body.temperature,
+                              top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     except ParamError as e:
         raise APIError(400, str(e), param=e.field, code="invalid_value") from e
     gen = RequestStream(ctx.engine_thread, ctx.tokenizer, ctx.metrics, prompt_ids, params, body.stop_strings)

@@ -11,6 +11,8 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
 - ``draft``: the draft source of verify and threshold mode: ``masks`` (default), ``lookup``
   (prompt lookup over the prompt and the generated text) or ``both``; ``ar`` mode takes
   ``masks`` only, and lookup drafts are greedy only.
+- ``adaptive_masks``: feed mask tokens only while they pay (``runtime.decode.mask_backoff``): after a
+  step whose masks gained no token, steps without masks back off 1, 2 .. 16 at a time (default false).
 - ``block_size``: most tokens accepted per decode step, 1..the bundle's B (absent: B).
 - ``top_k``: sampling filter (0 = off).
 - ``return_token_ids``: add the generated ids to the response's ``mars`` object.
@@ -83,6 +85,7 @@ class _GenerationRequest(_RequestObject):
     tau: float | None = None  # checked by DecodeParams (runtime.decode.params.check_tau)
     mode: Literal["threshold", "ar", "verify"] = "threshold"
     draft: Literal["masks", "lookup", "both"] = "masks"
+    adaptive_masks: bool = False
     block_size: int | None = Field(None, ge=1)  # at most the bundle's B (checked by the engine)
     top_k: int = Field(0, ge=0)
     return_token_ids: bool = False

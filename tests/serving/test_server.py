@@ -131,6 +131,18 @@ def test_lookup_drafts_give_the_greedy_output(tiny_server, runtime_parts, mode, 
     assert mars["num_forwards"] < expected.num_forwards  # the random model loops: drafts are kept
 
 
+def test_adaptive_masks_reach_the_engine(tiny_server, runtime_parts):
+    """``adaptive_masks`` in the body decodes as the engine does with it: the adaptive tokens and forward count,
+    which differ from feeding masks every step for this prompt at tau 0.5 (checked)."""
+    tokenizer, decoder = runtime_parts
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    adaptive, fixed = (decoder.generate(prompt_ids, DecodeParams(tau=0.5, max_new_tokens=MAX_NEW, adaptive_masks=on))
+                       for on in (True, False))
+    assert adaptive.num_forwards != fixed.num_forwards, "premise: the backoff changes this prompt's forwards"
+    _, _, mars, _ = chat(tiny_server, "Hi", extra_body={"tau": 0.5, "adaptive_masks": True})
+    assert (mars["token_ids"], mars["num_forwards"]) == (adaptive.token_ids, adaptive.num_forwards)
+
+
 def test_concurrent_requests_equal_their_solo_runs(tiny_server, runtime_parts):
     tokenizer, decoder = runtime_parts
     texts = PROMPTS * 2
@@ -207,6 +219,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, 2, 10**6]}, "prompt"),             # token id outside the vocabulary
     ("chat", {"max_tokens": "8"}, "max_tokens"),                      # wrong JSON types are not coerced
     ("chat", {"tau": True}, "tau"),
+    ("chat", {"adaptive_masks": "yes"}, "adaptive_masks"),
     ("chat", {"stream": "yes"}, "stream"),
 ]
 

@@ -2,7 +2,7 @@
 
     python bench/engine_modes.py BUNDLE [--batch-sizes 1 4 16] [--taus 0.95 0.9 0.8] [--block-sizes 2 4]
                                         [--num-prompts 16] [--max-new-tokens 64] [--threads 2]
-                                        [--name engine_modes]
+                                        [--adaptive-masks] [--name engine_modes]
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
 prompts (GSM8K test questions and HumanEval prompts from the shared data folder: $MARS_SHARED_DATA,
@@ -10,7 +10,8 @@ else ../shared/data beside the checkout; alternating) go
 through the engine in AR mode (the baseline), threshold mode at each tau, verify mode
 with each draft source (masks, lookup, both), and threshold mode with lookup drafts at each
 tau and at tau 1 (where it must equal AR), each at every per-request block size (default:
-the bundle's B).
+the bundle's B). ``--adaptive-masks`` runs every setting that feeds masks a second time with
+adaptive masks (:mod:`runtime.decode.mask_backoff`), right after it.
 Wall-clock covers prefill and decode of all requests (continuous batching admits them as
 slots free). Where it goes: the time inside onnxruntime's session calls (``graph_seconds``)
 and the rest, the runtime's own work (Python and numpy: scheduling, inputs, I/O binding,
@@ -27,6 +28,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -76,13 +78,22 @@ def run_config(backend, clock: GraphClock, config, prompts, scheme: str, batch_s
     seconds, graph_seconds = time.perf_counter() - start, clock.seconds - graph_start
     tokens = sum(r.num_tokens for r in results)
     forwards = engine.num_steps + sum(r.num_prefill_forwards for r in results)
-    row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "draft": params.draft, "tau": params.tau,
+    row = {"scheme": scheme, "batch_size": batch_size, "mode": params.mode, "draft": params.draft,
+           "adaptive_masks": params.adaptive_masks, "tau": params.tau,
            "block_size": params.block_size or config.block_size,
            "num_requests": len(prompts), "num_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
            "tpf": tokens / sum(r.num_forwards for r in results), "batch_forwards": engine.num_steps,
            "prefill_seconds_mean": sum(r.prefill_seconds for r in results) / len(results),
            "graph_seconds": graph_seconds, "runtime_ms_per_forward": (seconds - graph_seconds) / forwards * 1000}
     return row, [r.token_ids for r in results]
+
+
+def feeds_masks(params: DecodeParams) -> bool:
+    """Whether a setting's steps feed mask tokens (so adaptive masks can change it): threshold mode at tau < 1 or
+    with mask drafts, verify mode with mask drafts."""
+    if params.mode == "verify":
+        return params.draft != "lookup"
+    return params.mode == "threshold" and (params.tau < 1.0 or params.draft == "both")
 
 
 def run(args) -> list[dict]:
@@ -98,6 +109,9 @@ def run(args) -> list[dict]:
                      for draft in DRAFTS]
         settings += [DecodeParams(tau=tau, draft="lookup", block_size=block_size, max_new_tokens=args.max_new_tokens)
                      for tau in [*args.taus, 1.0]]
+    if args.adaptive_masks:
+        settings = [twin for params in settings
+                    for twin in ([params, replace(params, adaptive_masks=True)] if feeds_masks(params) else [params])]
     rows = []
     for scheme in args.schemes:
         for batch_size in args.batch_sizes:
@@ -123,6 +137,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--adaptive-masks", action="store_true",
+                   help="run each setting that feeds masks also with adaptive masks (runtime.decode.mask_backoff)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="engine_modes", help="stem of the output files (default engine_modes)")
     args = p.parse_args()
@@ -167,6 +183,8 @@ def _label(row: dict) -> str:
     mode = f"threshold tau={row['tau']}" if row["mode"] == "threshold" else row["mode"]
     if row["draft"] != "masks":
         mode += f" + {row['draft']}"
+    if row["adaptive_masks"]:
+        mode += " adaptive"
     return f"{mode} B={row['block_size']}"
 
 

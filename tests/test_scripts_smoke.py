@@ -66,17 +66,20 @@ def assert_results(out: Path, stem: str, suffixes=(".json", ".csv", ".png")) -> 
 
 @pytest.mark.usefixtures("shared_data")
 def test_engine_modes(smoke_model, tmp_path):
-    """Every mode and draft source runs; the verify rows (each draft source) and threshold mode
-    with lookup drafts at tau 1 reproduce AR."""
+    """Every mode and draft source runs, those that feed masks also with adaptive masks; the verify rows (each
+    draft source) and threshold mode with lookup drafts at tau 1 reproduce AR."""
     _, bundle = smoke_model
     python("bench/engine_modes.py", bundle, "--batch-sizes", "1", "2", "--schemes", "continuous", "--taus", "0.9",
-           "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--out", tmp_path)
+           "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--adaptive-masks", "--out", tmp_path)
     rows = assert_results(tmp_path, "engine_modes")["rows"]
-    assert len(rows) == 2 * 7 and {row["mode"] for row in rows} == {"ar", "threshold", "verify"}
+    assert len(rows) == 2 * 11 and {row["mode"] for row in rows} == {"ar", "threshold", "verify"}
+    adaptive = [(row["mode"], row["draft"], row["tau"]) for row in rows if row["adaptive_masks"]]
+    assert sorted(set(adaptive)) == [("threshold", "lookup", 0.9), ("threshold", "masks", 0.9), ("verify", "both", 1.0),
+                                     ("verify", "masks", 1.0)] and len(adaptive) == 2 * 4
     verify = [row for row in rows if row["mode"] == "verify"]
     assert sorted({row["draft"] for row in verify}) == ["both", "lookup", "masks"]
     drafted = [row for row in rows if row["mode"] == "threshold" and row["draft"] == "lookup"]
-    assert sorted(row["tau"] for row in drafted) == [0.9, 0.9, 1.0, 1.0]
+    assert sorted(row["tau"] for row in drafted) == [0.9, 0.9, 0.9, 0.9, 1.0, 1.0]
     assert all(row["identical_to_ar"] == 1.0 for row in verify + [r for r in drafted if r["tau"] == 1.0])
     assert all(0 < row["graph_seconds"] < row["seconds"] and row["runtime_ms_per_forward"] > 0 for row in rows)
     too_long = subprocess.run([sys.executable, "bench/engine_modes.py", str(bundle), "--batch-sizes", "1",

@@ -266,6 +266,17 @@ def test_the_draft_sent_follows_the_select(page, server):
     assert len(texts) == 1  # lossless at tau 1 whatever the draft source
 
 
+def test_the_adaptive_masks_box_is_sent(page, server):
+    """Off by default (the field is not sent); ticked, the request asks for adaptive masks and the answer says so."""
+    chat_in_page(page, "Hi")
+    assert server.sent[-1].adaptive_masks is False
+    page.find_element(By.ID, "adaptive-masks").click()
+    answer = chat_in_page(page, "Hi")
+    assert server.sent[-1].adaptive_masks is True
+    assert answer.find_element(By.CLASS_NAME, "sent").text == ("tau server default, threshold, draft both, adaptive masks"
+                                                               ", B 4")
+
+
 @pytest.mark.parametrize("blocker", ["temperature", "mode ar"])
 def test_a_refused_draft_source_is_prevented_and_explained(page, server, blocker):
     """Lookup drafts with a sampling temperature or in AR mode would be a 400: the page sends masks,

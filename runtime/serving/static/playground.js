@@ -82,6 +82,7 @@ function requestFields(tau) {
     max_tokens: Number($("max-tokens").value),
   };
   if (tau !== null) fields.tau = tau;
+  if ($("adaptive-masks").checked) fields.adaptive_masks = true;
   if ($("block-size").value !== "") fields.block_size = Number($("block-size").value);
   return fields;
 }
@@ -200,7 +201,7 @@ async function streamChat(messages, fields, answer, signal) {
                  return_step_tokens: true, ...fields };
   const tau = fields.tau === undefined ? "server default" : fields.tau.toFixed(2);
   const sent = `tau ${tau}, ${fields.mode}, draft ${fields.draft}` +
-               (fields.block_size ? `, B ${fields.block_size}` : "");
+               (fields.adaptive_masks ? ", adaptive masks" : "") + (fields.block_size ? `, B ${fields.block_size}` : "");
   const started = performance.now();
   let response;
   try {

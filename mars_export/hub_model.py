@@ -43,7 +43,8 @@ class HubSnapshot:
 
     @property
     def source(self) -> str:
-        """How a bundle records it (``source_model``): the id and the commit that fetch the same weights again."""
+        """How a bundle records it (``source_model``): the id, the revision asked for and the commit that fetches
+        the same weights again."""
         asked = "" if self.revision == self.commit else f"revision {self.revision}, "
         return f"{self.repo_id} (Hugging Face hub, {asked}commit {self.commit})"
 

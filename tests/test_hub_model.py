@@ -214,12 +214,30 @@ def test_export_by_hub_id_from_the_cache(tmp_path):
     done = run_offline(hf_home, "mars_export.cli", REPO, "-o", "bundle", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     config = load_config(tmp_path / "bundle")
-    assert config.source_model == f"{REPO} (Hugging Face hub, commit {COMMIT})"
+    assert config.source_model == f"{REPO} (Hugging Face hub, revision main, commit {COMMIT})"
     assert config.block_size == 4 and config.parity["max_abs_logit_diff"] <= 1e-3
     log = done.stderr.splitlines()
     assert f"model {REPO} (Hugging Face hub, revision main, commit {COMMIT})" in log
     assert "block size 4 (from the directory name 'models--Xalphinions--MARS-tiny-qwen2-blk4' above it; " \
            "pass --block to change)" in log
+
+
+def test_an_export_by_hub_id_resolves_it_once(tmp_path, hub_cache, monkeypatch):
+    """The snapshot that gave the block size is the one loaded: one snapshot_download (a round trip to the hub
+    online), and the bundle records the revision asked for beside its commit."""
+    import huggingface_hub
+    make_hub_cache(hub_cache, REPO, make_a2d_checkpoint("qwen2", tmp_path / "ckpt"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked, real = [], huggingface_hub.snapshot_download
+
+    def counted(repo_id, **kwargs):
+        asked.append((repo_id, kwargs["revision"]))
+        return real(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", counted)
+    bundle = export(REPO, tmp_path / "bundle", 4, 4)
+    assert asked == [(REPO, "main")]
+    assert load_config(bundle).source_model == f"{REPO} (Hugging Face hub, revision main, commit {COMMIT})"
 
 
 @pytest.mark.parametrize("argv, which", [(["owner/missing"], "'owner/missing'"),

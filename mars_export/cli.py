@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trt_options = _trt_options(args) if args.trt else None
         snapshot = fetch_snapshot(args.model, args.revision) if is_hub_id(args.model) else None
-        block, block_origin = resolve_block_size(args.block, str(snapshot.path) if snapshot else args.model)
+        block, block_origin = resolve_block_size(args.block, args.model, snapshot)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

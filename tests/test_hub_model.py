@@ -192,6 +192,23 @@ def test_a_download_that_stops_is_one_line(raised, code, line, tmp_path, monkeyp
     assert capsys.readouterr().err.splitlines() == [line] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("revision, resolved", [([], f"revision main, commit {COMMIT}"),
+                                                (["--revision", COMMIT], f"commit {COMMIT}")])
+def test_a_hub_model_without_a_block_size_is_named_by_its_id(revision, resolved, tmp_path, hub_cache, monkeypatch,
+                                                              capsys):
+    """No block size recorded and no blkN in the id: the error names the id and revision the user typed, not the
+    snapshot folder in the cache, and says to pass --block."""
+    snapshot = make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    capsys.readouterr()  # the progress bar of saving the checkpoint
+    assert export_cli.main(["owner/name", "-o", "out", *revision]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: owner/name (Hugging Face hub, {resolved}) records no block size and its name "
+                           "has no 'blkN': pass --block B")
+    assert str(snapshot) not in line and not (tmp_path / "out").exists()
+
+
 def test_the_output_may_not_be_or_hold_a_cached_hub_model(tmp_path, hub_cache, monkeypatch):
     monkeypatch.chdir(tmp_path)
     snapshot = make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from mars_export.default_model import check_model_spec
 from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES, check_revision, fetch_snapshot,
                                    is_hub_id)
 from mars_export.output_dir import check_output_dir, model_paths
+from mars_export.training import cli as train_cli
 from mars_export.training.config import TrainConfig
 from runtime.bundle import load_config
 
@@ -276,3 +279,42 @@ def test_a_local_directory_of_the_same_name_wins(tmp_path, hub_cache, monkeypatc
     make_checkpoint("llama", Path("owner/name"))
     bundle = export("owner/name", tmp_path / "bundle", 4, 4, "--mask-token", "<mask>")
     assert load_config(bundle).source_model == str((tmp_path / "owner" / "name").resolve())
+
+
+# --- mars-train and mars-train distill by hub id ---
+
+def write_data(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"add {i} and {i}", "response": f"{2 * i}"}) + "\n"
+                            for i in range(4)))
+    return path
+
+
+@pytest.mark.parametrize("command, files", [([], ["--data", "data.jsonl", "--output", "run"]),
+                                            (["distill"], ["--prompts", "data.jsonl", "--output", "out.jsonl"])],
+                         ids=["train", "distill"])
+@pytest.mark.parametrize("model, which", [(["owner/missing"], "'owner/missing'"),
+                                          ([REPO, "--revision", "v2"], f"'{REPO}' at revision 'v2'")])
+def test_mars_train_says_a_model_not_in_the_cache_in_one_line_as_mars_export_does(command, files, model, which,
+                                                                                 tmp_path, hub_cache, monkeypatch,
+                                                                                 capsys):
+    """The hub's errors are about the model, not how the command was typed: no usage line before them."""
+    make_hub_cache(hub_cache, REPO, make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    write_data(tmp_path / "data.jsonl")
+    capsys.readouterr()  # the progress bar of saving the checkpoint
+    assert train_cli.main([*command, *model, *files]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: cannot load model {which}: ") and "not in the local cache" in line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out.jsonl").exists()
+
+
+def test_mars_train_by_hub_id_logs_the_commit_it_trains(tmp_path, hub_cache, monkeypatch, caplog):
+    make_hub_cache(hub_cache, REPO, make_a2d_checkpoint("qwen2", tmp_path / "ckpt"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    data = write_data(tmp_path / "data.jsonl")
+    with caplog.at_level(logging.INFO):
+        assert train_cli.main([REPO, "--data", str(data), "--output", str(tmp_path / "run"), "--max-steps", "1",
+                               "--save-steps", "0", "--block-size", "2", "--max-length", "128"]) == 0
+    assert f"model {REPO} (Hugging Face hub, revision main, commit {COMMIT})" in caplog.messages
+    assert (tmp_path / "run" / "config.json").is_file()

@@ -18,10 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
-from support import ROOT, export
+from safetensors.torch import load_file
+from support import ROOT, export, load_script
 from tiny_models import make_a2d_checkpoint, make_checkpoint
 
 from mars_export import cli as export_cli
@@ -31,6 +33,7 @@ from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES
 from mars_export.output_dir import check_output_dir, model_paths
 from mars_export.training import cli as train_cli
 from mars_export.training.config import TrainConfig
+from mars_export.training.transfer import assemble_checkpoint, receive_part
 from runtime.bundle import load_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -318,3 +321,35 @@ def test_mars_train_by_hub_id_logs_the_commit_it_trains(tmp_path, hub_cache, mon
                                "--save-steps", "0", "--block-size", "2", "--max-length", "128"]) == 0
     assert f"model {REPO} (Hugging Face hub, revision main, commit {COMMIT})" in caplog.messages
     assert (tmp_path / "run" / "config.json").is_file()
+
+
+# --- scripts/gpu_train.py prepare by hub id (the GPU machine has no network: the snapshot is fetched here) ---
+
+def test_gpu_train_sends_a_hub_model_at_the_revision_given(tmp_path, hub_cache, monkeypatch):
+    gpu_train = load_script(ROOT / "scripts" / "gpu_train.py")
+    make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    prompts = write_data(tmp_path / "prompts.jsonl")
+    assert gpu_train.main(["prepare", "owner/name", "--revision", COMMIT, "--prompts", str(prompts),
+                           "--out", str(tmp_path / "parts")]) == 0
+    for part in sorted((tmp_path / "parts").glob("part-*")):
+        receive_part(part, tmp_path / "store")
+    base = load_file(tmp_path / "ckpt" / "model.safetensors")
+    rebuilt = load_file(assemble_checkpoint(tmp_path / "store", tmp_path / "rebuilt") / "model.safetensors")
+    assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("owner/name", "error: cannot load model 'owner/name' at revision 'v2': "),
+    ("ckpt", "error: --revision v2 picks a version of a Hugging Face hub model, but 'ckpt' is no hub id")])
+def test_gpu_train_refuses_a_revision_it_cannot_send_in_one_line(model, message, tmp_path, hub_cache, monkeypatch,
+                                                                 capsys):
+    gpu_train = load_script(ROOT / "scripts" / "gpu_train.py")
+    make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    write_data(tmp_path / "prompts.jsonl")
+    capsys.readouterr()  # the progress bar of saving the checkpoint
+    assert gpu_train.main(["prepare", model, "--revision", "v2", "--prompts", "prompts.jsonl"]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(message) and not (tmp_path / ".gpu-run").exists()

@@ -2,8 +2,10 @@
 
 No network: tiny random checkpoints are laid out as ``snapshot_download`` leaves a download in ``HF_HOME/hub``
 (``models--owner--name/blobs/`` named by hash, ``snapshots/COMMIT/`` linking to them, ``refs/main``), and the
-commands run in a subprocess with ``HF_HOME`` there and ``HF_HUB_OFFLINE=1``. Tier 1 checks the id rules, the
-files asked for and the output-folder guard with no model; tier 2 exports a tiny model by its id.
+commands run in a subprocess with ``HF_HOME`` there and ``HF_HUB_OFFLINE=1``, or in this process with the hub
+cache moved there (the ``hub_cache`` fixture) and ``HF_HUB_OFFLINE`` set. Tier 1 checks the id rules, the files
+asked for and the output-folder guard with no model; tier 2 exports a tiny model by its id, trains it
+(mars-train) and sends it (scripts/gpu_train.py prepare).
 """
 
 from __future__ import annotations

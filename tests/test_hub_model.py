@@ -2,24 +2,30 @@
 
 No network: tiny random checkpoints are laid out as ``snapshot_download`` leaves a download in ``HF_HOME/hub``
 (``models--owner--name/blobs/`` named by hash, ``snapshots/COMMIT/`` linking to them, ``refs/main``), and the
-commands run in a subprocess with ``HF_HOME`` there and ``HF_HUB_OFFLINE=1``. Tier 1 checks the id rules, the
-files asked for and the output-folder guard with no model; tier 2 exports a tiny model by its id.
+commands run in a subprocess with ``HF_HOME`` there and ``HF_HUB_OFFLINE=1``, or in this process with the hub
+cache moved there (the ``hub_cache`` fixture) and ``HF_HUB_OFFLINE`` set. Tier 1 checks the id rules, the files
+asked for and the output-folder guard with no model; tier 2 exports a tiny model by its id, trains it
+(mars-train) and sends it (scripts/gpu_train.py prepare).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
-from support import ROOT, export
+from safetensors.torch import load_file
+from support import ROOT, export, load_script
 from tiny_models import make_a2d_checkpoint, make_checkpoint
 
 from mars_export import cli as export_cli
@@ -27,7 +33,9 @@ from mars_export.default_model import check_model_spec
 from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES, check_revision, fetch_snapshot,
                                    is_hub_id)
 from mars_export.output_dir import check_output_dir, model_paths
+from mars_export.training import cli as train_cli
 from mars_export.training.config import TrainConfig
+from mars_export.training.transfer import assemble_checkpoint, receive_part
 from runtime.bundle import load_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -192,6 +200,23 @@ def test_a_download_that_stops_is_one_line(raised, code, line, tmp_path, monkeyp
     assert capsys.readouterr().err.splitlines() == [line] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("revision, resolved", [([], f"revision main, commit {COMMIT}"),
+                                                (["--revision", COMMIT], f"commit {COMMIT}")])
+def test_a_hub_model_without_a_block_size_is_named_by_its_id(revision, resolved, tmp_path, hub_cache, monkeypatch,
+                                                              capsys):
+    """No block size recorded and no blkN in the id: the error names the id and revision the user typed, not the
+    snapshot folder in the cache, and says to pass --block."""
+    snapshot = make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    capsys.readouterr()  # the progress bar of saving the checkpoint
+    assert export_cli.main(["owner/name", "-o", "out", *revision]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: owner/name (Hugging Face hub, {resolved}) records no block size and its name "
+                           "has no 'blkN': pass --block B")
+    assert str(snapshot) not in line and not (tmp_path / "out").exists()
+
+
 def test_the_output_may_not_be_or_hold_a_cached_hub_model(tmp_path, hub_cache, monkeypatch):
     monkeypatch.chdir(tmp_path)
     snapshot = make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
@@ -214,12 +239,30 @@ def test_export_by_hub_id_from_the_cache(tmp_path):
     done = run_offline(hf_home, "mars_export.cli", REPO, "-o", "bundle", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     config = load_config(tmp_path / "bundle")
-    assert config.source_model == f"{REPO} (Hugging Face hub, commit {COMMIT})"
+    assert config.source_model == f"{REPO} (Hugging Face hub, revision main, commit {COMMIT})"
     assert config.block_size == 4 and config.parity["max_abs_logit_diff"] <= 1e-3
     log = done.stderr.splitlines()
     assert f"model {REPO} (Hugging Face hub, revision main, commit {COMMIT})" in log
     assert "block size 4 (from the directory name 'models--Xalphinions--MARS-tiny-qwen2-blk4' above it; " \
            "pass --block to change)" in log
+
+
+def test_an_export_by_hub_id_resolves_it_once(tmp_path, hub_cache, monkeypatch):
+    """The snapshot that gave the block size is the one loaded: one snapshot_download (a round trip to the hub
+    online), and the bundle records the revision asked for beside its commit."""
+    import huggingface_hub
+    make_hub_cache(hub_cache, REPO, make_a2d_checkpoint("qwen2", tmp_path / "ckpt"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked, real = [], huggingface_hub.snapshot_download
+
+    def counted(repo_id, **kwargs):
+        asked.append((repo_id, kwargs["revision"]))
+        return real(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", counted)
+    bundle = export(REPO, tmp_path / "bundle", 4, 4)
+    assert asked == [(REPO, "main")]
+    assert load_config(bundle).source_model == f"{REPO} (Hugging Face hub, revision main, commit {COMMIT})"
 
 
 @pytest.mark.parametrize("argv, which", [(["owner/missing"], "'owner/missing'"),
@@ -241,3 +284,74 @@ def test_a_local_directory_of_the_same_name_wins(tmp_path, hub_cache, monkeypatc
     make_checkpoint("llama", Path("owner/name"))
     bundle = export("owner/name", tmp_path / "bundle", 4, 4, "--mask-token", "<mask>")
     assert load_config(bundle).source_model == str((tmp_path / "owner" / "name").resolve())
+
+
+# --- mars-train and mars-train distill by hub id ---
+
+def write_data(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"add {i} and {i}", "response": f"{2 * i}"}) + "\n"
+                            for i in range(4)))
+    return path
+
+
+@pytest.mark.parametrize("command, files", [([], ["--data", "data.jsonl", "--output", "run"]),
+                                            (["distill"], ["--prompts", "data.jsonl", "--output", "out.jsonl"])],
+                         ids=["train", "distill"])
+@pytest.mark.parametrize("model, which", [(["owner/missing"], "'owner/missing'"),
+                                          ([REPO, "--revision", "v2"], f"'{REPO}' at revision 'v2'")])
+def test_mars_train_says_a_model_not_in_the_cache_in_one_line_as_mars_export_does(command, files, model, which,
+                                                                                 tmp_path, hub_cache, monkeypatch,
+                                                                                 capsys):
+    """The hub's errors are about the model, not how the command was typed: no usage line before them."""
+    make_hub_cache(hub_cache, REPO, make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    write_data(tmp_path / "data.jsonl")
+    capsys.readouterr()  # the progress bar of saving the checkpoint
+    assert train_cli.main([*command, *model, *files]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: cannot load model {which}: ") and "not in the local cache" in line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out.jsonl").exists()
+
+
+def test_mars_train_by_hub_id_logs_the_commit_it_trains(tmp_path, hub_cache, monkeypatch, caplog):
+    make_hub_cache(hub_cache, REPO, make_a2d_checkpoint("qwen2", tmp_path / "ckpt"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    data = write_data(tmp_path / "data.jsonl")
+    with caplog.at_level(logging.INFO):
+        assert train_cli.main([REPO, "--data", str(data), "--output", str(tmp_path / "run"), "--max-steps", "1",
+                               "--save-steps", "0", "--block-size", "2", "--max-length", "128"]) == 0
+    assert f"model {REPO} (Hugging Face hub, revision main, commit {COMMIT})" in caplog.messages
+    assert (tmp_path / "run" / "config.json").is_file()
+
+
+# --- scripts/gpu_train.py prepare by hub id (the GPU machine has no network: the snapshot is fetched here) ---
+
+def test_gpu_train_sends_a_hub_model_at_the_revision_given(tmp_path, hub_cache, monkeypatch):
+    gpu_train = load_script(ROOT / "scripts" / "gpu_train.py")
+    make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    prompts = write_data(tmp_path / "prompts.jsonl")
+    assert gpu_train.main(["prepare", "owner/name", "--revision", COMMIT, "--prompts", str(prompts),
+                           "--out", str(tmp_path / "parts")]) == 0
+    for part in sorted((tmp_path / "parts").glob("part-*")):
+        receive_part(part, tmp_path / "store")
+    base = load_file(tmp_path / "ckpt" / "model.safetensors")
+    rebuilt = load_file(assemble_checkpoint(tmp_path / "store", tmp_path / "rebuilt") / "model.safetensors")
+    assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("owner/name", "error: cannot load model 'owner/name' at revision 'v2': "),
+    ("ckpt", "error: --revision v2 picks a version of a Hugging Face hub model, but 'ckpt' is no hub id")])
+def test_gpu_train_refuses_a_revision_it_cannot_send_in_one_line(model, message, tmp_path, hub_cache, monkeypatch,
+                                                                 capsys):
+    gpu_train = load_script(ROOT / "scripts" / "gpu_train.py")
+    make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    write_data(tmp_path / "prompts.jsonl")
+    capsys.readouterr()  # the progress bar of saving the checkpoint
+    assert gpu_train.main(["prepare", model, "--revision", "v2", "--prompts", "prompts.jsonl"]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(message) and not (tmp_path / ".gpu-run").exists()

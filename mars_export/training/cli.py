@@ -114,15 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["distill"]:
-        parser = make_distill_parser()
-        args = parser.parse_args(argv[1:])
+        args = make_distill_parser().parse_args(argv[1:])
         from mars_export.training.distill import distill
         try:
             report = distill(args.model, args.prompts, args.output, args.max_new_tokens, args.batch_size,
                              args.max_prompts, args.mask_token, args.threads, args.revision)
-        except ValueError as err:
-            parser.error(str(err))
-        except OnnxRuntimeMissing as err:  # a bundle to distill from, installed without the [cpu] extra
+        except (ValueError, OnnxRuntimeMissing) as err:  # a value, prompts or model (a hub error); no [cpu] extra
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(report)
@@ -132,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     from mars_export.training.trainer import end_process_group, prepare_trainer, save_final_model
     try:
         config = config_from_args(args)
-        trainer, resume_from = prepare_trainer(config)
-    except ValueError as err:
+    except ValueError as err:  # how the command was typed: with its usage
         parser.error(str(err))
+    try:
+        trainer, resume_from = prepare_trainer(config)
+    except ValueError as err:  # what --output, the model (a hub error included) or the data hold: one line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     trainer.train(resume_from_checkpoint=resume_from)
     save_final_model(trainer, config)
     if trainer.is_world_process_zero():  # once, not once per process under accelerate launch / torchrun

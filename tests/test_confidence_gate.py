@@ -227,7 +227,9 @@ def decode(backend, config, params: list[DecodeParams], batch: int, scheme: str 
 @pytest.mark.parametrize("draft", ["masks", "both"])
 def test_the_engine_decodes_the_same_tokens_through_the_gate(step_bundle, monkeypatch, batch, draft):
     """Threshold mode at several taus (one per request, rows beside each other at batch 2): the gated steps give
-    the logits path's tokens and forwards, and some steps did skip the head."""
+    the logits path's tokens and forwards, and with plain masks some steps did skip the head. (With lookup drafts
+    the tiny model's loops fill the window with kept drafts: a step that reads no confidence takes the greedy
+    ids, not the gate, and here no step that reads one is proven below tau.)"""
     config, backend = step_bundle
     assert backend.takes_confidence_gate
     params = [DecodeParams(tau=tau, draft=draft, max_new_tokens=24) for tau in (0.5, 0.9, 0.2, 0.05)]
@@ -242,7 +244,7 @@ def test_the_engine_decodes_the_same_tokens_through_the_gate(step_bundle, monkey
     gated = decode(backend, config, params, batch)
     monkeypatch.setattr(backend, "takes_confidence_gate", False)
     assert gated == decode(backend, config, params, batch)
-    assert any(steps) and not all(steps), steps  # both ways taken
+    assert not all(steps) and (any(steps) or draft == "both"), steps  # both ways taken
 
 
 MIXED = [DecodeParams(tau=0.2, draft="lookup", max_new_tokens=15), DecodeParams(mode="verify", max_new_tokens=15),

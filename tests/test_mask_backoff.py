@@ -60,15 +60,22 @@ def tiny(tiny_bundle):
     return backend, load_config(bundle), prompts
 
 
-def run(tiny, params, batch_size=1, prompts=None):
-    """Generate with a spy on the backend: (token ids per prompt, decode-step windows when batch_size is 1)."""
+def run(tiny, params, batch_size=1, prompts=None, outputs=None):
+    """Generate with a spy on the backend: (token ids per prompt, decode forwards per prompt, decode-step windows
+    when batch_size is 1); ``outputs``, a list, gets (window, what the step asked for: "ids", "gate" or "logits")
+    of each decode step."""
     backend, config, all_prompts = tiny
     windows = []
 
-    class Spy:
+    class Spy:  # the backend (its greedy head and gate included), recording each decode step
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
         def step(self, ids, positions, mask, past, **kwargs):
             if ids.shape[1] <= config.window and not engine.scheduler.running[0].is_prefilling:
                 windows.append(ids.shape[1])
+                asked = "gate" if kwargs.get("confidence_tau") is not None else "ids" if kwargs else "logits"
+                outputs is None or outputs.append((ids.shape[1], asked))
             return backend.step(ids, positions, mask, past, **kwargs)
 
     engine = Engine(backend, config, EngineConfig(max_batch_size=batch_size, prefill_chunk=256))
@@ -84,9 +91,13 @@ def test_missed_probes_back_off_and_the_output_stays_that_of_masks_every_step(ti
     params = DecodeParams(tau=0.9, max_new_tokens=MAX_NEW, stop_ids=frozenset())
     full, _, full_windows = run(tiny, params)
     assert set(full_windows) == {config.window}, "every masked step is W wide"
+    outputs = []
     adaptive, forwards, windows = run(tiny, DecodeParams(tau=0.9, max_new_tokens=MAX_NEW, stop_ids=frozenset(),
-                                                         adaptive_masks=True))
+                                                         adaptive_masks=True), outputs=outputs)
     assert adaptive == full and forwards == [MAX_NEW]
+    # a step without masks reads no confidence: the greedy head's ids, as an AR step
+    assert {asked for width, asked in outputs if width == 1} == {"ids"}
+    assert {asked for width, asked in outputs if width > 1} <= {"gate", "logits"}
     ar, _, _ = run(tiny, DecodeParams(mode="ar", max_new_tokens=MAX_NEW, stop_ids=frozenset()))
     assert adaptive == ar
     gaps = [len(run) for run in "".join("x" if w > 1 else "." for w in windows).split("x")[1:-1]]

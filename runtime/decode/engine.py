@@ -310,7 +310,7 @@ class Engine:
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
         self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
         fits = getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
-        if fits and all(map(self._reads_ids_only, plan.rows)):
+        if fits and all(self._reads_ids_only(seq, plan.width) for seq in plan.rows):
             reads = "ids"
             outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id, greedy_ids=True)
         elif fits and (taus := self._gate_taus(plan, rows)) is not None:
@@ -326,10 +326,14 @@ class Engine:
         self.num_steps += 1
         return outputs, presents, reads
 
-    def _reads_ids_only(self, seq: Sequence) -> bool:
-        """Whether the row's step reads no more than each prediction's argmax: a prefill chunk, or greedy
-        decoding that tests no confidence (tau >= 1, as ``select(with_confidence=tau < 1)``)."""
-        return seq.is_prefilling or is_greedy(seq.params.temperature) and seq.tau(self.default_tau) >= 1.0
+    def _reads_ids_only(self, seq: Sequence, width: int) -> bool:
+        """Whether the row's step (of width ``width``) reads no more than each prediction's argmax: a prefill
+        chunk, or greedy decoding that tests no confidence: tau >= 1 (as ``select(with_confidence=tau < 1)``), or
+        a step that feeds the row no mask it reads (adaptive masks backing off, a block size of 1)."""
+        if seq.is_prefilling:
+            return True
+        return is_greedy(seq.params.temperature) and (seq.tau(self.default_tau) >= 1.0
+                                                      or self._first_read_position(seq, width) is None)
 
     def _gate_taus(self, plan: StepPlan, rows: list[list[int] | None]) -> np.ndarray | None:
         """The confidence gate's ``confidence_tau`` float32 [n] for this step (mars_export.confidence_gate), or None
@@ -343,7 +347,7 @@ class Engine:
             return None
         taus = np.ones(plan.num_rows, np.float32)
         for seq in plan.rows:
-            if self._reads_ids_only(seq):
+            if self._reads_ids_only(seq, plan.width):
                 continue
             if not is_greedy(seq.params.temperature) or seq.params.metric != "probability":
                 return None

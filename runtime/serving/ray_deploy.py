@@ -16,7 +16,7 @@ from ray.serve.schema import LoggingConfig
 
 from runtime import serve as single
 from runtime.serving.ray_board import NAMESPACE, FleetBoard
-from runtime.serving.ray_proxy import free_port, http_url, start_serve, wait_for_proxy
+from runtime.serving.ray_proxy import free_port, head_node_ip, http_url, start_serve, wait_for_proxy
 from runtime.serving.ray_replica import MarsReplica
 
 APP_NAME = "mars"
@@ -88,7 +88,8 @@ class Deployed:
 def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     """Start Serve's proxy and the replicas on the connected Ray cluster.
 
-    Returns once every replica is up and the proxy answers (:func:`wait_for_proxy`). Serve must not run yet on the
+    Returns once every replica is up and the proxy answers (:func:`wait_for_proxy`; a loopback ``--host`` on a head
+    node elsewhere cannot be asked from here, and one ``warning:`` line says so). Serve must not run yet on the
     cluster (its proxy's address is set once; ``serve.shutdown()`` between two deployments). ``serve_argv`` are
     ``python -m runtime.serve`` arguments (path first); its ``--host``/``--port`` are the proxy's (port 0: a free one),
     its ``--log-level`` the level of Serve's logs (``LoggingConfig``: the controller's and proxy's through
@@ -115,7 +116,7 @@ def deploy(serve_argv: list[str], fleet: FleetOptions) -> Deployed:
     try:
         start_serve(args.host, port, logging_config)
         board = run_replicas(serve_argv, args, fleet, logging_config)
-        wait_for_proxy(args.host, port)
+        wait_for_proxy(args.host, port, head_node_ip())
     except Exception:
         serve.shutdown()  # a proxy that cannot bind would be restarted for ever, replicas would hold their CPUs
         raise

@@ -170,10 +170,10 @@ def health_server():
 
 def test_wait_for_proxy_returns_once_serves_proxy_answers(health_server):
     """The wait ends at the first answer of Serve's proxy (its health route, 200 "success"), named on timeout."""
-    ray_proxy.wait_for_proxy("0.0.0.0", health_server(200, b"success"), timeout_s=0)
+    ray_proxy.wait_for_proxy("0.0.0.0", health_server(200, b"success"), "127.0.0.1", timeout_s=0)  # head: here
     port = ray_proxy.free_port("127.0.0.1")
     with pytest.raises(RuntimeError, match=f"did not answer on 127.0.0.1:{port} within 0.3 s"):
-        ray_proxy.wait_for_proxy("127.0.0.1", port, timeout_s=0.3)  # nothing listens: refused until the deadline
+        ray_proxy.wait_for_proxy("127.0.0.1", port, "127.0.0.1", timeout_s=0.3)  # nothing listens: until the deadline
 
 
 def test_wait_for_proxy_is_not_fooled_by_another_process_on_the_port(health_server):
@@ -184,7 +184,7 @@ def test_wait_for_proxy_is_not_fooled_by_another_process_on_the_port(health_serv
         other.listen()
         port = other.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"did not answer on 127.0.0.1:{port} within 0.3 s .*--port taken"):
-            ray_proxy.wait_for_proxy("127.0.0.1", port, timeout_s=0.3)
+            ray_proxy.wait_for_proxy("127.0.0.1", port, "127.0.0.1", timeout_s=0.3)
     for status, body in ((404, b"success"), (200, b'{"detail":"Not Found"}')):  # another server's answers
         assert not ray_proxy.is_serve_proxy("127.0.0.1", health_server(status, body))
 
@@ -327,9 +327,9 @@ def test_an_empty_host_is_every_interface_as_for_the_plain_server(tiny_bundle, m
 
 @pytest.fixture
 def stubbed_serve(monkeypatch) -> SimpleNamespace:
-    """Serve and Ray stubbed for deploy(): what it asks of them is recorded (``start``: serve.start's keyword
-    arguments, ``options``: the deployment's, ``bound``: the arguments each replica would be constructed with,
-    ``shutdown``: serve.shutdown's calls)."""
+    """Serve and Ray stubbed for deploy() (the head node: this machine): what it asks of them is recorded
+    (``start``: serve.start's keyword arguments, ``options``: the deployment's, ``bound``: the arguments each replica
+    would be constructed with, ``shutdown``: serve.shutdown's calls)."""
     seen = SimpleNamespace(start={}, options={}, bound=[], shutdown=[])
 
     class Deployment:
@@ -343,7 +343,8 @@ def stubbed_serve(monkeypatch) -> SimpleNamespace:
 
     board = SimpleNamespace(options=lambda **kwargs: SimpleNamespace(remote=lambda: "board"))
     monkeypatch.setattr(ray_deploy, "wait_until_serve_is_gone", lambda: None)
-    monkeypatch.setattr(ray_deploy, "wait_for_proxy", lambda host, port: None)
+    monkeypatch.setattr(ray_deploy, "head_node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(ray_deploy, "wait_for_proxy", lambda host, port, head_ip: None)
     monkeypatch.setattr(serve, "shutdown", lambda: seen.shutdown.append("serve.shutdown"))
     monkeypatch.setattr(serve, "start", lambda **kwargs: seen.start.update(kwargs))
     monkeypatch.setattr(serve, "run", lambda app, **kwargs: None)
@@ -377,13 +378,44 @@ def test_a_deploy_that_fails_once_serve_started_shuts_serve_down(tiny_bundle, mo
     """A proxy that never answers (or replicas that fail) leaves no half-started deployment on the cluster."""
     _, bundle = tiny_bundle("llama", 4)
 
-    def never(host, port):
+    def never(host, port, head_ip):
         raise RuntimeError(f"Serve's HTTP proxy did not answer on {host}:{port}")
 
     monkeypatch.setattr(ray_deploy, "wait_for_proxy", never)
     with pytest.raises(RuntimeError, match="did not answer"):
         ray_deploy.deploy([str(bundle), "--port", "0"], FleetOptions())
     assert stubbed_serve.shutdown == ["serve.shutdown"] and len(stubbed_serve.bound) == 1
+
+
+REMOTE_HEAD = "192.0.2.7"  # TEST-NET-1: an address of no interface here
+
+
+@pytest.mark.parametrize("host, asked", [("127.0.0.1", None), ("localhost", None), ("0.0.0.0", REMOTE_HEAD),
+                                         (REMOTE_HEAD, REMOTE_HEAD)])
+def test_the_proxy_of_a_head_elsewhere_is_asked_where_this_machine_reaches_it(tiny_bundle, monkeypatch, capsys,
+                                                                              stubbed_serve, host, asked):
+    """Joined to a cluster (--address), Serve's proxy runs on the head node, maybe another machine: deploy asked
+    this machine's loopback for a loopback or wildcard --host, so with the head elsewhere it waited its full 120 s
+    and failed (or found another server here). Now a wildcard host is asked at the head's address, a loopback
+    one (that machine's loopback) not at all, with one warning line; other hosts as they are."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    head = {"Alive": True, "NodeManagerAddress": REMOTE_HEAD, "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}
+    monkeypatch.setattr(ray, "nodes", lambda: [{**head, "Resources": {"CPU": 2.0}}, head])  # a worker node, the head
+    monkeypatch.setattr(ray_deploy, "head_node_ip", ray_proxy.head_node_ip)  # the real ones, not stubbed_serve's
+    monkeypatch.setattr(ray_deploy, "wait_for_proxy", ray_proxy.wait_for_proxy)
+    probes = []
+    monkeypatch.setattr(ray_proxy, "is_serve_proxy", lambda *address: probes.append(address) or True)
+    deployed = ray_deploy.deploy([str(bundle), "--host", host, "--port", "8123"], FleetOptions())
+    assert probes == ([] if asked is None else [(asked, 8123)]) and stubbed_serve.shutdown == []
+    warning = capsys.readouterr().err
+    if asked is None:
+        assert warning == (f"warning: Serve's proxy listens on {host} port 8123 of the cluster's head node "
+                           f"({REMOTE_HEAD}), not of this machine: its readiness cannot be checked from here, and "
+                           f"{deployed.url} is that machine's address (pass a --host that this machine reaches to "
+                           "check it)\n")
+    else:
+        assert warning == ""
 
 
 @pytest.mark.parametrize("given", ["env", "option"])
@@ -588,6 +620,13 @@ def test_deploy_refuses_to_start_over_a_running_serve(fleet):
     with pytest.raises(RuntimeError, match=r"still runs on this cluster after 0.5 s: call serve.shutdown\(\)"):
         ray_deploy.wait_until_serve_is_gone(timeout_s=0.5)
     assert replicas(fleet)  # and the running fleet is untouched
+
+
+def test_our_own_rays_head_node_is_this_machine(fleet):
+    """Serve's proxy runs on the head node; a Ray of our own has it here, so a loopback --host is still asked
+    here (the fixture's deploy did), not skipped as one on another machine would be."""
+    head_ip = ray_proxy.head_node_ip()
+    assert ray_proxy.is_this_machine(head_ip) and ray_proxy.readiness_address("127.0.0.1", head_ip) == "127.0.0.1"
 
 
 def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):

@@ -19,9 +19,10 @@ and runs two phases against the same process, without a restart:
 
 Writes ``load_test.json`` to ``--out`` (default bench/results/).
 
-With ``--ray 1 2`` it runs against the Ray Serve deployment instead (``runtime/serve_ray.py``,
-the ``serve-ray`` extra; a local Ray on this machine, loopback only, started for each replica
-count and stopped with its deployment by ``runtime.serve_ray.stop``): for each replica count in
+With ``--ray 1 2`` it runs against the Ray Serve deployment instead (``python -m runtime.serve_ray``'s,
+``runtime/serving/ray_*.py``, the ``serve-ray`` extra; a local Ray on this machine, loopback only, started for
+each replica count by ``runtime.serving.ray_launch.launch`` and stopped with its deployment by
+``runtime.serving.ray_launch.stop``): for each replica count in
 turn, the warm-up and the ``fixed`` phase with the same checks, the load read from
 ``/fleet/metrics`` (summed over replicas) and the RSS summed over the replicas' processes;
 then the tokens/s of each count relative to the first. Writes ``load_test_ray.json``.
@@ -364,11 +365,13 @@ def run_ray(args, prompts, solo, tokenizer: Tokenizer) -> tuple[dict, list[str]]
 def run_fleet(args, replicas: int, prompts, solo, tokenizer: Tokenizer) -> LoadRun:
     """Warm-up and fixed phase against ``replicas`` Ray Serve replicas, on a Ray of our own started for them.
 
-    The deployment is stopped through ``runtime.serve_ray.stop`` (the replicas' graceful shutdown, a wait for Serve to
-    be gone, then Ray), as the ``serve_ray`` command stops it, also when the run fails; a deploy that fails leaves no
-    handle to stop, and ``runtime.serve_ray.launch`` shuts Ray (with whatever of Serve started) down.
+    The deployment is stopped through ``runtime.serving.ray_launch.stop`` (the replicas' graceful shutdown, a wait
+    for Serve to be gone, then Ray), as the ``serve_ray`` command stops it, also when the run fails; a deploy that
+    fails leaves no handle to stop, and ``runtime.serving.ray_launch.launch`` shuts Ray (with whatever of Serve
+    started) down.
     """
-    from runtime.serve_ray import FleetOptions, launch, stop
+    from runtime.serving.ray_deploy import FleetOptions
+    from runtime.serving.ray_launch import launch, stop
 
     deployed = launch([args.bundle, "--host", HOST, "--port", "0", "--max-batch-size", str(args.max_batch_size),
                        "--threads", str(args.threads), "--tau-min", str(args.tau_min), "--queue-high",

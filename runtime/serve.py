@@ -239,7 +239,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     """Load the bundle and build the app (the engine thread starts with the app's lifespan).
 
     ``make_thread`` builds the engine thread from ``(engine, policy, metrics, base_tau)``:
-    :class:`EngineThread`, or a subclass such as the Ray replicas' (runtime/serve_ray.py).
+    :class:`EngineThread`, or a subclass such as the Ray replicas' (runtime/serving/ray_replica.py).
 
     Raises:
         BundleError, ValueError: bad path, bundle, or option value (the message says which).

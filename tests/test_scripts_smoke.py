@@ -278,12 +278,12 @@ def test_load_test_server_that_does_not_start_leaves_no_folder_and_shows_its_log
 
 
 @pytest.mark.parametrize("fails", [None, "run", "deploy"])
-def test_load_test_stops_each_ray_deployment_through_serve_ray_stop(monkeypatch, fails):
+def test_load_test_stops_each_ray_deployment_through_ray_launch_stop(monkeypatch, fails):
     """--ray stopped Serve with serve.shutdown() itself, which waits at most 30 s and skips the replicas' graceful
     shutdown and the wait for Serve to be gone: each replica count now gets a Ray of its own, stopped through
-    runtime.serve_ray.stop(deployed), also when its run fails; a failed deploy (no handle) shuts Ray down. Ray and
-    Serve are stubbed: what matters is the order of the calls."""
-    serve_ray = pytest.importorskip("runtime.serve_ray", reason="needs the serve-ray extra")
+    runtime.serving.ray_launch.stop(deployed), also when its run fails; a failed deploy (no handle) shuts Ray down.
+    Ray and Serve are stubbed: what matters is the order of the calls."""
+    ray_launch = pytest.importorskip("runtime.serving.ray_launch", reason="needs the serve-ray extra")
     load_test = load_script(ROOT / "bench" / "load_test.py")
     calls = []
 
@@ -291,7 +291,7 @@ def test_load_test_stops_each_ray_deployment_through_serve_ray_stop(monkeypatch,
         calls.append(("deploy", fleet.replicas))
         if fails == "deploy":
             raise ValueError("bad bundle")
-        return serve_ray.Deployed(f"http://127.0.0.1:{8000 + fleet.replicas}", board=None, shutdown_timeout_s=5.0)
+        return ray_launch.Deployed(f"http://127.0.0.1:{8000 + fleet.replicas}", board=None, shutdown_timeout_s=5.0)
 
     class Run:  # LoadRun's records and samples, of a run with no requests
         def __init__(self, url, pid, *rest):
@@ -304,11 +304,11 @@ def test_load_test_stops_each_ray_deployment_through_serve_ray_stop(monkeypatch,
             if fails == "run":
                 raise RuntimeError("a client failed")
 
-    monkeypatch.setattr(serve_ray, "start_local_ray", lambda **kwargs: calls.append(("ray.init",)))
-    monkeypatch.setattr(serve_ray, "deploy", deploy)
-    monkeypatch.setattr(serve_ray, "stop", lambda deployed: calls.append(("stop", deployed.url)))
-    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: pytest.fail("Serve was shut down directly"))
-    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    monkeypatch.setattr(ray_launch, "start_local_ray", lambda **kwargs: calls.append(("ray.init",)))
+    monkeypatch.setattr(ray_launch, "deploy", deploy)
+    monkeypatch.setattr(ray_launch, "stop", lambda deployed: calls.append(("stop", deployed.url)))
+    monkeypatch.setattr(ray_launch.serve, "shutdown", lambda: pytest.fail("Serve was shut down directly"))
+    monkeypatch.setattr(ray_launch.ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
     monkeypatch.setattr(load_test, "LoadRun", Run)
     args = load_test.parse_args(["BUNDLE", "--ray", "1", "2"])
     first = [("ray.init",), ("deploy", 1), ("run", "http://127.0.0.1:8001"), ("stop", "http://127.0.0.1:8001")]

@@ -1,5 +1,5 @@
-"""The Ray Serve deployment (runtime/serve_ray.py) with real Ray on this machine: 2 replicas
-of the tiny random Llama (B = W = 4), driven by the openai client through Serve's proxy.
+"""The Ray Serve deployment (python -m runtime.serve_ray, runtime/serving/ray_*.py) with real Ray on this
+machine: 2 replicas of the tiny random Llama (B = W = 4), driven by the openai client through Serve's proxy.
 
 One Ray instance for the module (2 CPUs; Serve's proxy on loopback), shut down at the end. Waits poll
 with deadlines far above a healthy run (:data:`DEADLINE_S`) and return as soon as the
@@ -34,7 +34,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from runtime import serve as single  # noqa: E402
 from runtime import serve_ray  # noqa: E402
-from runtime.serve_ray import NAMESPACE, FleetBoard, FleetOptions, add_fleet_routes, deploy, merge_metrics  # noqa: E402
+from runtime.serving import ray_deploy, ray_launch, ray_proxy, ray_replica  # noqa: E402
+from runtime.serving.ray_board import NAMESPACE, FleetBoard, add_fleet_routes, merge_metrics  # noqa: E402
+from runtime.serving.ray_deploy import FleetOptions, deploy  # noqa: E402
 from runtime.serving.errors import install_error_handlers  # noqa: E402
 from runtime.serving.metrics import ServerMetrics  # noqa: E402
 
@@ -46,10 +48,10 @@ def fleet(tiny_bundle):
     """The deployment, started and stopped as a program does it: launch (a Ray of our own; shut down if deploy
     fails), then stop (the replicas' graceful shutdown, a wait for Serve to be gone, then Ray)."""
     _, bundle = tiny_bundle("llama", 4)
-    deployed = serve_ray.launch([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1", "--tau-min",
-                                 "0.5", "--queue-high", "4", "--log-level", "warning"],
-                                FleetOptions(replicas=NUM_REPLICAS, num_cpus=0.5, max_ongoing_requests=16),
-                                num_cpus=2, log_to_driver=False)
+    deployed = ray_launch.launch([str(bundle), "--port", "0", "--max-batch-size", "4", "--threads", "1",
+                                  "--tau-min", "0.5", "--queue-high", "4", "--log-level", "warning"],
+                                 FleetOptions(replicas=NUM_REPLICAS, num_cpus=0.5, max_ongoing_requests=16),
+                                 num_cpus=2, log_to_driver=False)
     url = deployed.url
     http = httpx.Client(base_url=url, timeout=DEADLINE_S)
     try:
@@ -57,7 +59,7 @@ def fleet(tiny_bundle):
                                                                        max_retries=0, timeout=DEADLINE_S))
     finally:
         http.close()
-        serve_ray.stop(deployed)
+        ray_launch.stop(deployed)
 
 
 def replicas(fleet) -> dict[str, dict]:
@@ -117,7 +119,7 @@ def test_fleet_options_reject_bad_counts():
 def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, capsys, options, named):
     _, bundle = tiny_bundle("llama", 4)
     capsys.readouterr()  # the bundle's export output, if it was made now
-    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
     assert serve_ray.main([str(bundle), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and err.count("\n") == 1
@@ -125,17 +127,17 @@ def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, cap
 
 def test_our_own_ray_gives_the_serve_proxy_time_to_start(tiny_bundle, monkeypatch):
     _, bundle = tiny_bundle("llama", 4)
-    monkeypatch.delenv(serve_ray.PROXY_READY_ENV, raising=False)
+    monkeypatch.delenv(ray_launch.PROXY_READY_ENV, raising=False)
     seen = {}
 
     def stub(**kwargs):  # record what the Ray processes would inherit, then stop before anything starts
-        seen.update(env=os.environ.get(serve_ray.PROXY_READY_ENV), kwargs=kwargs)
+        seen.update(env=os.environ.get(ray_launch.PROXY_READY_ENV), kwargs=kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(serve_ray.ray, "init", stub)
+    monkeypatch.setattr(ray, "init", stub)
     with pytest.raises(KeyboardInterrupt):
         serve_ray.main([str(bundle)])
-    assert float(seen["env"]) == serve_ray.PROXY_READY_CHECK_S > 5 and "address" not in seen["kwargs"]
+    assert float(seen["env"]) == ray_launch.PROXY_READY_CHECK_S > 5 and "address" not in seen["kwargs"]
     assert seen["kwargs"]["_node_ip_address"] == "127.0.0.1"
 
 
@@ -168,10 +170,10 @@ def health_server():
 
 def test_wait_for_proxy_returns_once_serves_proxy_answers(health_server):
     """The wait ends at the first answer of Serve's proxy (its health route, 200 "success"), named on timeout."""
-    serve_ray.wait_for_proxy("0.0.0.0", health_server(200, b"success"), timeout_s=0)
-    port = serve_ray.free_port("127.0.0.1")
+    ray_proxy.wait_for_proxy("0.0.0.0", health_server(200, b"success"), "127.0.0.1", timeout_s=0)  # head: here
+    port = ray_proxy.free_port("127.0.0.1")
     with pytest.raises(RuntimeError, match=f"did not answer on 127.0.0.1:{port} within 0.3 s"):
-        serve_ray.wait_for_proxy("127.0.0.1", port, timeout_s=0.3)  # nothing listens: refused until the deadline
+        ray_proxy.wait_for_proxy("127.0.0.1", port, "127.0.0.1", timeout_s=0.3)  # nothing listens: until the deadline
 
 
 def test_wait_for_proxy_is_not_fooled_by_another_process_on_the_port(health_server):
@@ -182,26 +184,26 @@ def test_wait_for_proxy_is_not_fooled_by_another_process_on_the_port(health_serv
         other.listen()
         port = other.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"did not answer on 127.0.0.1:{port} within 0.3 s .*--port taken"):
-            serve_ray.wait_for_proxy("127.0.0.1", port, timeout_s=0.3)
+            ray_proxy.wait_for_proxy("127.0.0.1", port, "127.0.0.1", timeout_s=0.3)
     for status, body in ((404, b"success"), (200, b'{"detail":"Not Found"}')):  # another server's answers
-        assert not serve_ray.is_serve_proxy("127.0.0.1", health_server(status, body))
+        assert not ray_proxy.is_serve_proxy("127.0.0.1", health_server(status, body))
 
 
 def test_hosts_ipv6_and_unresolvable():
     """An IPv6 --host gets a free port of its family and a bracketed URL; a name that does not
     resolve stops main before Ray starts, naming --host."""
-    port = serve_ray.free_port("::1")
+    port = ray_proxy.free_port("::1")
     with socket.socket(socket.AF_INET6) as s:
         s.bind(("::1", port))  # it was free
-    assert serve_ray.http_url("::1", port) == f"http://[::1]:{port}"
-    assert serve_ray.http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert ray_proxy.http_url("::1", port) == f"http://[::1]:{port}"
+    assert ray_proxy.http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
-        serve_ray.free_port("no-such-host.invalid")
+        ray_proxy.free_port("no-such-host.invalid")
 
 
 def test_main_refuses_an_unresolvable_host_before_ray(tiny_bundle, monkeypatch, capsys):
     _, bundle = tiny_bundle("llama", 4)
-    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray started"))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray started"))
     assert serve_ray.main([str(bundle), "--host", "no-such-host.invalid"]) == 2
     assert "error: --host 'no-such-host.invalid' does not resolve" in capsys.readouterr().err
 
@@ -212,7 +214,7 @@ def test_a_port_in_use_stops_main_before_ray_starts(tiny_bundle, monkeypatch, ca
     With --address the proxy may bind on another machine of the cluster, so this machine's port is not checked."""
     _, bundle = tiny_bundle("llama", 4)
     capsys.readouterr()  # the bundle's export output, if it was made now
-    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray started"))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray started"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -224,7 +226,7 @@ def test_a_port_in_use_stops_main_before_ray_starts(tiny_bundle, monkeypatch, ca
         def joined(**kwargs):  # the cluster is joined: stop there
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(serve_ray.ray, "init", joined)
+        monkeypatch.setattr(ray, "init", joined)
         with pytest.raises(KeyboardInterrupt):
             serve_ray.main([str(bundle), "--port", str(port), "--address", "ray://elsewhere:10001"])
 
@@ -233,7 +235,7 @@ def test_main_serves_until_a_signal_then_stops_the_deployment(monkeypatch, capsy
     """main's steps in order: check the options, launch, one line saying where it runs, wait for SIGTERM or Ctrl-C,
     stop; after the first signal both are back to their default, so a second one ends the command at once.
     Ray and Serve are stubbed (launch and stop)."""
-    deployed = serve_ray.Deployed("http://127.0.0.1:8123", board=None, shutdown_timeout_s=5.0)
+    deployed = ray_deploy.Deployed("http://127.0.0.1:8123", board=None, shutdown_timeout_s=5.0)
     calls = []
     monkeypatch.setattr(serve_ray, "launch", lambda argv, fleet, address: calls.append(("launch", argv)) or deployed)
     monkeypatch.setattr(serve_ray, "stop", lambda handle: calls.append(("stop", handle)))
@@ -262,21 +264,21 @@ def test_launch_checks_the_port_here_before_it_starts_a_ray(tiny_bundle, monkeyp
     rule: also a port held with SO_REUSEPORT, which Serve's proxy (SO_REUSEPORT too) would share unseen. Joining
     a cluster, the port is not checked here: the proxy may bind on another machine."""
     _, bundle = tiny_bundle("llama", 4)
-    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: pytest.fail("Ray started"))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray started"))
     with socket.socket() as taken:
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(single.CannotListen, match=f"port {port} on 127.0.0.1 is in use: .*--port 0 picks"):
-            serve_ray.launch([str(bundle), "--port", str(port)], FleetOptions())
+            ray_launch.launch([str(bundle), "--port", str(port)], FleetOptions())
 
         def joined(**kwargs):  # the cluster is joined: stop there
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(serve_ray.ray, "init", joined)
+        monkeypatch.setattr(ray, "init", joined)
         with pytest.raises(KeyboardInterrupt):
-            serve_ray.launch([str(bundle), "--port", str(port)], FleetOptions(), address="ray://elsewhere:10001")
+            ray_launch.launch([str(bundle), "--port", str(port)], FleetOptions(), address="ray://elsewhere:10001")
 
 
 def test_launch_shuts_ray_down_when_deploy_fails(monkeypatch):
@@ -287,23 +289,23 @@ def test_launch_shuts_ray_down_when_deploy_fails(monkeypatch):
         calls.append("deploy")
         raise ValueError("bad bundle")
 
-    monkeypatch.setattr(serve_ray, "start_local_ray", lambda **kwargs: calls.append(("ray.init", kwargs)))
-    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: calls.append(("ray.init", kwargs)))
-    monkeypatch.setattr(serve_ray, "deploy", deploy)
-    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(ray_launch, "start_local_ray", lambda **kwargs: calls.append(("ray.init", kwargs)))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(("ray.init", kwargs)))
+    monkeypatch.setattr(ray_launch, "deploy", deploy)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
     for address in (None, "ray://elsewhere:10001"):
         calls.clear()
         with pytest.raises(ValueError, match="bad bundle"):
-            serve_ray.launch(["BUNDLE", "--port", "0"], FleetOptions(), address, num_cpus=2)
+            ray_launch.launch(["BUNDLE", "--port", "0"], FleetOptions(), address, num_cpus=2)
         assert calls[1:] == ["deploy", "ray.shutdown"] and calls[0][1]["num_cpus"] == 2
 
 
 def test_deploy_refuses_an_unresolvable_host_before_serve_starts(tiny_bundle, monkeypatch):
     """deploy(), the programmatic entry, checks --host too before anything of Serve starts."""
     _, bundle = tiny_bundle("llama", 4)
-    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: pytest.fail("Serve started"))
+    monkeypatch.setattr(serve, "start", lambda **kwargs: pytest.fail("Serve started"))
     with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
-        serve_ray.deploy([str(bundle), "--host", "no-such-host.invalid"], serve_ray.FleetOptions())
+        ray_deploy.deploy([str(bundle), "--host", "no-such-host.invalid"], FleetOptions())
 
 
 def test_an_empty_host_is_every_interface_as_for_the_plain_server(tiny_bundle, monkeypatch, stubbed_serve):
@@ -311,23 +313,23 @@ def test_an_empty_host_is_every_interface_as_for_the_plain_server(tiny_bundle, m
     a rule of its own that refused it as a host that does not resolve. Serve's proxy binds it on every IPv4
     interface: the URL says 0.0.0.0."""
     _, bundle = tiny_bundle("llama", 4)
-    deployed = serve_ray.deploy([str(bundle), "--host", ""], FleetOptions())
+    deployed = ray_deploy.deploy([str(bundle), "--host", ""], FleetOptions())
     port = stubbed_serve.start["http_options"]["port"]
     assert stubbed_serve.start["http_options"]["host"] == "" and deployed.url == f"http://0.0.0.0:{port}"
 
     def started(**kwargs):  # main got past its checks: stop where Ray starts
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(serve_ray.ray, "init", started)
+    monkeypatch.setattr(ray, "init", started)
     with pytest.raises(KeyboardInterrupt):
         serve_ray.main([str(bundle), "--host", "", "--port", "0"])
 
 
 @pytest.fixture
 def stubbed_serve(monkeypatch) -> SimpleNamespace:
-    """Serve and Ray stubbed for deploy(): what it asks of them is recorded (``start``: serve.start's keyword
-    arguments, ``options``: the deployment's, ``bound``: the arguments each replica would be constructed with,
-    ``shutdown``: serve.shutdown's calls)."""
+    """Serve and Ray stubbed for deploy() (the head node: this machine): what it asks of them is recorded
+    (``start``: serve.start's keyword arguments, ``options``: the deployment's, ``bound``: the arguments each replica
+    would be constructed with, ``shutdown``: serve.shutdown's calls)."""
     seen = SimpleNamespace(start={}, options={}, bound=[], shutdown=[])
 
     class Deployment:
@@ -340,13 +342,14 @@ def stubbed_serve(monkeypatch) -> SimpleNamespace:
             return args
 
     board = SimpleNamespace(options=lambda **kwargs: SimpleNamespace(remote=lambda: "board"))
-    monkeypatch.setattr(serve_ray, "wait_until_serve_is_gone", lambda: None)
-    monkeypatch.setattr(serve_ray, "wait_for_proxy", lambda host, port: None)
-    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: seen.shutdown.append("serve.shutdown"))
-    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: seen.start.update(kwargs))
-    monkeypatch.setattr(serve_ray.serve, "run", lambda app, **kwargs: None)
-    monkeypatch.setattr(serve_ray.serve, "deployment", lambda cls: Deployment())
-    monkeypatch.setattr(serve_ray.ray, "remote", lambda **kwargs: lambda cls: board)
+    monkeypatch.setattr(ray_deploy, "wait_until_serve_is_gone", lambda: None)
+    monkeypatch.setattr(ray_deploy, "head_node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(ray_deploy, "wait_for_proxy", lambda host, port, head_ip: None)
+    monkeypatch.setattr(serve, "shutdown", lambda: seen.shutdown.append("serve.shutdown"))
+    monkeypatch.setattr(serve, "start", lambda **kwargs: seen.start.update(kwargs))
+    monkeypatch.setattr(serve, "run", lambda app, **kwargs: None)
+    monkeypatch.setattr(serve, "deployment", lambda cls: Deployment())
+    monkeypatch.setattr(ray, "remote", lambda **kwargs: lambda cls: board)
     return seen
 
 
@@ -362,9 +365,9 @@ def test_a_proxy_that_cannot_bind_is_named_and_serve_shut_down(tiny_bundle, monk
     def start(**kwargs):
         raise bind_failed
 
-    monkeypatch.setattr(serve_ray.serve, "start", start)
+    monkeypatch.setattr(serve, "start", start)
     with pytest.raises(RuntimeError) as raised:
-        serve_ray.deploy([str(bundle), "--port", "8123"], FleetOptions())
+        ray_deploy.deploy([str(bundle), "--port", "8123"], FleetOptions())
     assert str(raised.value) == ("Serve's HTTP proxy did not start on 127.0.0.1 port 8123 (Failed to bind to address "
                                  "'127.0.0.1:8123'.): if the port is in use where the proxy runs, stop what listens "
                                  "there, or choose another --port (--port 0 picks a free one)")
@@ -375,13 +378,44 @@ def test_a_deploy_that_fails_once_serve_started_shuts_serve_down(tiny_bundle, mo
     """A proxy that never answers (or replicas that fail) leaves no half-started deployment on the cluster."""
     _, bundle = tiny_bundle("llama", 4)
 
-    def never(host, port):
+    def never(host, port, head_ip):
         raise RuntimeError(f"Serve's HTTP proxy did not answer on {host}:{port}")
 
-    monkeypatch.setattr(serve_ray, "wait_for_proxy", never)
+    monkeypatch.setattr(ray_deploy, "wait_for_proxy", never)
     with pytest.raises(RuntimeError, match="did not answer"):
-        serve_ray.deploy([str(bundle), "--port", "0"], FleetOptions())
+        ray_deploy.deploy([str(bundle), "--port", "0"], FleetOptions())
     assert stubbed_serve.shutdown == ["serve.shutdown"] and len(stubbed_serve.bound) == 1
+
+
+REMOTE_HEAD = "192.0.2.7"  # TEST-NET-1: an address of no interface here
+
+
+@pytest.mark.parametrize("host, asked", [("127.0.0.1", None), ("localhost", None), ("0.0.0.0", REMOTE_HEAD),
+                                         (REMOTE_HEAD, REMOTE_HEAD)])
+def test_the_proxy_of_a_head_elsewhere_is_asked_where_this_machine_reaches_it(tiny_bundle, monkeypatch, capsys,
+                                                                              stubbed_serve, host, asked):
+    """Joined to a cluster (--address), Serve's proxy runs on the head node, maybe another machine: deploy asked
+    this machine's loopback for a loopback or wildcard --host, so with the head elsewhere it waited its full 120 s
+    and failed (or found another server here). Now a wildcard host is asked at the head's address, a loopback
+    one (that machine's loopback) not at all, with one warning line; other hosts as they are."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    head = {"Alive": True, "NodeManagerAddress": REMOTE_HEAD, "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}
+    monkeypatch.setattr(ray, "nodes", lambda: [{**head, "Resources": {"CPU": 2.0}}, head])  # a worker node, the head
+    monkeypatch.setattr(ray_deploy, "head_node_ip", ray_proxy.head_node_ip)  # the real ones, not stubbed_serve's
+    monkeypatch.setattr(ray_deploy, "wait_for_proxy", ray_proxy.wait_for_proxy)
+    probes = []
+    monkeypatch.setattr(ray_proxy, "is_serve_proxy", lambda *address: probes.append(address) or True)
+    deployed = ray_deploy.deploy([str(bundle), "--host", host, "--port", "8123"], FleetOptions())
+    assert probes == ([] if asked is None else [(asked, 8123)]) and stubbed_serve.shutdown == []
+    warning = capsys.readouterr().err
+    if asked is None:
+        assert warning == (f"warning: Serve's proxy listens on {host} port 8123 of the cluster's head node "
+                           f"({REMOTE_HEAD}), not of this machine: its readiness cannot be checked from here, and "
+                           f"{deployed.url} is that machine's address (pass a --host that this machine reaches to "
+                           "check it)\n")
+    else:
+        assert warning == ""
 
 
 @pytest.mark.parametrize("given", ["env", "option"])
@@ -391,21 +425,21 @@ def test_replicas_get_the_api_key_resolved_here(tiny_bundle, monkeypatch, stubbe
     replica requires it. Serve itself is stubbed: what matters is what each replica is built from."""
     _, bundle = tiny_bundle("llama", 4)
     monkeypatch.setenv(single.API_KEY_ENV, " -sesame " if given == "env" else "")
-    serve_ray.deploy([str(bundle), *(["--api-key=-sesame"] if given == "option" else [])], FleetOptions())
+    ray_deploy.deploy([str(bundle), *(["--api-key=-sesame"] if given == "option" else [])], FleetOptions())
     [(argv, board_name)] = stubbed_serve.bound
     monkeypatch.delenv(single.API_KEY_ENV)  # the replica's environment, on another machine
-    assert single.parse_args(argv).api_key == "-sesame" and board_name.startswith(serve_ray.APP_NAME)
-    assert serve_ray.replica_argv(["BUNDLE"], None) == ["BUNDLE"]  # no key here: the replica's own, as before
+    assert single.parse_args(argv).api_key == "-sesame" and board_name.startswith(ray_deploy.APP_NAME)
+    assert ray_deploy.replica_argv(["BUNDLE"], None) == ["BUNDLE"]  # no key here: the replica's own, as before
 
 
 def test_the_log_level_is_serves_for_the_replicas_controller_and_proxy(tiny_bundle, stubbed_serve):
     """--log-level goes to Serve's LoggingConfig: the deployment's (the replicas' Serve logs, access logs
     included) and serve.start's (controller and proxy); Serve itself accepts it on the deployment."""
     _, bundle = tiny_bundle("llama", 4)
-    serve_ray.deploy([str(bundle), "--log-level", "warning"], FleetOptions())
+    ray_deploy.deploy([str(bundle), "--log-level", "warning"], FleetOptions())
     assert stubbed_serve.options["logging_config"] == LoggingConfig(log_level="WARNING")
     assert stubbed_serve.start["logging_config"] == LoggingConfig(log_level="WARNING")
-    deployment = ray.serve.api.deployment(serve_ray.MarsReplica).options(**stubbed_serve.options)  # Serve's own
+    deployment = ray.serve.api.deployment(ray_replica.MarsReplica).options(**stubbed_serve.options)  # Serve's own
     assert deployment.logging_config["log_level"] == "WARNING"
 
 
@@ -417,7 +451,7 @@ def test_a_replica_logs_at_the_log_level(tiny_bundle, level):
     root = logging.getLogger()
     before = root.level
     try:
-        app = serve_ray.make_replica_app([str(bundle), "--log-level", level], board=None)
+        app = ray_replica.make_replica_app([str(bundle), "--log-level", level], board=None)
         assert root.level == getattr(logging, level.upper())
         assert logging.getLogger("runtime.serving.app").getEffectiveLevel() == root.level
     finally:
@@ -438,11 +472,11 @@ def test_ray_shuts_down_only_once_serve_is_gone_or_past_the_shutdown_timeout(mon
         if gone_after_polls is not None and len(polls) > gone_after_polls:
             raise ValueError(f"Failed to look up actor with name '{name}'")
 
-    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
-    monkeypatch.setattr(serve_ray.ray, "get_actor", get_actor)
-    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append(("ray.shutdown", len(polls))))
-    monkeypatch.setattr(serve_ray, "STOP_MARGIN_S", 0.0 if gone_after_polls is None else serve_ray.STOP_MARGIN_S)
-    serve_ray.stop(serve_ray.Deployed("http://127.0.0.1:8000", board=None, shutdown_timeout_s=timeout_s))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("ray.shutdown", len(polls))))
+    monkeypatch.setattr(ray_launch, "STOP_MARGIN_S", 0.0 if gone_after_polls is None else ray_launch.STOP_MARGIN_S)
+    ray_launch.stop(ray_deploy.Deployed("http://127.0.0.1:8000", board=None, shutdown_timeout_s=timeout_s))
     if gone_after_polls is None:  # the deadline passed at the first poll
         assert calls == ["serve.shutdown", ("ray.shutdown", 1)]
         assert capsys.readouterr().err == "warning: Ray Serve did not stop within --shutdown-timeout 0 s + 0 s; " \
@@ -459,9 +493,9 @@ def test_the_shutdown_timeout_is_each_replicas_graceful_shutdown(tiny_bundle, st
     goes to Serve as the time a stopping replica may finish its requests in (0: none); deploy() with FleetOptions'
     defaults takes it too."""
     _, bundle = tiny_bundle("llama", 4)
-    serve_ray.deploy([str(bundle), *options], FleetOptions())
+    ray_deploy.deploy([str(bundle), *options], FleetOptions())
     assert stubbed_serve.options["graceful_shutdown_timeout_s"] == timeout_s
-    deployment = ray.serve.api.deployment(serve_ray.MarsReplica).options(**stubbed_serve.options)  # Serve checks
+    deployment = ray.serve.api.deployment(ray_replica.MarsReplica).options(**stubbed_serve.options)  # Serve checks
     assert deployment._deployment_config.graceful_shutdown_timeout_s == timeout_s  # (no public attribute reads it)
 
 
@@ -472,14 +506,14 @@ def test_stop_waits_as_long_as_deploy_gave_the_replicas(tiny_bundle, stubbed_ser
     handle and waits for it (plus STOP_MARGIN_S) before Ray goes; stop() took the timeout separately, so a caller
     could deploy with 60 s and stop with another value."""
     _, bundle = tiny_bundle("llama", 4)
-    deployed = serve_ray.deploy([str(bundle), *options], FleetOptions())
+    deployed = ray_deploy.deploy([str(bundle), *options], FleetOptions())
     assert deployed.shutdown_timeout_s == timeout_s == stubbed_serve.options["graceful_shutdown_timeout_s"]
     waits = []
-    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: None)
-    monkeypatch.setattr(serve_ray, "wait_until_serve_is_gone", waits.append)
-    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: None)
-    serve_ray.stop(deployed)
-    assert timeout_s + serve_ray.STOP_MARGIN_S - 5 < waits[0] <= timeout_s + serve_ray.STOP_MARGIN_S
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_launch, "wait_until_serve_is_gone", waits.append)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    ray_launch.stop(deployed)
+    assert timeout_s + ray_launch.STOP_MARGIN_S - 5 < waits[0] <= timeout_s + ray_launch.STOP_MARGIN_S
 
 
 def test_fleet_options_default_to_the_servers_batch():
@@ -584,8 +618,15 @@ def test_deploy_refuses_to_start_over_a_running_serve(fleet):
     """deploy waits for an earlier Serve to be gone (serve.shutdown may return before it is); one still running
     is named, not raced."""
     with pytest.raises(RuntimeError, match=r"still runs on this cluster after 0.5 s: call serve.shutdown\(\)"):
-        serve_ray.wait_until_serve_is_gone(timeout_s=0.5)
+        ray_deploy.wait_until_serve_is_gone(timeout_s=0.5)
     assert replicas(fleet)  # and the running fleet is untouched
+
+
+def test_our_own_rays_head_node_is_this_machine(fleet):
+    """Serve's proxy runs on the head node; a Ray of our own has it here, so a loopback --host is still asked
+    here (the fixture's deploy did), not skipped as one on another machine would be."""
+    head_ip = ray_proxy.head_node_ip()
+    assert ray_proxy.is_this_machine(head_ip) and ray_proxy.readiness_address("127.0.0.1", head_ip) == "127.0.0.1"
 
 
 def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):

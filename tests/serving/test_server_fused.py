@@ -35,10 +35,12 @@ def test_a_fused_bundle_is_served_one_request_at_a_time(tmp_path, capsys):
 
 
 def test_ray_serve_refuses_more_slots_than_a_fused_bundle_runs_before_serve_starts(tmp_path, monkeypatch):
-    from runtime import serve_ray
+    from ray import serve
+
+    from runtime.serving import ray_deploy
 
     ckpt = make_checkpoint("llama", tmp_path / "ckpt")
     bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
-    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: pytest.fail("Serve started"))
+    monkeypatch.setattr(serve, "start", lambda **kwargs: pytest.fail("Serve started"))
     with pytest.raises(ValueError, match="largest batch 1 .*--graph step"):
-        serve_ray.deploy([str(bundle), "--max-batch-size", "2"], serve_ray.FleetOptions())
+        ray_deploy.deploy([str(bundle), "--max-batch-size", "2"], ray_deploy.FleetOptions())

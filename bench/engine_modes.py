@@ -88,14 +88,6 @@ def run_config(backend, clock: GraphClock, config, prompts, scheme: str, batch_s
     return row, [r.token_ids for r in results]
 
 
-def feeds_masks(params: DecodeParams) -> bool:
-    """Whether a setting's steps feed mask tokens (so adaptive masks can change it): threshold mode at tau < 1 or
-    with mask drafts, verify mode with mask drafts."""
-    if params.mode == "verify":
-        return params.draft != "lookup"
-    return params.mode == "threshold" and (params.tau < 1.0 or params.draft == "both")
-
-
 def run(args) -> list[dict]:
     config = load_config(args.bundle)
     backend, tokenizer = OnnxBackend(args.bundle, config, num_threads=args.threads), Tokenizer(args.bundle)
@@ -110,8 +102,8 @@ def run(args) -> list[dict]:
         settings += [DecodeParams(tau=tau, draft="lookup", block_size=block_size, max_new_tokens=args.max_new_tokens)
                      for tau in [*args.taus, 1.0]]
     if args.adaptive_masks:
-        settings = [twin for params in settings
-                    for twin in ([params, replace(params, adaptive_masks=True)] if feeds_masks(params) else [params])]
+        settings = [twin for params in settings for twin in (
+            [params, replace(params, adaptive_masks=True)] if params.uses_masks(params.tau) else [params])]
     rows = []
     for scheme in args.schemes:
         for batch_size in args.batch_sizes:

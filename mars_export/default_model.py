@@ -31,6 +31,9 @@ DEFAULT_SPEC = "default"
 MARS_DEFAULT_SPEC = "default-mars"
 SHIPPED_ADAPTER = "data/smollm2-135m-mars"
 ADAPTER_INFO_FILE = "mars_adapter.json"  # mask token and block size of a MARS LoRA adapter
+# How an adapter trained on the default model names its base (``base_model_name_or_path``; no path means anything
+# elsewhere).
+DEFAULT_BASE_MODEL_NAME = "default (SmolLM2-135M-Instruct, mars-edge)"
 # What mars-export and mars-train accept as MODEL, for the errors that name it.
 MODEL_SPECS_HELP = (f"'{DEFAULT_SPEC}' (SmolLM2-135M-Instruct), '{MARS_DEFAULT_SPEC}' (it with the shipped MARS "
                     "adapter), a .gguf file, a Hugging Face checkpoint directory, or a Hugging Face hub id owner/name "

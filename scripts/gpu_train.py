@@ -16,8 +16,10 @@ sha256 against the sending side's), self-distills the prompts with transformers 
 (greedy, batched, float32 so the answers are the deployed fp32 model's; answers over
 ``--max-new-tokens`` are cut and kept, as ``mars-train distill`` does), trains a LoRA adapter
 with the MARS objective (bf16) within a time budget, and writes to ``--out``: ``adapter/``
-(the layout of ``mars_export/data/smollm2-135m-mars``), ``train_log.json``,
-``gpu_train.log`` and ``distilled.jsonl.gz``, refusing any file over 16 MiB.
+(the layout of ``mars_export/data/smollm2-135m-mars``, its base model named as ``prepare``
+resolved it: the default model's name, the hub id with its commit, or the checkpoint
+directory's path here), ``train_log.json``, ``gpu_train.log`` and ``distilled.jsonl.gz``,
+refusing any file over 16 MiB.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from mars_export import default_model  # noqa: E402
+from mars_export.default_model import DEFAULT_BASE_MODEL_NAME  # noqa: E402
 from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id  # noqa: E402
 from mars_export.model_source import DEFAULT_SPEC, default_checkpoint, load_model  # noqa: E402
 from mars_export.training.adapter import write_shipped_adapter  # noqa: E402
@@ -54,6 +57,7 @@ MAX_RETURN_BYTES = 16 * MIB  # the most one returned file may hold
 DEFAULT_PART_MIB = 50.0
 DEFAULT_STORE = "/tmp/mars-gpu-run"
 PROMPTS_FILE, DISTILLED_FILE = "prompts.jsonl.gz", "distilled.jsonl"
+SOURCE_FILE = "source.json"  # {"base_model": the name of the model sent}, from prepare to train
 logger = logging.getLogger("gpu_train")
 
 
@@ -106,19 +110,21 @@ def prepare(args: argparse.Namespace) -> list[Path]:
     """
     check_revision(args.model, args.revision)
     if args.model == DEFAULT_SPEC:
-        checkpoint, gguf_path = default_checkpoint(), default_model.fetch_gguf()
+        checkpoint, gguf_path, source = default_checkpoint(), default_model.fetch_gguf(), DEFAULT_BASE_MODEL_NAME
     elif is_hub_id(args.model):  # the GPU machine has no network
-        checkpoint, gguf_path = fetch_snapshot(args.model, args.revision).path, None
+        snapshot = fetch_snapshot(args.model, args.revision)
+        checkpoint, gguf_path, source = snapshot.path, None, snapshot.source
     else:
-        checkpoint, gguf_path = Path(args.model), None
+        checkpoint, gguf_path, source = Path(args.model), None, str(Path(args.model).resolve())
     prompts = read_prompts(args.prompts)
     random.Random(args.seed).shuffle(prompts)
     with tempfile.TemporaryDirectory() as tmp:
-        prompts_path = Path(tmp) / PROMPTS_FILE
+        prompts_path, source_path = Path(tmp) / PROMPTS_FILE, Path(tmp) / SOURCE_FILE
         with gzip.open(prompts_path, "wt", encoding="utf-8") as sink:
             sink.writelines(json.dumps({"messages": p}, ensure_ascii=False) + "\n" for p in prompts[:args.max_prompts])
+        source_path.write_text(json.dumps({"base_model": source}) + "\n")
         parts = prepare_parts(checkpoint, Path(args.out), int(args.part_mib * MIB), gguf_path,
-                              {PROMPTS_FILE: prompts_path})
+                              {PROMPTS_FILE: prompts_path, SOURCE_FILE: source_path})
     for part in parts:
         size = sum(f.stat().st_size for f in part.rglob("*") if f.is_file()) / MIB
         print(json.dumps({"carry": [str(part)], "mib": round(size, 2),
@@ -165,6 +171,7 @@ def train(args: argparse.Namespace) -> dict:
     log = {"argv": sys.argv[1:], "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     checkpoint = assemble_checkpoint(store, store / "checkpoint-rebuilt")
+    log["base_model"] = json.loads((store / SOURCE_FILE).read_text())["base_model"]
     log["rebuild_seconds"] = round(time.perf_counter() - begin, 1)
     logger.info("checkpoint rebuilt bit-exactly in %.1f s", log["rebuild_seconds"])
     log["distill"], mask_token = distill_checkpoint(checkpoint, store, args)
@@ -179,8 +186,7 @@ def train(args: argparse.Namespace) -> dict:
             "optimizer_steps": log["optimizer_steps"], "epochs": log["epochs_done"], "distill": log["distill"],
             "loss_curve": [{k: e[k] for k in ("step", "loss_mask", "loss_ar")} for e in log["log_history"]
                            if "loss_mask" in e]}
-    write_shipped_adapter(store / "run" / "adapter", out / "adapter", info,
-                          "default (SmolLM2-135M-Instruct, mars-edge)")
+    write_shipped_adapter(store / "run" / "adapter", out / "adapter", info, log["base_model"])
     log["total_seconds"] = round(time.perf_counter() - begin, 1)
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     for path in out.rglob("*"):

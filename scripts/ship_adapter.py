@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from mars_export.default_model import DEFAULT_BASE_MODEL_NAME
 from mars_export.model_source import default_checkpoint
 from mars_export.training.adapter import write_shipped_adapter
 from mars_export.training.data import load_examples
@@ -46,7 +47,7 @@ def main() -> None:
     base_config = json.loads((default_checkpoint() / "config.json").read_text())
     info = {"mask_token": base_config["mars_mask_token"], "block_size": args.block_size,
             "command": args.command, **training_stats(args.checkpoint, args.data, args.max_length)}
-    write_shipped_adapter(args.checkpoint, args.out, info, "default (SmolLM2-135M-Instruct, mars-edge)")
+    write_shipped_adapter(args.checkpoint, args.out, info, DEFAULT_BASE_MODEL_NAME)
     print(json.dumps({k: v for k, v in info.items() if k != "loss_curve"}, indent=1))
 
 

@@ -339,6 +339,8 @@ def test_gpu_train_sends_a_hub_model_at_the_revision_given(tmp_path, hub_cache, 
     base = load_file(tmp_path / "ckpt" / "model.safetensors")
     rebuilt = load_file(assemble_checkpoint(tmp_path / "store", tmp_path / "rebuilt") / "model.safetensors")
     assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)
+    source = json.loads((tmp_path / "store" / "source.json").read_text())  # train names the adapter's base so
+    assert source == {"base_model": f"owner/name (Hugging Face hub, commit {COMMIT})"}
 
 
 @pytest.mark.parametrize("model, message", [

@@ -49,6 +49,15 @@ def test_adaptive_masks_must_be_a_bool():
     assert info.value.field == "adaptive_masks"
 
 
+@pytest.mark.parametrize("mode, draft, tau, expected", [
+    ("ar", "masks", 0.5, False), ("threshold", "masks", 1.0, False), ("threshold", "masks", 0.9, True),
+    ("threshold", "lookup", 1.0, False), ("threshold", "lookup", 0.9, True), ("threshold", "both", 1.0, True),
+    ("verify", "masks", 1.0, True), ("verify", "lookup", 1.0, False), ("verify", "both", 1.0, True),
+])
+def test_which_settings_feed_masks(mode, draft, tau, expected):
+    assert DecodeParams(tau=tau, mode=mode, draft=draft).uses_masks(tau) is expected
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_bundle):
     """(backend, config, prompts) of a tiny Llama, B = W = 4, dynamic window axis."""

@@ -1,7 +1,8 @@
 """Per-request decoding parameters, the result of one generation, and the rules on them.
 
 The one home of: tau's validation (:func:`check_tau`), the error that names the bad
-request field (:class:`ParamError`), and tokens per forward (:func:`tokens_per_forward`).
+request field (:class:`ParamError`), tokens per forward (:func:`tokens_per_forward`), and which
+settings feed mask tokens (:meth:`DecodeParams.uses_masks`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,17 @@ class DecodeParams:
     def uses_drafts(self) -> bool:
         """Whether steps feed drafts: verify mode, or a lookup draft source in threshold mode."""
         return self.mode == "verify" or self.draft != "masks"
+
+    def uses_masks(self, tau: float) -> bool:
+        """Whether steps feed mask tokens (where adaptive masks, if on, let them): verify mode with a draft source
+        that reads mask predictions, threshold mode at ``tau`` < 1 or with draft ``both``.
+
+        Args:
+            tau: the threshold the row uses (``tau``, or the engine's live default where it is None).
+        """
+        if self.mode == "verify":
+            return self.draft != "lookup"
+        return self.mode == "threshold" and (tau < 1.0 or self.draft == "both")
 
     def __post_init__(self):
         if self.tau is not None:

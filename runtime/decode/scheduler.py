@@ -168,13 +168,9 @@ class Scheduler:
     @staticmethod
     def _row_width(seq: Sequence, default_tau: float) -> int:
         """Inputs a row can use: its uncached real tokens, then one draft or mask per further
-        token it may accept when masks are of use (threshold at tau < 1, or a draft source
-        that reads mask predictions) and, with adaptive masks, its backoff lets it feed them
-        (:mod:`runtime.decode.mask_backoff`), else only its drafts (none: one token, as AR)."""
-        params = seq.params
-        if params.mode == "verify":
-            uses_masks = params.draft != "lookup"
-        else:
-            uses_masks = params.mode == "threshold" and (seq.tau(default_tau) < 1.0 or params.draft == "both")
-        uses_masks = uses_masks and (seq.mask_backoff is None or seq.mask_backoff.feeds_masks)
+        token it may accept when its setting feeds masks (:meth:`DecodeParams.uses_masks`) and,
+        with adaptive masks, its backoff lets it (:mod:`runtime.decode.mask_backoff`), else only
+        its drafts (none: one token, as AR)."""
+        uses_masks = seq.params.uses_masks(seq.tau(default_tau)) and (
+            seq.mask_backoff is None or seq.mask_backoff.feeds_masks)
         return len(seq.uncached) + (seq.block_size - 1 if uses_masks else len(seq.drafts))

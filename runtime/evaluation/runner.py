@@ -10,8 +10,14 @@ With a draft source other than ``masks`` (DESIGN.md §3 "Draft sources"), every 
 run feeds prompt-lookup drafts in front of the masks, and tau 1 is also run with them:
 that row is lossless (its output must equal AR), so its TPF is what the drafts alone gain.
 
-Record fields (one dict per bundle x B x tau x draft x prompt):
-    bundle, block_size, tau, draft (``masks`` for the AR reference), task, item_id,
+With adaptive masks (:mod:`runtime.decode.mask_backoff`), every run that feeds masks
+(:meth:`~runtime.decode.params.DecodeParams.uses_masks`: tau < 1, and tau 1 with draft
+``both``) is run a second time with them, right after it, so fixed and adaptive masks are
+measured side by side; the adaptive tau-1 run is lossless too.
+
+Record fields (one dict per bundle x B x tau x draft x adaptive masks x prompt):
+    bundle, block_size, tau, draft (``masks`` for the AR reference), adaptive_masks (false
+    for the AR reference and every run that feeds masks every step), task, item_id,
     num_prompt_tokens, token_ids, text,
     num_tokens, num_forwards (decode forwards), num_prefill_forwards, tpf (tokens per
     decode forward), seconds, prefill_seconds, decode_seconds (wall-clock s),
@@ -58,20 +64,27 @@ def plan_block_sizes(requested: list[int] | None, bundle_block_size: int) -> lis
     return fitting
 
 
-def plan_runs(taus: list[float], draft: str) -> list[tuple[float, str]]:
-    """The (tau, draft source) runs per block size: the AR reference for every tau >= 1, each
-    tau < 1 with ``draft``, and, for a draft source other than masks, tau 1 with it too."""
+def plan_runs(taus: list[float], draft: str, adaptive_masks: bool = False) -> list[tuple[float, str, bool]]:
+    """The (tau, draft source, adaptive masks) runs per block size: the AR reference for every
+    tau >= 1, each tau < 1 with ``draft``, and, for a draft source other than masks, tau 1 with
+    it too; with ``adaptive_masks``, each of them that feeds masks again with adaptive masks,
+    right after it."""
     runs = [(tau, AR_DRAFT if tau >= 1.0 else draft) for tau in taus]
     if draft != AR_DRAFT:
         runs.insert(next(i for i, (tau, _) in enumerate(runs) if tau >= 1.0) + 1, (1.0, draft))
-    return runs
+    planned = []
+    for tau, source in runs:
+        planned.append((tau, source, False))
+        if adaptive_masks and DecodeParams(tau=tau, draft=source).uses_masks(tau):
+            planned.append((tau, source, True))
+    return planned
 
 
-def make_record(label: str, block_size: int, tau: float, draft: str, item: EvalItem, prompt_ids: list[int],
-                result: GenerationResult, text: str) -> dict:
+def make_record(label: str, block_size: int, tau: float, draft: str, adaptive_masks: bool, item: EvalItem,
+                prompt_ids: list[int], result: GenerationResult, text: str) -> dict:
     """One record (see the module docstring) of a generation."""
-    return {"bundle": label, "block_size": block_size, "tau": tau, "draft": draft, "task": item.task,
-            "item_id": item.item_id,
+    return {"bundle": label, "block_size": block_size, "tau": tau, "draft": draft, "adaptive_masks": adaptive_masks,
+            "task": item.task, "item_id": item.item_id,
             "num_prompt_tokens": len(prompt_ids), "token_ids": list(result.token_ids), "text": text,
             "num_tokens": result.num_tokens, "num_forwards": result.num_forwards,
             "num_prefill_forwards": result.num_prefill_forwards, "tpf": result.tpf, "seconds": result.seconds,
@@ -97,20 +110,23 @@ def encode_prompts(tokenizer: Tokenizer, items: list[EvalItem], max_new_tokens: 
 
 def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: list[float],
                block_sizes: list[int] | None, max_new_tokens: int, metric: str = "probability",
-               provider: str = "cpu", num_threads: int = 0, draft: str = AR_DRAFT, log=None) -> list[dict]:
-    """Decode every item at every (B, tau, draft) on one bundle; return the records.
+               provider: str = "cpu", num_threads: int = 0, draft: str = AR_DRAFT, adaptive_masks: bool = False,
+               log=None) -> list[dict]:
+    """Decode every item at every (B, tau, draft, adaptive masks) on one bundle; return the records.
 
     Args:
         taus: thresholds (see :func:`plan_taus`); block_sizes: requested B's or None
             (see :func:`plan_block_sizes`); num_threads: onnxruntime intra-op threads
-            (0: its choice); draft: draft source of the MARS runs (see :func:`plan_runs`);
+            (0: its choice); draft: draft source of the MARS runs; adaptive_masks: run those
+            that feed masks also with adaptive masks (see :func:`plan_runs`);
             log: called with one progress line per prompt (default: stderr).
     """
     from runtime.backends.onnx import OnnxBackend  # here: mars-eval imports this module without onnxruntime
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     config = load_config(bundle_dir)
-    sizes, runs = plan_block_sizes(block_sizes, config.block_size), plan_runs(plan_taus(taus), draft)
+    sizes = plan_block_sizes(block_sizes, config.block_size)
+    runs = plan_runs(plan_taus(taus), draft, adaptive_masks)
     tokenizer = Tokenizer(bundle_dir)
     prompts = encode_prompts(tokenizer, items, max_new_tokens, config.window, config.max_context)
     decoder = Decoder(OnnxBackend(bundle_dir, config, provider, num_threads), config)
@@ -119,12 +135,12 @@ def run_bundle(bundle_dir: str | Path, label: str, items: list[EvalItem], taus: 
         ar = decoder.generate(ids, DecodeParams(tau=1.0, metric=metric, max_new_tokens=max_new_tokens))
         ar_text = tokenizer.decode(ar.token_ids)
         for block_size in sizes:
-            for tau, source in runs:
+            for tau, source, adaptive in runs:
                 result = ar if (tau >= 1.0 and source == AR_DRAFT) else decoder.generate(
                     ids, DecodeParams(tau=tau, metric=metric, max_new_tokens=max_new_tokens, block_size=block_size,
-                                      draft=source))
+                                      draft=source, adaptive_masks=adaptive))
                 text = ar_text if result is ar else tokenizer.decode(result.token_ids)
-                records.append(make_record(label, block_size, tau, source, item, ids, result, text))
+                records.append(make_record(label, block_size, tau, source, adaptive, item, ids, result, text))
         log(f"[{label}] {number}/{len(items)} {item.item_id}: AR {ar.num_tokens} tokens; "
             f"{time.perf_counter() - start:.0f} s so far")
     return records

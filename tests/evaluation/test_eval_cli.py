@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from runtime.decode.decoder import Decoder
 from runtime.evaluation.answers import extract_answer, is_correct
 from runtime.evaluation.cli import main
 from runtime.evaluation.code_extraction import prepare_completion
@@ -209,3 +210,42 @@ def test_lookup_drafts_add_a_lossless_tau_one_row(bundle, data, tmp_path, capsys
     chat_record = next(r for r in records if r["task"] == "chat")
     assert "correct" not in chat_record and "passed" not in chat_record
     assert " both " in capsys.readouterr().out
+
+
+
+@pytest.mark.parametrize("draft, expected", [
+    ("masks", [(1.0, "masks", False), (0.5, "masks", False), (0.5, "masks", True)]),
+    ("both", [(1.0, "masks", False), (1.0, "both", False), (1.0, "both", True), (0.5, "both", False),
+              (0.5, "both", True)]),
+])
+def test_adaptive_masks_add_a_twin_after_each_run_that_feeds_masks(bundle, data, tmp_path, capsys, monkeypatch,
+                                                                    draft, expected):
+    """--adaptive-masks decodes each run that feeds masks again with adaptive masks, right after it (the runs
+    as the decoder gets them), and adds rows marked adaptive_masks; without it nothing changes but the field."""
+    decoded, generate = [], Decoder.generate
+    monkeypatch.setattr(Decoder, "generate", lambda self, ids, params: decoded.append(params) or generate(
+        self, ids, params))
+    results, tables = {}, {}
+    for adaptive in (False, True):
+        out, decoded[:] = tmp_path / f"out-{adaptive}", []
+        args = eval_args(bundle, data, out, "--taus", "1.0", "0.5", "--block-sizes", "4", "--draft", draft,
+                         "--num-prompts", "1", *(["--adaptive-masks"] if adaptive else []))
+        assert main(args) == 0
+        results[adaptive] = json.loads((out / "results.json").read_text())
+        tables[adaptive] = capsys.readouterr().out.split("\n\n")[0]  # the summary table
+        runs = [run for run in expected if adaptive or not run[2]]
+        assert [(p.tau, p.draft, p.adaptive_masks) for p in decoded] == 2 * runs  # per prompt; AR is the first
+        summary = results[adaptive]["summary"]
+        assert [(r["tau"], r["draft"], r["adaptive_masks"]) for r in summary] == runs
+        assert results[adaptive]["settings"]["adaptive_masks"] is adaptive
+        with (out / "summary.csv").open() as f:
+            assert [r["adaptive_masks"] for r in csv.DictReader(f)] == [str(run[2]) for run in runs]
+    plain, flagged = results[False]["records"], results[True]["records"]
+    assert {tuple(r) for r in flagged} == {tuple(r) for r in plain} and all("adaptive_masks" in r for r in plain)
+    twins = [r for r in flagged if r["adaptive_masks"]]
+    assert len(twins) == 2 * sum(run[2] for run in expected)
+    assert all(r["identical_to_ar"] for r in twins if r["tau"] >= 1.0)  # tau 1 with adaptive mask drafts: lossless
+    same = ("tau", "draft", "item_id", "token_ids", "num_forwards", "identical_to_ar", "correct", "passed")
+    assert [[r.get(k) for k in same] for r in flagged if not r["adaptive_masks"]] == [[r.get(k) for k in same]
+                                                                                      for r in plain]
+    assert f" {draft} adaptive " in tables[True] and "adaptive" not in tables[False]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.evaluation.plot import tpf_lines
 from runtime.evaluation.runner import plan_block_sizes, plan_runs, plan_taus
 from runtime.evaluation.scoring import common_prefix, score_agreement
-from runtime.evaluation.summary import summarize
+from runtime.evaluation.summary import draft_label, summarize
 
 
 def record(tau, item_id, ids, forwards, decode_seconds, block_size=4, task="gsm8k", draft="masks", **scores):
@@ -40,9 +41,32 @@ def test_a_draft_sources_tau_one_row_is_scored_against_plain_ar():
 
 
 def test_plan_runs():
-    assert plan_runs([1.0, 0.9], "masks") == [(1.0, "masks"), (0.9, "masks")]
-    assert plan_runs([1.0, 0.9, 0.5], "both") == [(1.0, "masks"), (1.0, "both"), (0.9, "both"), (0.5, "both")]
-    assert plan_runs([0.9, 1.0], "lookup") == [(0.9, "lookup"), (1.0, "masks"), (1.0, "lookup")]
+    assert plan_runs([1.0, 0.9], "masks") == [(1.0, "masks", False), (0.9, "masks", False)]
+    assert plan_runs([1.0, 0.9, 0.5], "both") == [(1.0, "masks", False), (1.0, "both", False), (0.9, "both", False),
+                                                  (0.5, "both", False)]
+    assert plan_runs([0.9, 1.0], "lookup") == [(0.9, "lookup", False), (1.0, "masks", False), (1.0, "lookup", False)]
+
+
+def test_plan_runs_adds_an_adaptive_twin_after_each_run_that_feeds_masks():
+    assert plan_runs([1.0, 0.9], "masks", adaptive_masks=True) == [
+        (1.0, "masks", False), (0.9, "masks", False), (0.9, "masks", True)]
+    assert plan_runs([1.0, 0.5], "both", adaptive_masks=True) == [  # tau 1 with 'both' feeds mask drafts
+        (1.0, "masks", False), (1.0, "both", False), (1.0, "both", True), (0.5, "both", False), (0.5, "both", True)]
+    assert plan_runs([1.0, 0.5], "lookup", adaptive_masks=True) == [  # tau 1 with lookup drafts feeds no masks
+        (1.0, "masks", False), (1.0, "lookup", False), (0.5, "lookup", False), (0.5, "lookup", True)]
+
+
+def test_adaptive_rows_follow_their_fixed_twin_with_a_label_and_plot_line_of_their_own():
+    records = [record(0.5, "p", [1, 2], 1, 0.5, task="chat", adaptive_masks=True),
+               record(1.0, "p", [1, 2], 2, 1.0, task="chat"),  # these two as written before the field existed
+               record(0.5, "p", [1, 2], 1, 0.25, task="chat")]
+    score_agreement(records)
+    rows = summarize(records)
+    assert [(r["tau"], r["adaptive_masks"]) for r in rows] == [(1.0, False), (0.5, False), (0.5, True)]
+    assert [r["speedup_vs_ar"] for r in rows] == [1.0, 4.0, 2.0]
+    assert [draft_label(r) for r in rows] == ["masks", "masks", "masks adaptive"]
+    ar, fixed, adaptive = rows  # the AR point (no masks fed: the same with adaptive masks) starts both lines
+    assert tpf_lines(rows) == {"b B=4": [ar, fixed], "b B=4 +masks adaptive": [ar, adaptive]}
 
 
 def test_summary_uses_ratios_of_totals():

@@ -15,6 +15,7 @@ from support import load_script
 from tiny_mars import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
+from mars_export.default_model import DEFAULT_BASE_MODEL_NAME
 from mars_export.model_source import merge_adapter
 from mars_export.training.transfer import MIB, assemble_checkpoint, prepare_parts, receive_part
 
@@ -64,6 +65,9 @@ def test_whole_flow_on_cpu_returns_an_adapter_and_a_log(tiny_parts, tmp_path):
     assert any("loss_mask" in entry for entry in log["log_history"]) and (out / "gpu_train.log").stat().st_size
     assert {p.name for p in (out / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
                                                              "mars_adapter.json"}
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(checkpoint.resolve())  # the model prepared, not the default's
+    assert log["base_model"] == config["base_model_name_or_path"]
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     adapted = PeftModel.from_pretrained(model, out / "adapter")
     assert adapted.peft_config["default"].r == 4
@@ -102,4 +106,5 @@ def test_default_model_travels_as_its_gguf_blocks_bit_exactly(tmp_path):
         receive_part(part, tmp_path / "store")
     rebuilt = load_file(assemble_checkpoint(tmp_path / "store", tmp_path / "rebuilt") / "model.safetensors")
     base = load_file(default_checkpoint() / "model.safetensors")
+    assert json.loads((tmp_path / "store" / "source.json").read_text()) == {"base_model": DEFAULT_BASE_MODEL_NAME}
     assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)

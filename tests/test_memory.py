@@ -140,6 +140,7 @@ def config_json(tmp_path: Path, **changes) -> Path:
 def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extra, message):
     """No traceback, no table: one line naming the bad value or file and what is allowed, exit status 2."""
     _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
     path = make(tmp_path, bundle)
     assert memory.main([str(path), *extra]) == 2
     captured = capsys.readouterr()

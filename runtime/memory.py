@@ -169,14 +169,21 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
     TensorRT when ``trt`` (the KV held twice).
 
     Args:
+        kv_dtype: None, or the bundle's own dtype (``fp32`` for a ``float32`` bundle): the runtime keeps the KV
+            cache in the bundle's dtype (its graph's present outputs are of it), whatever ``--kv-dtype`` says.
         plan: the engine file the user named, when sizing came from it (only for the error below).
 
     Raises:
-        ValueError: ``trt`` for a fused bundle (TensorRT builds only the step graph); no ONNX graph to size (nor,
-            with ``trt``, an engine).
+        ValueError: ``kv_dtype`` is not the bundle's dtype; ``trt`` for a fused bundle (TensorRT builds only the step
+            graph); no ONNX graph to size (nor, with ``trt``, an engine).
     """
     from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
+    if kv_dtype is not None and KV_BYTES[kv_dtype] != KV_BYTES[config.dtype]:  # fp16 is float16, fp32 float32
+        how = "with" if kv_dtype == "fp16" else "without"
+        raise ValueError(f"{bundle_dir}: the runtime keeps this bundle's KV cache in its dtype, {config.dtype}, so "
+                         f"--kv-dtype {kv_dtype} would size a cache it never holds; drop --kv-dtype, or size a bundle "
+                         f"exported {how} --fp16")
     if trt and config.graph != "step":
         fix = "size the bundle directory, without --trt" if plan else "size it without --trt"
         raise ValueError(f"{plan or bundle_dir}: the bundle holds a {config.graph} graph, which runs on onnxruntime "
@@ -201,7 +208,7 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
     return ModelMemory(
         name=f"bundle {bundle_dir} ({config.source_model})", weights_bytes=weights, num_params=None,
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        kv_bytes_per_element=KV_BYTES[kv_dtype or config.dtype], max_context=config.max_context, note=note,
+        kv_bytes_per_element=KV_BYTES[config.dtype], max_context=config.max_context, note=note,
         max_batch=1 if is_fused else None, kv_copies=2 if trt else 1)
 
 
@@ -304,7 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights-dtype", default="fp16", choices=sorted(BYTES_PER_PARAM),
                    help="weights dtype for config.json sizing (default fp16; bundles use their files)")
     p.add_argument("--kv-dtype", default=None, choices=["fp16", "fp32"],
-                   help="KV cache dtype (default: the bundle's dtype; fp16 for config.json)")
+                   help="KV cache dtype of a config.json's sizing (default fp16); a bundle's KV cache is in its "
+                        "own dtype, the only one accepted here")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="batch sizes (default 1 4 8)")
     p.add_argument("--context", type=int, nargs="+", default=[512, 2048, 8192, 32768],
                    help="context lengths in tokens (default 512 2048 8192 32768; capped at the model's)")

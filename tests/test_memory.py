@@ -123,6 +123,9 @@ def config_json(tmp_path: Path, **changes) -> Path:
     (lambda tmp, bundle: bundle, ["--batch", "0"], "--batch 0: a batch size must be >= 1"),
     (lambda tmp, bundle: bundle, ["--context", "512", "-5"], "--context -5: a context must be >= 1"),
     (lambda tmp, bundle: bundle, ["--reserve-gib", "nan"], "--reserve-gib nan: must be a number of GiB >= 0"),
+    (lambda tmp, bundle: bundle, ["--kv-dtype", "fp16"],
+     "the runtime keeps this bundle's KV cache in its dtype, float32, so --kv-dtype fp16 would size a cache it never "
+     "holds; drop --kv-dtype, or size a bundle exported with --fp16"),
     (lambda tmp, bundle: tmp, [], "is neither a MARS bundle nor a Hugging Face config.json"),
     (lambda tmp, bundle: bundle / "model.onnx", [], "model.onnx is not a Hugging Face config.json (not UTF-8 text)"),
     (lambda tmp, bundle: (tmp / "c.json").write_text("[1]") and tmp / "c.json", [], "(it holds no JSON object)"),
@@ -135,7 +138,7 @@ def config_json(tmp_path: Path, **changes) -> Path:
      "max_position_embeddings must be a positive integer (the model's context in tokens), got 'x'"),
     (lambda tmp, bundle: config_json(tmp, max_position_embeddings=None), [],
      "max_position_embeddings must be a positive integer (the model's context in tokens), got None"),
-], ids=["batch-0", "negative-context", "nan-reserve", "no-bundle", "onnx-file", "json-list", "string-field",
+], ids=["batch-0", "negative-context", "nan-reserve", "bundle-kv-dtype", "no-bundle", "onnx-file", "json-list", "string-field",
         "zero-heads", "zero-head-dim", "null-layers", "string-context", "no-context"])
 def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extra, message):
     """No traceback, no table: one line naming the bad value or file and what is allowed, exit status 2."""
@@ -191,6 +194,24 @@ def test_a_quantized_bundle_names_its_weights_dtype(tiny_bundle, tmp_path, capsy
     out = capsys.readouterr().out
     assert "(model.onnx on disk (int8 weights, float32 activations and KV))" in out
     assert f"KV cache {2 * 2 * 2 * 16 * 4:,} bytes per token" in out
+
+
+def test_kv_dtype_is_free_for_a_config_json_and_the_bundles_own_for_a_bundle(tiny_bundle, tmp_path, capsys):
+    """--kv-dtype sizes a config.json's cache either way (an export yet to be made: --fp16 or not); a bundle's cache is
+    in the bundle's dtype (runtime.backends), so there it may only name that dtype (a float32 bundle refuses fp16:
+    test_bad_inputs_are_one_error_line)."""
+    _, bundle = tiny_bundle("llama", 4)  # 2 layers, 2 KV heads, 16 dims, float32
+    fp16 = tmp_path / "fp16"
+    shutil.copytree(bundle, fp16)
+    raw = json.loads((bundle / "mars_config.json").read_text())
+    (fp16 / "mars_config.json").write_text(json.dumps({**raw, "dtype": "float16"}))
+    assert memory.load(bundle, "fp16", "fp32").kv_bytes(1, 1) == memory.load(bundle, "fp16", None).kv_bytes(1, 1) \
+        == 2 * 2 * 2 * 16 * 4
+    assert memory.load(fp16, "fp16", "fp16").kv_bytes(1, 1) == 2 * 2 * 2 * 16 * 2
+    with pytest.raises(ValueError, match="in its dtype, float16, so --kv-dtype fp32 .*exported without --fp16$"):
+        memory.load(fp16, "fp16", "fp32")
+    config = CONFIGS / "qwen2.5-0.5b-instruct" / "config.json"
+    assert memory.load(config, "fp16", "fp32").kv_bytes(1, 1) == 2 * memory.load(config, "fp16", "fp16").kv_bytes(1, 1)
 
 
 def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):

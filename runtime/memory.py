@@ -322,7 +322,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "is always sized for TensorRT)")
     p.add_argument("--reserve-gib", type=float, default=0.0,
                    help="memory kept for OS, CUDA context and activations, subtracted from each budget")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.batch = list(dict.fromkeys(args.batch))  # a batch size given twice is sized once, in the order given
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

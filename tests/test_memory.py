@@ -183,6 +183,16 @@ def test_contexts_above_the_models_are_capped_to_it(tiny_bundle, capsys):
     assert rows == [["1", "64"], ["1", str(max_context)]]
 
 
+def test_a_batch_given_twice_is_sized_once(tiny_bundle, capsys):
+    """--batch 4 1 4: rows and largest contexts for batch 4, then 1, each once (in the order given)."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
+    assert memory.main([str(bundle), "--batch", "4", "1", "4", "--context", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out if line.endswith("fits")] == [["4", "64"], ["1", "64"]]
+    assert "  Orin Nano 8GB  B=4: 512  B=1: 512" in out  # the tiny bundle's max context
+
+
 def test_a_quantized_bundle_names_its_weights_dtype(tiny_bundle, tmp_path, capsys):
     """An int8 bundle's weights are int8, its activations and KV float32: the note says both."""
     _, bundle = tiny_bundle("llama", 4)

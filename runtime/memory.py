@@ -81,6 +81,11 @@ class ModelMemory:
     kv_copies: int = 1
     context_note: str | None = None
 
+    def can_run(self, batch: int) -> bool:
+        """Whether the runtime runs ``batch`` sequences at once on the model (a fused bundle one at a time: the
+        runtime refuses a batch above 1 on it, whatever the window)."""
+        return self.max_batch is None or batch <= self.max_batch
+
     def kv_bytes(self, context: int, batch: int) -> int:
         """KV bytes for ``batch`` sequences of ``context`` tokens, all ``kv_copies`` copies."""
         return self.kv_copies * kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
@@ -212,21 +217,34 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
         max_batch=1 if is_fused else None, kv_copies=2 if trt else 1)
 
 
-def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
-    """The sizing table of one model as text: batches above the model's ``max_batch`` left out, contexts above its
-    ``max_context`` capped to it, each said so.
+def reports(models: list[ModelMemory], batches: list[int], contexts: list[int], reserve_gib: float) -> str:
+    """The sizing tables of ``models`` (:func:`report`), one after another.
 
     Raises:
-        ValueError: no batch of ``batches`` runs on the model (a fused bundle runs one sequence at a time: the
-            runtime refuses a batch above 1 on it, whatever the window).
+        ValueError: no batch of ``batches`` runs on any of them (:meth:`ModelMemory.can_run`: all fused bundles,
+            all batches above 1); where some run, a model on which none does is one line in its place.
     """
+    if not any(model.can_run(batch) for model in models for batch in batches):
+        raise ValueError(f"{models[0].name} {_runs_none(models[0], batches)}; pass --batch 1, or size a bundle "
+                         "exported with --graph step for larger batches")
+    return "\n\n".join(report(model, batches, contexts, reserve_gib) for model in models)
+
+
+def _runs_none(model: ModelMemory, batches: list[int]) -> str:
+    """Why ``model`` is sized at none of ``batches``: its ``max_batch`` is below them all."""
+    return (f"runs at most {model.max_batch} sequence(s) at once (a fused bundle), so --batch "
+            f"{' '.join(map(str, batches))} leaves nothing to size")
+
+
+def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
+    """The sizing table of one model as text: batches the model cannot run (:meth:`ModelMemory.can_run`) left out,
+    contexts above its ``max_context`` capped to it, each said so; where it runs none of ``batches``, one line
+    saying so."""
+    runnable = [b for b in batches if model.can_run(b)]
+    if not runnable:
+        return f"== {model.name} left out: it {_runs_none(model, batches)} (add 1 to --batch to size it)"
     per_token = model.kv_bytes(1, 1)
     lines = [f"== {model.name}"]
-    runnable = [b for b in batches if model.max_batch is None or b <= model.max_batch]
-    if not runnable:
-        raise ValueError(f"{model.name} runs at most {model.max_batch} sequence(s) at once (a fused bundle), so "
-                         f"--batch {' '.join(map(str, batches))} leaves nothing to size; pass --batch 1, or size a "
-                         "bundle exported with --graph step for larger batches")
     if runnable != batches:
         lines.append(f"batch {', '.join(str(b) for b in batches if b not in runnable)} left out: this bundle runs "
                      f"at most {model.max_batch} sequence(s) at once")
@@ -332,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_options(args)
         models = [load(Path(p), args.weights_dtype, args.kv_dtype, args.trt) for p in args.paths]
-        text = "\n\n".join(report(m, args.batch, args.context, args.reserve_gib) for m in models)
+        text = reports(models, args.batch, args.context, args.reserve_gib)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

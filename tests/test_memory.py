@@ -193,6 +193,31 @@ def test_a_batch_given_twice_is_sized_once(tiny_bundle, capsys):
     assert "  Orin Nano 8GB  B=4: 512  B=1: 512" in out  # the tiny bundle's max context
 
 
+def test_a_fused_bundle_at_batches_it_cannot_run_is_left_out_of_a_run_that_sizes_others(tiny_bundle, tmp_path,
+                                                                                          capsys):
+    """A fused bundle runs one sequence at a time: beside a step bundle, --batch 2 sizes the step bundle and says in
+    one line that the fused one was left out and why; with nothing else to size it is one error line, exit status 2
+    (test_fused: a real fused bundle)."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
+    fused = tmp_path / "fused"
+    shutil.copytree(bundle, fused)
+    raw = json.loads((bundle / "mars_config.json").read_text())
+    (fused / "mars_config.json").write_text(json.dumps({**raw, "graph": "fused"}))
+    assert memory.main([str(fused), str(bundle), "--batch", "2", "--context", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if str(fused) in line] == [
+        f"== bundle {fused} ({raw['source_model']}) left out: it runs at most 1 sequence(s) at once (a fused bundle), "
+        "so --batch 2 leaves nothing to size (add 1 to --batch to size it)"]
+    assert f"== bundle {bundle} ({raw['source_model']})" in out and "    2      64" in "\n".join(out)
+    assert memory.main([str(fused), str(fused), "--batch", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"error: bundle {fused} ({raw['source_model']}) runs at most 1 sequence(s) at once (a fused bundle), so "
+        "--batch 2 leaves nothing to size; pass --batch 1, or size a bundle exported with --graph step for larger "
+        "batches\n")
+
+
 def test_a_quantized_bundle_names_its_weights_dtype(tiny_bundle, tmp_path, capsys):
     """An int8 bundle's weights are int8, its activations and KV float32: the note says both."""
     _, bundle = tiny_bundle("llama", 4)

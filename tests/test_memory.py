@@ -20,7 +20,7 @@ from tiny_models import make_a2d_checkpoint, make_checkpoint
 
 from mars_export.context import max_context_of
 from mars_export.model_source import load_model
-from runtime import memory
+from runtime import hf_config, memory
 
 CONFIGS = Path(__file__).resolve().parents[1] / "samples" / "jetson" / "configs"
 TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -39,7 +39,7 @@ TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidd
 ], ids=["llama", "llama-tied-biases", "llama-head-dim", "qwen2", "qwen2-tied", "qwen3", "phi3", "phi3-tied"])
 def test_parameter_count_equals_torch(config):
     model = AutoModelForCausalLM.from_config(config)
-    assert memory.count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
+    assert hf_config.count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("name, expected", [("qwen2.5-0.5b-instruct", 494_032_768),
@@ -74,7 +74,7 @@ def test_config_sizing_by_dtype(tmp_path):
     path = tmp_path / "tiny" / "config.json"
     path.parent.mkdir()
     Qwen2Config(**TINY, tie_word_embeddings=False).to_json_file(path)
-    num_params = memory.count_parameters(Qwen2Config(**TINY, tie_word_embeddings=False).to_dict())
+    num_params = hf_config.count_parameters(Qwen2Config(**TINY, tie_word_embeddings=False).to_dict())
     for dtype, bytes_per in [("fp32", 4), ("fp16", 2), ("int8", 1), ("int4", 0.5)]:
         sized = memory.from_hf_config(path, dtype, "fp16")
         assert sized.weights_bytes == int(num_params * bytes_per)
@@ -313,7 +313,7 @@ def test_a_config_json_lacking_fields_is_sized_with_transformers_defaults(fields
     assert sized.max_context == expected == max_context_of(AutoConfig.from_pretrained(path.parent))[0]
 
 
-@pytest.mark.parametrize("model_type", [*memory.ARCHS, "a2d-qwen2"])
+@pytest.mark.parametrize("model_type", [*hf_config.ARCHS, "a2d-qwen2"])
 def test_a_config_json_lacking_max_position_embeddings_is_sized_to_transformers_default(model_type, tmp_path):
     """Without max_position_embeddings a config.json holds transformers' default for its model type, as the export of
     the checkpoint does (a llama file was sized to a max context of 0 tokens before, its bundle holding 2048)."""

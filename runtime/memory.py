@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.context import max_context_of
-from runtime.hf_config import count_parameters, read_config_json
+from runtime.hf_config import count_parameters, kv_heads_and_head_dim, read_config_json
 
 BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # int8/int4: scales not counted
 KV_BYTES = {"fp32": 4, "fp16": 2, "float32": 4, "float16": 2}
@@ -99,20 +99,12 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
     the KV held twice), up to the context its bundle would hold (:func:`runtime.context.max_context_of`).
 
     Raises:
-        ValueError: the file cannot be read (:func:`~runtime.hf_config.read_config_json`) or its model cannot be
-            sized (:func:`~runtime.hf_config.count_parameters`, a ``max_position_embeddings`` that is no positive
-            integer).
+        ValueError: the file cannot be read or its fields cannot be sized (:func:`runtime.hf_config.read_config_json`),
+            its context fields are not as transformers writes them.
     """
     raw = read_config_json(path)
-    try:
-        num_params = count_parameters(raw)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    positions = raw.get("max_position_embeddings")
-    if "max_position_embeddings" in raw and (type(positions) is not int or positions < 1):
-        raise ValueError(f"{path}: max_position_embeddings must be a positive integer (the model's context in tokens), "
-                         f"got {positions!r}")
-    heads = raw["num_attention_heads"]
+    num_params = count_parameters(raw)
+    num_kv_heads, head_dim = kv_heads_and_head_dim(raw)
     try:  # absent: transformers' default for the (sized) model type
         max_context, context_note = max_context_of(raw)
     except (AttributeError, TypeError, ValueError) as e:  # rope or sliding-window fields of another shape
@@ -121,9 +113,8 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
                          "config.json") from e
     return ModelMemory(
         name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
-        num_params=num_params, num_layers=raw["num_hidden_layers"],
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, kv_bytes_per_element=KV_BYTES[kv_dtype],
+        num_params=num_params, num_layers=raw["num_hidden_layers"], num_kv_heads=num_kv_heads, head_dim=head_dim,
+        kv_bytes_per_element=KV_BYTES[kv_dtype],
         max_context=max_context, note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""),
         kv_copies=2 if trt else 1, context_note=context_note)
 

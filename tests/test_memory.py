@@ -135,9 +135,9 @@ def config_json(tmp_path: Path, **changes) -> Path:
     (lambda tmp, bundle: config_json(tmp, head_dim=0), [], "head_dim must be a positive integer, got 0"),
     (lambda tmp, bundle: config_json(tmp, num_hidden_layers=None), [], "lacks 'num_hidden_layers'"),
     (lambda tmp, bundle: config_json(tmp, max_position_embeddings="x"), [],
-     "max_position_embeddings must be a positive integer (the model's context in tokens), got 'x'"),
+     "config.json's max_position_embeddings must be a positive integer, got 'x'"),
     (lambda tmp, bundle: config_json(tmp, max_position_embeddings=None), [],
-     "max_position_embeddings must be a positive integer (the model's context in tokens), got None"),
+     "config.json's max_position_embeddings must be a positive integer, got None"),
 ], ids=["batch-0", "negative-context", "nan-reserve", "bundle-kv-dtype", "no-bundle", "onnx-file", "json-list", "string-field",
         "zero-heads", "zero-head-dim", "null-layers", "string-context", "no-context"])
 def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extra, message):
@@ -149,6 +149,15 @@ def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extr
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
     assert message in captured.err, captured.err
+
+
+def test_null_kv_heads_and_head_dim_are_derived_as_transformers_derives_them(tmp_path):
+    """A null num_key_value_heads or head_dim means every attention head and hidden_size / heads (a null
+    max_position_embeddings is refused instead: test_bad_inputs_are_one_error_line, "no-context")."""
+    sized = memory.from_hf_config(config_json(tmp_path, num_key_value_heads=None, head_dim=None), "fp16", "fp16")
+    config = LlamaConfig(**{**TINY, "num_key_value_heads": None})
+    assert (sized.num_kv_heads, sized.head_dim) == (config.num_key_value_heads, config.head_dim) == (4, 16)
+    assert sized.num_params == hf_config.count_parameters(config.to_dict())
 
 
 @pytest.mark.parametrize("changes", [{"rope_scaling": "yarn"}, {"rope_parameters": [1, 2]},

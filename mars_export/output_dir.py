@@ -41,24 +41,28 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     """Raise if the bundle may not be written to ``out_dir``; nothing is left behind (:func:`check_can_write` makes
     a folder and removes it at once).
 
+    Checked where the export lands (:func:`landing_path`), so ``-o a/new/../../x`` is checked as ``x`` before the
+    export makes ``a/new``; the messages name ``out_dir`` as given.
+
     Raises:
         ValueError: ``out_dir`` is a symbolic link or not a directory, lies under a file, overlaps one of ``model_paths``
             (:func:`check_apart_from_model`), (with ``overwrite``) is a non-empty directory that is not a bundle, or
             no folder can be made where the export makes its first one (:func:`check_can_write`).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
-    if out_dir.is_symlink():
+    where = landing_path(out_dir)
+    if where.is_symlink():
         raise ValueError(f"-o {out_dir} is a symbolic link; give the directory it points to, or another -o")
-    blocker = _file_on_path(out_dir)
+    blocker = _file_on_path(where)
     if blocker is not None:
         raise ValueError(f"-o {out_dir} lies under {blocker}, which is a file, not a directory, so no bundle can be "
                          "written there; choose another -o")
     check_apart_from_model(out_dir, model_paths, "-o")
-    if out_dir.exists() and not out_dir.is_dir():
+    if where.exists() and not where.is_dir():
         raise ValueError(f"-o {out_dir} is a file, not a directory; choose another -o")
-    if out_dir.exists() and not overwrite:
+    if where.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
-    if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
+    if where.exists() and not (where / CONFIG_FILE).is_file() and any(where.iterdir()):
         raise ValueError(f"-o {out_dir} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
                          "only a bundle: choose another -o, or move its files away")
     check_can_write(out_dir)
@@ -71,7 +75,7 @@ def check_can_write(out_dir: Path) -> None:
     does it (a hidden folder made there and removed at once), so a read-only disk, missing permissions (also for
     root on a read-only mount) and a folder that takes no new entries (``/proc``) all fail here, before the model
     loads. One killed meanwhile is a stale partial (:func:`remove_stale_partials`)."""
-    base = next(folder for folder in out_dir.absolute().parents if folder.exists())  # the root always exists
+    base = next(folder for folder in landing_path(out_dir).parents if folder.exists())  # the root always exists
     try:
         os.rmdir(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=base))
     except OSError as e:
@@ -80,6 +84,16 @@ def check_can_write(out_dir: Path) -> None:
                 errno.EPERM: "choose an -o where you may write"}.get(e.errno, "choose another -o")
         raise ValueError(f"-o {out_dir} cannot be written: no folder can be made in {base} ({problem}); "
                          f"{todo}") from e
+
+
+def landing_path(out_dir: Path) -> Path:
+    """Where the export writes ``-o out_dir`` once it has made the missing folders above it
+    (:func:`make_parent_folders`): the folder above with its symbolic links and ``..`` resolved as the OS will then
+    resolve them (``a/new/../../x`` is ``x``, though ``a/new/../..`` names nothing while ``a/new`` is missing), the
+    last name as given (a link there is refused, not followed); ``-o x/..`` is where that ``..`` leads."""
+    if out_dir.name == "..":
+        return Path(os.path.realpath(out_dir))
+    return Path(os.path.realpath(out_dir.parent), out_dir.name)
 
 
 def _file_on_path(out_dir: Path) -> Path | None:

@@ -3,7 +3,8 @@
 ``python -m runtime.memory PATH [PATH ...] [options]`` where PATH is a bundle directory
 (weights = the size of its ONNX file(s) and, if built, ``engine.plan``), the bundle's
 ``engine.plan`` (sized for TensorRT, as ``--trt``) or a Hugging Face ``config.json`` (or a
-directory holding one; weights = parameter count × bytes per parameter, no weights file needed).
+directory holding one; weights = parameter count × bytes per parameter, no weights file needed:
+:mod:`runtime.hf_config`).
 
 Dimension letters: L layers, H KV heads, D head dim, d hidden size, I MLP width,
 V vocabulary, C context (tokens), n batch rows (the glossary in :mod:`runtime`).
@@ -28,23 +29,18 @@ image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.context import max_context_of
-from runtime.model_types import base_model_type
+from runtime.hf_config import count_parameters, kv_heads_and_head_dim, read_config_json
 
 BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # int8/int4: scales not counted
 KV_BYTES = {"fp32": 4, "fp16": 2, "float32": 4, "float16": 2}
 BUDGETS_GIB = {"Orin Nano 8GB": 8, "Orin NX 16GB": 16, "AGX Orin 32GB": 32, "AGX Orin 64GB": 64}
 GIB = 1024**3
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-# config.json fields count_parameters reads: positive integers; the optional ones may be absent or null (derived)
-REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")
-OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -81,6 +77,11 @@ class ModelMemory:
     kv_copies: int = 1
     context_note: str | None = None
 
+    def can_run(self, batch: int) -> bool:
+        """Whether the runtime runs ``batch`` sequences at once on the model (a fused bundle one at a time: the
+        runtime refuses a batch above 1 on it, whatever the window)."""
+        return self.max_batch is None or batch <= self.max_batch
+
     def kv_bytes(self, context: int, batch: int) -> int:
         """KV bytes for ``batch`` sequences of ``context`` tokens, all ``kv_copies`` copies."""
         return self.kv_copies * kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, context, batch,
@@ -93,62 +94,17 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: i
     return 2 * num_layers * num_kv_heads * head_dim * context * batch * bytes_per_element
 
 
-def count_parameters(config: dict) -> int:
-    """Parameters of a Llama / Mistral / Qwen2 / Qwen3 / Phi3 causal LM from its ``config.json`` fields
-    (also of the MARS authors' ``a2d-*`` checkpoints of those: :mod:`runtime.model_types`).
-
-    Per layer: q, k, v, o projections (biases: q/k/v always for Qwen2, all four when ``attention_bias``),
-    gate/up/down MLP (biases when ``mlp_bias``), two RMSNorms of d, and for Qwen3 a q-norm and k-norm of D
-    (Phi3 holds q, k, v as one projection and gate, up as one: the same count). Plus the embedding V · d, the final norm d and
-    an lm_head V · d unless ``tie_word_embeddings``.
-
-    Raises:
-        ValueError: another ``model_type``, a required field is missing, or a field of :data:`REQUIRED_FIELDS` or
-            :data:`OPTIONAL_FIELDS` is not a positive integer.
-    """
-    arch = base_model_type(config.get("model_type"))  # a published MARS checkpoint: its base's count
-    if arch not in ARCHS:
-        raise ValueError(f"model_type {arch!r} is not supported for sizing; supported: {ARCHS}")
-    for name in REQUIRED_FIELDS + OPTIONAL_FIELDS:
-        value = config.get(name)
-        if value is None and name in REQUIRED_FIELDS:
-            raise ValueError(f"config.json lacks {name!r}, needed to count parameters")
-        if value is not None and (type(value) is not int or value < 1):
-            raise ValueError(f"config.json's {name} must be a positive integer, got {value!r}")
-    d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads, width = config["num_attention_heads"], config["intermediate_size"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or d // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    attention = d * q + 2 * d * kv + q * d
-    if arch == "qwen2":
-        attention += q + 2 * kv
-    elif config.get("attention_bias", False):
-        attention += q + 2 * kv + d
-    mlp = 3 * d * width + (2 * width + d if config.get("mlp_bias", False) else 0)
-    norms = 2 * d + (2 * head_dim if arch == "qwen3" else 0)
-    head = 0 if config.get("tie_word_embeddings", False) else vocab * d
-    return vocab * d + layers * (attention + mlp + norms) + d + head
-
-
 def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = False) -> ModelMemory:
     """Sizing of a Hugging Face ``config.json`` with weights in ``weights_dtype`` (on TensorRT when ``trt``:
     the KV held twice), up to the context its bundle would hold (:func:`runtime.context.max_context_of`).
 
     Raises:
-        ValueError: the file cannot be read or its model cannot be sized (:func:`count_parameters`, a
-            ``max_position_embeddings`` that is no positive integer).
+        ValueError: the file cannot be read or its fields cannot be sized (:func:`runtime.hf_config.read_config_json`),
+            its context fields are not as transformers writes them.
     """
-    raw = _read_json(path)
-    try:
-        num_params = count_parameters(raw)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    positions = raw.get("max_position_embeddings")
-    if "max_position_embeddings" in raw and (type(positions) is not int or positions < 1):
-        raise ValueError(f"{path}: max_position_embeddings must be a positive integer (the model's context in tokens), "
-                         f"got {positions!r}")
-    heads = raw["num_attention_heads"]
+    raw = read_config_json(path)
+    num_params = count_parameters(raw)
+    num_kv_heads, head_dim = kv_heads_and_head_dim(raw)
     try:  # absent: transformers' default for the (sized) model type
         max_context, context_note = max_context_of(raw)
     except (AttributeError, TypeError, ValueError) as e:  # rope or sliding-window fields of another shape
@@ -157,9 +113,8 @@ def from_hf_config(path: Path, weights_dtype: str, kv_dtype: str, trt: bool = Fa
                          "config.json") from e
     return ModelMemory(
         name=f"{path.parent.name} ({path})", weights_bytes=int(num_params * BYTES_PER_PARAM[weights_dtype]),
-        num_params=num_params, num_layers=raw["num_hidden_layers"],
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, kv_bytes_per_element=KV_BYTES[kv_dtype],
+        num_params=num_params, num_layers=raw["num_hidden_layers"], num_kv_heads=num_kv_heads, head_dim=head_dim,
+        kv_bytes_per_element=KV_BYTES[kv_dtype],
         max_context=max_context, note=f"parameters × {weights_dtype}" + ("; TensorRT" if trt else ""),
         kv_copies=2 if trt else 1, context_note=context_note)
 
@@ -169,14 +124,21 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
     TensorRT when ``trt`` (the KV held twice).
 
     Args:
+        kv_dtype: None, or the bundle's own dtype (``fp32`` for a ``float32`` bundle): the runtime keeps the KV
+            cache in the bundle's dtype (its graph's present outputs are of it), whatever ``--kv-dtype`` says.
         plan: the engine file the user named, when sizing came from it (only for the error below).
 
     Raises:
-        ValueError: ``trt`` for a fused bundle (TensorRT builds only the step graph); no ONNX graph to size (nor,
-            with ``trt``, an engine).
+        ValueError: ``kv_dtype`` is not the bundle's dtype; ``trt`` for a fused bundle (TensorRT builds only the step
+            graph); no ONNX graph to size (nor, with ``trt``, an engine).
     """
     from runtime.bundle import external_data_file, load_config
     config = load_config(bundle_dir)
+    if kv_dtype is not None and KV_BYTES[kv_dtype] != KV_BYTES[config.dtype]:  # fp16 is float16, fp32 float32
+        how = "with" if kv_dtype == "fp16" else "without"
+        raise ValueError(f"{bundle_dir}: the runtime keeps this bundle's KV cache in its dtype, {config.dtype}, so "
+                         f"--kv-dtype {kv_dtype} would size a cache it never holds; drop --kv-dtype, or size a bundle "
+                         f"exported {how} --fp16")
     if trt and config.graph != "step":
         fix = "size the bundle directory, without --trt" if plan else "size it without --trt"
         raise ValueError(f"{plan or bundle_dir}: the bundle holds a {config.graph} graph, which runs on onnxruntime "
@@ -201,25 +163,38 @@ def from_bundle(bundle_dir: Path, kv_dtype: str | None, trt: bool = False, plan:
     return ModelMemory(
         name=f"bundle {bundle_dir} ({config.source_model})", weights_bytes=weights, num_params=None,
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        kv_bytes_per_element=KV_BYTES[kv_dtype or config.dtype], max_context=config.max_context, note=note,
+        kv_bytes_per_element=KV_BYTES[config.dtype], max_context=config.max_context, note=note,
         max_batch=1 if is_fused else None, kv_copies=2 if trt else 1)
 
 
-def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
-    """The sizing table of one model as text: batches above the model's ``max_batch`` left out, contexts above its
-    ``max_context`` capped to it, each said so.
+def reports(models: list[ModelMemory], batches: list[int], contexts: list[int], reserve_gib: float) -> str:
+    """The sizing tables of ``models`` (:func:`report`), one after another.
 
     Raises:
-        ValueError: no batch of ``batches`` runs on the model (a fused bundle runs one sequence at a time: the
-            runtime refuses a batch above 1 on it, whatever the window).
+        ValueError: no batch of ``batches`` runs on any of them (:meth:`ModelMemory.can_run`: all fused bundles,
+            all batches above 1); where some run, a model on which none does is one line in its place.
     """
+    if not any(model.can_run(batch) for model in models for batch in batches):
+        raise ValueError(f"{models[0].name} {_runs_none(models[0], batches)}; pass --batch 1, or size a bundle "
+                         "exported with --graph step for larger batches")
+    return "\n\n".join(report(model, batches, contexts, reserve_gib) for model in models)
+
+
+def _runs_none(model: ModelMemory, batches: list[int]) -> str:
+    """Why ``model`` is sized at none of ``batches``: its ``max_batch`` is below them all."""
+    return (f"runs at most {model.max_batch} sequence(s) at once (a fused bundle), so --batch "
+            f"{' '.join(map(str, batches))} leaves nothing to size")
+
+
+def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_gib: float) -> str:
+    """The sizing table of one model as text: batches the model cannot run (:meth:`ModelMemory.can_run`) left out,
+    contexts above its ``max_context`` capped to it, each said so; where it runs none of ``batches``, one line
+    saying so."""
+    runnable = [b for b in batches if model.can_run(b)]
+    if not runnable:
+        return f"== {model.name} left out: it {_runs_none(model, batches)} (add 1 to --batch to size it)"
     per_token = model.kv_bytes(1, 1)
     lines = [f"== {model.name}"]
-    runnable = [b for b in batches if model.max_batch is None or b <= model.max_batch]
-    if not runnable:
-        raise ValueError(f"{model.name} runs at most {model.max_batch} sequence(s) at once (a fused bundle), so "
-                         f"--batch {' '.join(map(str, batches))} leaves nothing to size; pass --batch 1, or size a "
-                         "bundle exported with --graph step for larger batches")
     if runnable != batches:
         lines.append(f"batch {', '.join(str(b) for b in batches if b not in runnable)} left out: this bundle runs "
                      f"at most {model.max_batch} sequence(s) at once")
@@ -280,31 +255,14 @@ def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False
     return from_hf_config(config, weights_dtype, kv_dtype or "fp16", trt)
 
 
-def _read_json(path: Path) -> dict:
-    """The JSON object in ``path``; ValueError naming the path where it cannot be read or holds none."""
-    try:
-        raw = json.loads(path.read_bytes().decode())
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:  # a ValueError: before JSONDecodeError's
-        raise ValueError(f"{path} is not a Hugging Face config.json (not UTF-8 text); give a bundle directory or a "
-                         "model's config.json") from e
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays nested too deeply
-        raise ValueError(f"{path} is not a Hugging Face config.json (not valid JSON: {e}); give a bundle directory "
-                         "or a model's config.json") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a Hugging Face config.json (it holds no JSON object); give a bundle "
-                         "directory or a model's config.json")
-    return raw
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime.memory", description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="+", help="bundle directories or Hugging Face config.json files")
     p.add_argument("--weights-dtype", default="fp16", choices=sorted(BYTES_PER_PARAM),
                    help="weights dtype for config.json sizing (default fp16; bundles use their files)")
     p.add_argument("--kv-dtype", default=None, choices=["fp16", "fp32"],
-                   help="KV cache dtype (default: the bundle's dtype; fp16 for config.json)")
+                   help="KV cache dtype of a config.json's sizing (default fp16); a bundle's KV cache is in its "
+                        "own dtype, the only one accepted here")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="batch sizes (default 1 4 8)")
     p.add_argument("--context", type=int, nargs="+", default=[512, 2048, 8192, 32768],
                    help="context lengths in tokens (default 512 2048 8192 32768; capped at the model's)")
@@ -314,7 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "is always sized for TensorRT)")
     p.add_argument("--reserve-gib", type=float, default=0.0,
                    help="memory kept for OS, CUDA context and activations, subtracted from each budget")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.batch = list(dict.fromkeys(args.batch))  # a batch size given twice is sized once, in the order given
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_options(args)
         models = [load(Path(p), args.weights_dtype, args.kv_dtype, args.trt) for p in args.paths]
-        text = "\n\n".join(report(m, args.batch, args.context, args.reserve_gib) for m in models)
+        text = reports(models, args.batch, args.context, args.reserve_gib)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Model types of the MARS authors' published checkpoints and the transformers model type of their weights.
 
 Torch-free, so that both the exporter (:mod:`mars_export.model_source`, which loads such a
-checkpoint) and the runtime's sizing (:mod:`runtime.memory`, which reads its ``config.json``)
+checkpoint) and the runtime's sizing (:mod:`runtime.hf_config`, which reads its ``config.json``)
 read the one table.
 
 The model types of the MARS authors' code (github.com/Xalp/MARS, dllm/pipelines/a2d/models,

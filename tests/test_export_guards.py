@@ -367,6 +367,20 @@ def test_an_output_that_is_a_file_is_refused_before_the_model_loads(checkpoint, 
     assert os.listdir(tmp_path) == ["out"]
 
 
+def test_an_output_reached_through_a_missing_folder_is_checked_where_it_lands(checkpoint, tmp_path, capsys,
+                                                                              no_model_load):
+    """-o a/new/../../mine --force, new/ missing: the OS follows that '..' only once the export has made new/, and
+    then the path is mine/, a folder that is no bundle: refused before the model loads, nothing made."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    out = tmp_path / "a" / "new" / ".." / ".." / "mine"
+    code, err = run_export(capsys, checkpoint, out, "--block", "4", "--force")
+    assert code == 2 and err == [f"error: -o {out} is not a MARS bundle (no mars_config.json) and not empty; --force "
+                                 "replaces only a bundle: choose another -o, or move its files away"], err
+    assert files_under(tmp_path) == {"mine/notes.txt": b"keep me"} and os.listdir(tmp_path / "a") == []
+
+
 def test_force_fills_an_empty_folder_and_removes_dead_exports_leftovers(checkpoint, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -20,7 +20,7 @@ from tiny_models import make_a2d_checkpoint, make_checkpoint
 
 from mars_export.context import max_context_of
 from mars_export.model_source import load_model
-from runtime import memory
+from runtime import hf_config, memory
 
 CONFIGS = Path(__file__).resolve().parents[1] / "samples" / "jetson" / "configs"
 TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -39,7 +39,7 @@ TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidd
 ], ids=["llama", "llama-tied-biases", "llama-head-dim", "qwen2", "qwen2-tied", "qwen3", "phi3", "phi3-tied"])
 def test_parameter_count_equals_torch(config):
     model = AutoModelForCausalLM.from_config(config)
-    assert memory.count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
+    assert hf_config.count_parameters(config.to_dict()) == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("name, expected", [("qwen2.5-0.5b-instruct", 494_032_768),
@@ -74,7 +74,7 @@ def test_config_sizing_by_dtype(tmp_path):
     path = tmp_path / "tiny" / "config.json"
     path.parent.mkdir()
     Qwen2Config(**TINY, tie_word_embeddings=False).to_json_file(path)
-    num_params = memory.count_parameters(Qwen2Config(**TINY, tie_word_embeddings=False).to_dict())
+    num_params = hf_config.count_parameters(Qwen2Config(**TINY, tie_word_embeddings=False).to_dict())
     for dtype, bytes_per in [("fp32", 4), ("fp16", 2), ("int8", 1), ("int4", 0.5)]:
         sized = memory.from_hf_config(path, dtype, "fp16")
         assert sized.weights_bytes == int(num_params * bytes_per)
@@ -123,6 +123,9 @@ def config_json(tmp_path: Path, **changes) -> Path:
     (lambda tmp, bundle: bundle, ["--batch", "0"], "--batch 0: a batch size must be >= 1"),
     (lambda tmp, bundle: bundle, ["--context", "512", "-5"], "--context -5: a context must be >= 1"),
     (lambda tmp, bundle: bundle, ["--reserve-gib", "nan"], "--reserve-gib nan: must be a number of GiB >= 0"),
+    (lambda tmp, bundle: bundle, ["--kv-dtype", "fp16"],
+     "the runtime keeps this bundle's KV cache in its dtype, float32, so --kv-dtype fp16 would size a cache it never "
+     "holds; drop --kv-dtype, or size a bundle exported with --fp16"),
     (lambda tmp, bundle: tmp, [], "is neither a MARS bundle nor a Hugging Face config.json"),
     (lambda tmp, bundle: bundle / "model.onnx", [], "model.onnx is not a Hugging Face config.json (not UTF-8 text)"),
     (lambda tmp, bundle: (tmp / "c.json").write_text("[1]") and tmp / "c.json", [], "(it holds no JSON object)"),
@@ -132,19 +135,29 @@ def config_json(tmp_path: Path, **changes) -> Path:
     (lambda tmp, bundle: config_json(tmp, head_dim=0), [], "head_dim must be a positive integer, got 0"),
     (lambda tmp, bundle: config_json(tmp, num_hidden_layers=None), [], "lacks 'num_hidden_layers'"),
     (lambda tmp, bundle: config_json(tmp, max_position_embeddings="x"), [],
-     "max_position_embeddings must be a positive integer (the model's context in tokens), got 'x'"),
+     "config.json's max_position_embeddings must be a positive integer, got 'x'"),
     (lambda tmp, bundle: config_json(tmp, max_position_embeddings=None), [],
-     "max_position_embeddings must be a positive integer (the model's context in tokens), got None"),
-], ids=["batch-0", "negative-context", "nan-reserve", "no-bundle", "onnx-file", "json-list", "string-field",
+     "config.json's max_position_embeddings must be a positive integer, got None"),
+], ids=["batch-0", "negative-context", "nan-reserve", "bundle-kv-dtype", "no-bundle", "onnx-file", "json-list", "string-field",
         "zero-heads", "zero-head-dim", "null-layers", "string-context", "no-context"])
 def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extra, message):
     """No traceback, no table: one line naming the bad value or file and what is allowed, exit status 2."""
     _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
     path = make(tmp_path, bundle)
     assert memory.main([str(path), *extra]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
     assert message in captured.err, captured.err
+
+
+def test_null_kv_heads_and_head_dim_are_derived_as_transformers_derives_them(tmp_path):
+    """A null num_key_value_heads or head_dim means every attention head and hidden_size / heads (a null
+    max_position_embeddings is refused instead: test_bad_inputs_are_one_error_line, "no-context")."""
+    sized = memory.from_hf_config(config_json(tmp_path, num_key_value_heads=None, head_dim=None), "fp16", "fp16")
+    config = LlamaConfig(**{**TINY, "num_key_value_heads": None})
+    assert (sized.num_kv_heads, sized.head_dim) == (config.num_key_value_heads, config.head_dim) == (4, 16)
+    assert sized.num_params == hf_config.count_parameters(config.to_dict())
 
 
 @pytest.mark.parametrize("changes", [{"rope_scaling": "yarn"}, {"rope_parameters": [1, 2]},
@@ -179,6 +192,41 @@ def test_contexts_above_the_models_are_capped_to_it(tiny_bundle, capsys):
     assert rows == [["1", "64"], ["1", str(max_context)]]
 
 
+def test_a_batch_given_twice_is_sized_once(tiny_bundle, capsys):
+    """--batch 4 1 4: rows and largest contexts for batch 4, then 1, each once (in the order given)."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
+    assert memory.main([str(bundle), "--batch", "4", "1", "4", "--context", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out if line.endswith("fits")] == [["4", "64"], ["1", "64"]]
+    assert "  Orin Nano 8GB  B=4: 512  B=1: 512" in out  # the tiny bundle's max context
+
+
+def test_a_fused_bundle_at_batches_it_cannot_run_is_left_out_of_a_run_that_sizes_others(tiny_bundle, tmp_path,
+                                                                                          capsys):
+    """A fused bundle runs one sequence at a time: beside a step bundle, --batch 2 sizes the step bundle and says in
+    one line that the fused one was left out and why; with nothing else to size it is one error line, exit status 2
+    (test_fused: a real fused bundle)."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # what exporting the bundle printed, when this test exports it
+    fused = tmp_path / "fused"
+    shutil.copytree(bundle, fused)
+    raw = json.loads((bundle / "mars_config.json").read_text())
+    (fused / "mars_config.json").write_text(json.dumps({**raw, "graph": "fused"}))
+    assert memory.main([str(fused), str(bundle), "--batch", "2", "--context", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if str(fused) in line] == [
+        f"== bundle {fused} ({raw['source_model']}) left out: it runs at most 1 sequence(s) at once (a fused bundle), "
+        "so --batch 2 leaves nothing to size (add 1 to --batch to size it)"]
+    assert f"== bundle {bundle} ({raw['source_model']})" in out and "    2      64" in "\n".join(out)
+    assert memory.main([str(fused), str(fused), "--batch", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"error: bundle {fused} ({raw['source_model']}) runs at most 1 sequence(s) at once (a fused bundle), so "
+        "--batch 2 leaves nothing to size; pass --batch 1, or size a bundle exported with --graph step for larger "
+        "batches\n")
+
+
 def test_a_quantized_bundle_names_its_weights_dtype(tiny_bundle, tmp_path, capsys):
     """An int8 bundle's weights are int8, its activations and KV float32: the note says both."""
     _, bundle = tiny_bundle("llama", 4)
@@ -190,6 +238,24 @@ def test_a_quantized_bundle_names_its_weights_dtype(tiny_bundle, tmp_path, capsy
     out = capsys.readouterr().out
     assert "(model.onnx on disk (int8 weights, float32 activations and KV))" in out
     assert f"KV cache {2 * 2 * 2 * 16 * 4:,} bytes per token" in out
+
+
+def test_kv_dtype_is_free_for_a_config_json_and_the_bundles_own_for_a_bundle(tiny_bundle, tmp_path, capsys):
+    """--kv-dtype sizes a config.json's cache either way (an export yet to be made: --fp16 or not); a bundle's cache is
+    in the bundle's dtype (runtime.backends), so there it may only name that dtype (a float32 bundle refuses fp16:
+    test_bad_inputs_are_one_error_line)."""
+    _, bundle = tiny_bundle("llama", 4)  # 2 layers, 2 KV heads, 16 dims, float32
+    fp16 = tmp_path / "fp16"
+    shutil.copytree(bundle, fp16)
+    raw = json.loads((bundle / "mars_config.json").read_text())
+    (fp16 / "mars_config.json").write_text(json.dumps({**raw, "dtype": "float16"}))
+    assert memory.load(bundle, "fp16", "fp32").kv_bytes(1, 1) == memory.load(bundle, "fp16", None).kv_bytes(1, 1) \
+        == 2 * 2 * 2 * 16 * 4
+    assert memory.load(fp16, "fp16", "fp16").kv_bytes(1, 1) == 2 * 2 * 2 * 16 * 2
+    with pytest.raises(ValueError, match="in its dtype, float16, so --kv-dtype fp32 .*exported without --fp16$"):
+        memory.load(fp16, "fp16", "fp32")
+    config = CONFIGS / "qwen2.5-0.5b-instruct" / "config.json"
+    assert memory.load(config, "fp16", "fp32").kv_bytes(1, 1) == 2 * memory.load(config, "fp16", "fp16").kv_bytes(1, 1)
 
 
 def test_tensorrt_holds_the_kv_cache_twice(tiny_bundle, tmp_path, capsys):
@@ -256,7 +322,7 @@ def test_a_config_json_lacking_fields_is_sized_with_transformers_defaults(fields
     assert sized.max_context == expected == max_context_of(AutoConfig.from_pretrained(path.parent))[0]
 
 
-@pytest.mark.parametrize("model_type", [*memory.ARCHS, "a2d-qwen2"])
+@pytest.mark.parametrize("model_type", [*hf_config.ARCHS, "a2d-qwen2"])
 def test_a_config_json_lacking_max_position_embeddings_is_sized_to_transformers_default(model_type, tmp_path):
     """Without max_position_embeddings a config.json holds transformers' default for its model type, as the export of
     the checkpoint does (a llama file was sized to a max context of 0 tokens before, its bundle holding 2048)."""

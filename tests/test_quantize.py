@@ -94,6 +94,7 @@ def test_config_records_precision_and_parity(quantized_bundle, arch, weight_dtyp
 @pytest.mark.parametrize("arch, weight_dtype", CASES)
 def test_runtime_runs_the_quantized_bundle(quantized_bundle, arch, weight_dtype, capsys):
     fp32, bundle = quantized_bundle(arch, weight_dtype)
+    capsys.readouterr()  # what making the checkpoint and exporting the bundles printed, when this test makes them
     code = generate.main([str(bundle), "--prompt", "hello", "--max-new-tokens", "8", "--json", "--tau", "0.5"])
     out = capsys.readouterr()
     assert code == 0 and out.err.strip() == ""

@@ -7,6 +7,7 @@ chat templates are rendered with jinja2 in a sandbox, as transformers does.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import jinja2
@@ -108,7 +109,9 @@ def _special_tokens(config: dict) -> dict:
     return {name: config[name] for name in names if isinstance(config.get(name), str)}
 
 
+@lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
+    """The template, compiled once per string: compiling costs about 100 renders of a short chat."""
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored():
+    """A command run in-process may configure logging for itself (``scripts/gpu_train.py`` calls
+    ``logging.basicConfig(force=True)``, ``mars-train`` sets the level to INFO): after the test, its
+    handlers (on that test's captured stderr, or a log file) are closed and removed and the root level
+    restored, so later tests neither see INFO records nor "--- Logging error ---" on their stderr."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in before and type(h).__module__ != "_pytest.logging"]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

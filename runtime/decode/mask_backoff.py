@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The longest run of steps without masks between two probes. Plain MARS with the shipped adapter gains a token from
-# about 3% of its masked steps, so the backoff mostly sits here: one W-token step per 17, about 1% over AR's cost.
+# about 4% of its masked steps, so the backoff mostly sits here (one W-token step per 17 once there; about one step
+# in ten in a 96-token answer): measured 0.96-1.03x the speed of AR (BENCHMARKS.md, "Adaptive masks").
 MAX_BACKOFF = 16
 
 

@@ -364,13 +364,20 @@ class Engine:
             taus[seq.slot] = np.nextafter(tau32, np.float32(-np.inf)) if float(tau32) > float(tau) else tau32
         return taus
 
-    def _first_read_position(self, seq: Sequence, width: int) -> int | None:
-        """The window position (0..w-1) whose output's confidence the acceptance rule reads first in this step of
-        the decoding row ``seq`` (as :meth:`_accept` slices its predictions and :func:`accept` reads them: the
-        output after its real tokens and drafts), or None where it reads none."""
+    def _read_inputs(self, seq: Sequence, width: int) -> tuple[int, int, int]:
+        """(r, k, end) of the decoding row ``seq`` in a step of width ``width``, as :meth:`_accept` slices its
+        predictions: its r real inputs, then k drafts, read up to input ``end`` (its solo width); the inputs from
+        r + k to ``end`` are masks it reads."""
         num_real = min(len(seq.uncached), width)
         end = min(self.scheduler.solo_width(seq, self.default_tau), width)
-        position = num_real + min(len(seq.drafts), end - num_real)
+        return num_real, min(len(seq.drafts), end - num_real), end
+
+    def _first_read_position(self, seq: Sequence, width: int) -> int | None:
+        """The window position (0..w-1) whose output's confidence the acceptance rule reads first in this step of
+        the decoding row ``seq`` (as :func:`accept` reads them: the output after its real tokens and drafts), or
+        None where it reads none (no mask is read)."""
+        num_real, num_drafts, end = self._read_inputs(seq, width)
+        position = num_real + num_drafts
         return position if position < end else None
 
     def _accept(self, seq: Sequence, outputs: np.ndarray, is_block: bool, reads: str) -> Accepted:
@@ -410,7 +417,7 @@ class Engine:
                 self._count_prefilled(seq, acc.num_committed)
                 continue
             if seq.mask_backoff is not None and acc.tokens:
-                self._record_masks(seq, acc)
+                self._record_masks(seq, acc, plan.width)
             seq.add_tokens(acc.tokens)
             seq.result.num_forwards += 1
             seq.uncached, seq.mask_drafts = (seq.uncached + acc.tokens)[acc.num_committed:], acc.mask_drafts
@@ -425,15 +432,13 @@ class Engine:
                 self._finish(seq, out.finish_reason)
         return [out for _, out in advanced]
 
-    def _record_masks(self, seq: Sequence, acc: Accepted) -> None:
-        """Adaptive masks: tell the row's backoff whether this step read a mask prediction of the row (the inputs
-        up to its own width, as :meth:`_accept` reads them) and whether a mask gained a token. Call before
-        :meth:`_commit` moves the row's uncached tokens on."""
-        width = self.scheduler.solo_width(seq, self.default_tau)
-        num_real = min(len(seq.uncached), width)
-        num_drafts = min(len(seq.drafts), width - num_real)
+    def _record_masks(self, seq: Sequence, acc: Accepted, width: int) -> None:
+        """Adaptive masks: tell the row's backoff whether this step (of width ``width``) read a mask prediction of
+        the row (:meth:`_read_inputs`) and whether a mask gained a token. Call before :meth:`_commit` moves the
+        row's uncached tokens on."""
+        num_real, num_drafts, end = self._read_inputs(seq, width)
         gained = tokens_from_masks(len(acc.tokens), num_drafts, seq.drafts_from_masks) > 0
-        seq.mask_backoff.record(fed_masks=width > num_real + num_drafts, gained=gained)
+        seq.mask_backoff.record(fed_masks=end > num_real + num_drafts, gained=gained)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.result.finish_reason = reason

@@ -87,21 +87,38 @@ def chat_ids(bundle: Path, text: str) -> list[int]:
     return Tokenizer(bundle).encode_chat([{"role": "user", "content": text}])
 
 
+class MaskedSteps:
+    """Spy on a backend: ``count`` is the forwards whose input ids held the mask token (decode steps with masks)."""
+
+    def __init__(self, backend, mask_token_id: int):
+        self.count, step = 0, backend.step
+
+        def spy(ids, *args, **kwargs):
+            self.count += int(mask_token_id in ids)
+            return step(ids, *args, **kwargs)
+
+        backend.step = spy
+
+
 def check_same_as_python(binary: Path, bundle: Path, prompts: list[tuple[str, str]], taus, max_new: int,
                          num_threads: int, block_size: int | None = None) -> list[dict]:
-    """Run C and Python on every prompt and tau; assert equal ids and counts; return the C counts."""
+    """Run C and Python on every prompt and tau; assert equal ids and counts (the decode forwards that fed masks
+    too); return the C counts."""
     config = load_config(bundle)
-    decoder = Decoder(OnnxBackend(bundle, config, num_threads=num_threads), config)
+    backend = OnnxBackend(bundle, config, num_threads=num_threads)
+    masked, decoder = MaskedSteps(backend, config.mask_token_id), Decoder(backend, config)
     all_counts = []
     for kind, text in prompts:
         ids = chat_ids(bundle, text)
         for tau in taus:
+            masked.count = 0
             expected = decoder.generate(ids, DecodeParams(tau=tau, max_new_tokens=max_new, block_size=block_size))
             got, counts = wrapper.run_binary(binary, bundle, ids, tau, max_new, block_size, num_threads, timeout=600)
             where = f"{kind} prompt {text[:50]!r} at tau={tau}, block_size={block_size}"
             assert got == expected.token_ids, f"C and Python ids differ on the {where}"
-            assert (counts["num_forwards"], counts["num_prefill_forwards"], counts["finish_reason"]) == (
-                expected.num_forwards, expected.num_prefill_forwards, expected.finish_reason), where
+            assert (counts["num_forwards"], counts["num_prefill_forwards"], counts["finish_reason"],
+                    counts["num_masked_forwards"]) == (expected.num_forwards, expected.num_prefill_forwards,
+                                                       expected.finish_reason, masked.count), where
             all_counts.append({"tau": tau, "python_tps": expected.summary()["decode_tokens_per_second"], **counts})
     return all_counts
 

@@ -49,6 +49,7 @@ typedef struct {
     int64_t *token_ids;          /* [max_new_tokens] generated ids, first num_tokens used */
     int num_tokens;
     int num_forwards;            /* decode forwards */
+    int num_masked_forwards;     /* decode forwards that fed mask tokens after the real ones (w > r) */
     int num_prefill_forwards;
     double seconds;              /* whole generation, prefill included */
     double prefill_seconds;
@@ -189,6 +190,7 @@ static void generate(StepGraph *graph, KVCache *cache, const MarsConfig *cfg, co
         int width = num_pending + (args->tau < 1.0 ? block_size - 1 : 0);
         width = !graph->is_window_dynamic || width > W ? W : width;
         run_window(graph, cache, pending, num_pending, width, cfg->mask_token_id);
+        out->num_masked_forwards += width > num_pending;
         int budget = args->max_new_tokens - out->num_tokens;
         float *rows = graph->logits + (size_t)(num_pending - 1) * (size_t)cfg->vocab_size;  /* [T, V] */
         num_pending = accept(rows, width - num_pending + 1, cfg, args->tau, budget < block_size ? budget : block_size, pending);
@@ -207,10 +209,10 @@ static void print_result(const Generation *g, size_t huge_page_bytes) {
     double decode_seconds = g->seconds - g->prefill_seconds;
     fprintf(stderr, "{\"num_tokens\": %d, \"num_forwards\": %d, \"num_prefill_forwards\": %d, \"tpf\": %.6f, "
             "\"seconds\": %.6f, \"prefill_seconds\": %.6f, \"decode_tokens_per_second\": %.3f, "
-            "\"finish_reason\": \"%s\", \"huge_page_bytes\": %zu}\n", g->num_tokens, g->num_forwards,
-            g->num_prefill_forwards, (double)g->num_tokens / (g->num_forwards > 0 ? g->num_forwards : 1), g->seconds,
-            g->prefill_seconds, decode_seconds > 0 ? g->num_tokens / decode_seconds : 0.0,
-            g->is_stopped ? "stop" : "length", huge_page_bytes);
+            "\"finish_reason\": \"%s\", \"num_masked_forwards\": %d, \"huge_page_bytes\": %zu}\n", g->num_tokens,
+            g->num_forwards, g->num_prefill_forwards, (double)g->num_tokens / (g->num_forwards > 0 ? g->num_forwards : 1),
+            g->seconds, g->prefill_seconds, decode_seconds > 0 ? g->num_tokens / decode_seconds : 0.0,
+            g->is_stopped ? "stop" : "length", g->num_masked_forwards, huge_page_bytes);
 }
 
 int main(int argc, char **argv) {

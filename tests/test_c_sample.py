@@ -101,7 +101,7 @@ class MaskedSteps:
 
 
 def check_same_as_python(binary: Path, bundle: Path, prompts: list[tuple[str, str]], taus, max_new: int,
-                         num_threads: int, block_size: int | None = None) -> list[dict]:
+                         num_threads: int, block_size: int | None = None, adaptive_masks: bool = False) -> list[dict]:
     """Run C and Python on every prompt and tau; assert equal ids and counts (the decode forwards that fed masks
     too); return the C counts."""
     config = load_config(bundle)
@@ -112,13 +112,16 @@ def check_same_as_python(binary: Path, bundle: Path, prompts: list[tuple[str, st
         ids = chat_ids(bundle, text)
         for tau in taus:
             masked.count = 0
-            expected = decoder.generate(ids, DecodeParams(tau=tau, max_new_tokens=max_new, block_size=block_size))
-            got, counts = wrapper.run_binary(binary, bundle, ids, tau, max_new, block_size, num_threads, timeout=600)
-            where = f"{kind} prompt {text[:50]!r} at tau={tau}, block_size={block_size}"
+            expected = decoder.generate(ids, DecodeParams(tau=tau, max_new_tokens=max_new, block_size=block_size,
+                                                          adaptive_masks=adaptive_masks))
+            got, counts = wrapper.run_binary(binary, bundle, ids, tau, max_new, block_size, num_threads, timeout=600,
+                                             adaptive_masks=adaptive_masks)
+            where = f"{kind} prompt {text[:50]!r} at tau={tau}, block_size={block_size}, adaptive={adaptive_masks}"
             assert got == expected.token_ids, f"C and Python ids differ on the {where}"
             assert (counts["num_forwards"], counts["num_prefill_forwards"], counts["finish_reason"],
                     counts["num_masked_forwards"]) == (expected.num_forwards, expected.num_prefill_forwards,
                                                        expected.finish_reason, masked.count), where
+            assert counts["tpf"] == pytest.approx(expected.tpf, abs=1e-6), where
             all_counts.append({"tau": tau, "python_tps": expected.summary()["decode_tokens_per_second"], **counts})
     return all_counts
 
@@ -136,6 +139,28 @@ def test_tiny_models_same_ids_as_python(mars_c, tiny_bundle, arch, window):
     counts = check_same_as_python(mars_c, bundle, tiny_prompts(), TINY_TAUS, TINY_MAX_NEW, num_threads=1)
     assert any(c["tpf"] > 1.0 for c in counts), "no multi-token step was exercised"
     check_same_as_python(mars_c, bundle, tiny_prompts()[:1], (0.5,), TINY_MAX_NEW, num_threads=1, block_size=2)
+
+
+@pytest.mark.runtime_python
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.usefixtures("shared_data")
+def test_adaptive_masks_same_ids_as_python(mars_c, tiny_bundle, arch):
+    """--adaptive-masks against DecodeParams(adaptive_masks=True): the same ids, decode forwards, TPF and forwards
+    that fed masks. At these taus the tiny models' masks gain tokens on some steps and miss on others, so rows back
+    off (fewer forwards feed masks than without the flag) and still gain tokens from the probes. At tau 1 and
+    block size 1 no mask is fed, so there is nothing to back off from: the same as without the flag."""
+    _, bundle = tiny_bundle(arch, 4)
+    taus = (0.3, 0.5)
+    fixed = check_same_as_python(mars_c, bundle, tiny_prompts(), taus, TINY_MAX_NEW, num_threads=1)
+    adaptive = check_same_as_python(mars_c, bundle, tiny_prompts(), taus, TINY_MAX_NEW, num_threads=1,
+                                    adaptive_masks=True)
+    assert sum(a["num_masked_forwards"] for a in adaptive) < sum(f["num_masked_forwards"] for f in fixed) / 2
+    assert any(a["num_masked_forwards"] < a["num_forwards"] for a in adaptive), "no step ran without masks"
+    assert any(a["tpf"] > 1.0 for a in adaptive), "no mask gained a token with adaptive masks"
+    for tau, block_size in [(1.0, None), (0.5, 1)]:
+        counts = check_same_as_python(mars_c, bundle, tiny_prompts()[:2], (tau,), TINY_MAX_NEW, num_threads=1,
+                                      block_size=block_size, adaptive_masks=True)
+        assert all(c["num_masked_forwards"] == 0 and c["tpf"] == 1.0 for c in counts)
 
 
 @pytest.mark.usefixtures("shared_data")
@@ -225,17 +250,21 @@ def test_default_model_same_ids_as_python(mars_c, default_bundle):
 
 
 @pytest.mark.usefixtures("shared_data")
-def test_wrapper_text_equals_python(mars_c, tiny_bundle, capsys):
+@pytest.mark.parametrize("adaptive_masks", [False, True])
+def test_wrapper_text_equals_python(mars_c, tiny_bundle, capsys, adaptive_masks):
     _, bundle = tiny_bundle("llama", 4)
     capsys.readouterr()  # what exporting the bundle printed, when this test exports it
     kind, text = tiny_prompts()[0]
+    flags = ["--adaptive-masks"] if adaptive_masks else []
     assert wrapper.main([str(bundle), "--prompt", text, "--chat", "--tau", "0.5", "--max-new-tokens", "20",
-                         "--threads", "1", "--binary", str(mars_c), "--json"]) == 0
+                         "--threads", "1", "--binary", str(mars_c), "--json", *flags]) == 0
     out = json.loads(capsys.readouterr().out)
     config = load_config(bundle)
     expected = Decoder(OnnxBackend(bundle, config, num_threads=1), config).generate(
-        chat_ids(bundle, text), DecodeParams(tau=0.5, max_new_tokens=20))
+        chat_ids(bundle, text), DecodeParams(tau=0.5, max_new_tokens=20, adaptive_masks=adaptive_masks))
     assert out["token_ids"] == expected.token_ids
+    assert out["num_forwards"] == expected.num_forwards
+    assert (out["num_masked_forwards"] < out["num_forwards"]) is adaptive_masks  # backed off, or masks every step
     assert out["text"] == Tokenizer(bundle).decode(expected.token_ids)
 
 
@@ -377,6 +406,7 @@ def test_sanitized_build_runs_clean_through_cache_growth(mars_c, mars_c_sanitize
     prompt = [(i * 7) % 200 + 3 for i in range(300)]  # 2 prefill chunks
     env = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
     for case, args in [(bundle, ["--tau", "0.5"]), (bundle, ["--tau", "1.0", "--block-size", "2"]),
+                       (bundle, ["--tau", "0.5", "--adaptive-masks"]),
                        (fp16, ["--tau", "0.5"]), (fixed, ["--tau", "0.9"])]:
         command = [str(case), *args, "--max-new-tokens", "150", "--threads", "1"]
         ids = " ".join(map(str, prompt))

@@ -1,6 +1,7 @@
 /* mars_c: prefill + the MARS acceptance loop (arXiv 2604.07023, §3) on the ONNX Runtime C API.
  *
  *   mars_c BUNDLE_DIR [--ids FILE|-] [--tau T] [--block-size N] [--max-new-tokens N] [--threads N]
+ *          [--adaptive-masks]
  *
  * Reads whitespace-separated prompt token ids (FILE, or stdin for "-", the default),
  * prints the generated ids on stdout as one line, and one JSON object with the counts on
@@ -12,7 +13,10 @@
  *     tau < 1 and r at tau >= 1 (no mask can be accepted) where the window axis is dynamic,
  *     else W; the logits at rows r-1 .. w-1 are the T = w - r + 1 predictions; the mask token's logit is set to
  *     the float32 minimum (it is never generated); accept (accept() below); only the KV
- *     of the r real tokens is committed; the accepted tokens are the next pending ones.
+ *     of the r real tokens is committed; the accepted tokens are the next pending ones;
+ *   - adaptive masks (--adaptive-masks, as DecodeParams.adaptive_masks): a step feeds its B - 1 masks only
+ *     while the backoff (mask_backoff.c) lets it, else w = r; after each step the backoff records whether
+ *     masks were fed (w > r) and whether one gained a token (more than the AR token accepted).
  */
 #include <float.h>
 #include <math.h>
@@ -29,11 +33,14 @@
 
 static const char USAGE[] =
     "usage: mars_c BUNDLE_DIR [--ids FILE|-] [--tau T] [--block-size N] [--max-new-tokens N] [--threads N]\n"
+    "              [--adaptive-masks]\n"
     "  --ids FILE         whitespace-separated prompt token ids; '-' (default) reads stdin\n"
     "  --tau T            confidence threshold >= 0 (probability of the argmax); >= 1 is greedy AR (default 1.0)\n"
     "  --block-size N     most tokens accepted per step, 1..B (default: the bundle's B)\n"
     "  --max-new-tokens N most tokens to generate, >= 1 (default 128)\n"
     "  --threads N        onnxruntime intra-op threads, 0..256; 0 lets onnxruntime choose (default 0)\n"
+    "  --adaptive-masks   feed mask tokens only while they gain tokens: after a step whose masks gained none,\n"
+    "                     run 1, 2, 4, 8, then 16 steps without masks between probes (default off)\n"
     "Prints the generated ids on stdout (one line) and the counts as one JSON object on stderr.\n";
 
 typedef struct {
@@ -43,6 +50,7 @@ typedef struct {
     int block_size;              /* 0 = the bundle's B */
     int max_new_tokens;          /* >= 1 */
     int num_threads;             /* 0..MAX_THREADS */
+    int adaptive_masks;          /* 1: feed masks only while they pay (mask_backoff.c) */
 } Args;
 
 typedef struct {
@@ -73,10 +81,11 @@ static long parse_long(const char *option, const char *text, long min, long max)
 }
 
 static void parse_args(Args *args, int argc, char **argv) {
-    *args = (Args){NULL, "-", 1.0, 0, 128, 0};
+    *args = (Args){NULL, "-", 1.0, 0, 128, 0, 0};
     for (int k = 1; k < argc; k++) {
         const char *a = argv[k];
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) { fputs(USAGE, stdout); exit(EXIT_SUCCESS); }
+        if (strcmp(a, "--adaptive-masks") == 0) { args->adaptive_masks = 1; continue; }  /* a flag: no value */
         if (a[0] != '-' || a[1] == '\0') {
             CHECK(require(args->bundle_dir == NULL, "unexpected argument '%s'\n%s", a, USAGE));
             args->bundle_dir = a;
@@ -168,6 +177,16 @@ static int accept(float *rows, int T, const MarsConfig *cfg, double tau, int max
 
 /* ---- prefill + decode loop --------------------------------------------------------- */
 
+/* The decode step's window w, as the Python scheduler's (Scheduler._row_width, runtime/decode/scheduler.py):
+ * the r pending real tokens, then B - 1 masks where tau < 1 can accept them and, with adaptive masks, the
+ * backoff lets the row feed them; at most W; W on a graph whose window axis is fixed. */
+static int step_width(const StepGraph *graph, const Args *args, const MaskBackoff *backoff, int num_pending,
+                      int block_size) {
+    int feeds_masks = args->tau < 1.0 && (!args->adaptive_masks || backoff->skip == 0);
+    int width = num_pending + (feeds_masks ? block_size - 1 : 0);
+    return !graph->is_window_dynamic || width > graph->window ? graph->window : width;
+}
+
 static void generate(StepGraph *graph, KVCache *cache, const MarsConfig *cfg, const Args *args,
                      const int64_t *prompt, int num_prompt, Generation *out) {
     int W = cfg->window, block_size = args->block_size ? args->block_size : cfg->block_size;
@@ -185,15 +204,16 @@ static void generate(StepGraph *graph, KVCache *cache, const MarsConfig *cfg, co
     out->prefill_seconds = now_seconds() - start;
     int num_pending = 1;
     pending[0] = prompt[num_prompt - 1];
+    MaskBackoff backoff = {0, 0};
     while (!out->is_stopped && out->num_tokens < args->max_new_tokens) {
-        /* steps only as wide as needed (runtime/decode/scheduler.py): masks only where tau < 1 can accept them */
-        int width = num_pending + (args->tau < 1.0 ? block_size - 1 : 0);
-        width = !graph->is_window_dynamic || width > W ? W : width;
+        int width = step_width(graph, args, &backoff, num_pending, block_size), fed_masks = width > num_pending;
         run_window(graph, cache, pending, num_pending, width, cfg->mask_token_id);
-        out->num_masked_forwards += width > num_pending;
+        out->num_masked_forwards += fed_masks;
         int budget = args->max_new_tokens - out->num_tokens;
         float *rows = graph->logits + (size_t)(num_pending - 1) * (size_t)cfg->vocab_size;  /* [T, V] */
         num_pending = accept(rows, width - num_pending + 1, cfg, args->tau, budget < block_size ? budget : block_size, pending);
+        /* without drafts every token after the first (the AR token) is a mask's (mask_backoff.tokens_from_masks) */
+        if (args->adaptive_masks) mask_backoff_record(&backoff, fed_masks, num_pending > 1);
         memcpy(out->token_ids + out->num_tokens, pending, (size_t)num_pending * sizeof(int64_t));
         out->num_tokens += num_pending;
         out->is_stopped = is_stop_id(cfg, pending[num_pending - 1]);

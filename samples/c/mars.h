@@ -49,6 +49,16 @@ typedef struct {
 void anon_ranges_read(AnonRanges *r);
 size_t collapse_new_ranges(const AnonRanges *before);
 
+/* ---- adaptive masks (mask_backoff.c; runtime/decode/mask_backoff.py) -------------
+ * One sequence's backoff state: the next step feeds masks while skip is 0. */
+typedef struct {
+    int skip;                    /* steps left to run without masks (0: the next step feeds masks) */
+    int backoff;                 /* length of the last run without masks (0 after a step whose masks gained) */
+} MaskBackoff;
+/* Update after one decode step: fed_masks = the step fed at least one mask token, gained = a token
+ * came from a mask (here, without drafts: the step accepted more than its one AR token). */
+void mask_backoff_record(MaskBackoff *backoff, int fed_masks, int gained);
+
 /* ---- the bundle config (mars_config.json), only the fields this program needs ---- */
 #define MAX_EOS_IDS 16
 #define MAX_NAME 256

@@ -1,7 +1,7 @@
 """Run the C sample (samples/c, binary ``mars_c``) on text: tokenize, generate in C, detokenize.
 
     python samples/c/mars_c.py BUNDLE --prompt TEXT [--chat] [--tau T] [--block-size N]
-                               [--max-new-tokens N] [--threads N] [--binary PATH] [--json]
+                               [--max-new-tokens N] [--threads N] [--adaptive-masks] [--binary PATH] [--json]
 
 The prompt is encoded with the bundle's tokenizer (``runtime.text.tokenizer.Tokenizer``; with
 ``--chat`` as one user message through the chat template), the ids go to the binary on
@@ -38,7 +38,7 @@ def binary_problem(binary: str | Path) -> str | None:
 
 def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], tau: float = 1.0,
                max_new_tokens: int = 128, block_size: int | None = None, num_threads: int = 0,
-               timeout: float | None = None) -> tuple[list[int], dict]:
+               timeout: float | None = None, adaptive_masks: bool = False) -> tuple[list[int], dict]:
     """Generate with the C binary.
 
     Args:
@@ -48,11 +48,13 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
         tau, max_new_tokens, block_size: as in ``runtime.decode.params.DecodeParams`` (probability metric).
         num_threads: onnxruntime intra-op threads, 0 = onnxruntime's choice.
         timeout: seconds before the binary is killed (None: no limit).
+        adaptive_masks: feed masks only while they gain tokens, as ``DecodeParams.adaptive_masks``
+            (``runtime.decode.mask_backoff``).
 
     Returns:
         The generated ids, and the counts (``num_tokens``, ``num_forwards``,
         ``num_prefill_forwards``, ``tpf``, ``seconds``, ``prefill_seconds``,
-        ``decode_tokens_per_second``, ``finish_reason``).
+        ``decode_tokens_per_second``, ``finish_reason``, ``num_masked_forwards``, ``huge_page_bytes``).
 
     Raises:
         MarsCError: the binary failed (bad bundle, bad ids, onnxruntime error).
@@ -62,6 +64,8 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
                str(max_new_tokens), "--threads", str(num_threads)]
     if block_size is not None:
         command += ["--block-size", str(block_size)]
+    if adaptive_masks:
+        command.append("--adaptive-masks")
     proc = subprocess.run(command, input=" ".join(map(str, prompt_ids)), capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
@@ -78,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's choice)")
+    p.add_argument("--adaptive-masks", action="store_true",
+                   help="feed mask tokens only while they pay: after a step whose masks gained no token, back off "
+                        "1, 2 .. 16 steps without masks (runtime.decode.mask_backoff)")
     p.add_argument("--binary", default=str(DEFAULT_BINARY), help=f"the mars_c binary (default {DEFAULT_BINARY})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p.parse_args(argv)
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
                else tokenizer.encode(args.prompt))
         token_ids, counts = run_binary(args.binary, args.bundle, ids, args.tau, args.max_new_tokens,
-                                       args.block_size, args.threads)
+                                       args.block_size, args.threads, adaptive_masks=args.adaptive_masks)
     except (BundleError, ValueError, MarsCError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -353,6 +353,18 @@ def test_bad_arguments_give_clear_error(mars_c, tiny_bundle, case):
     assert proc.returncode == 1 and proc.stderr.startswith(ERROR_PREFIX) and message in proc.stderr, proc.stderr
 
 
+def test_adaptive_masks_on_a_fixed_window_bundle_give_clear_error(mars_c, tiny_bundle, tmp_path):
+    """Every step of a fixed-window graph is W wide, so the flag could change nothing: refused in one line (the
+    Python runtime ignores it there), where the same bundle runs without the flag."""
+    fixed = fix_window(Path(shutil.copytree(tiny_bundle("llama", 4)[1], tmp_path / "fixed")), 4)
+    assert len(wrapper.run_binary(mars_c, fixed, [1, 2, 3], 0.5, 4, num_threads=1, timeout=120)[0]) == 4
+    with pytest.raises(wrapper.MarsCError) as error:
+        wrapper.run_binary(mars_c, fixed, [1, 2, 3], 0.5, 4, num_threads=1, timeout=120, adaptive_masks=True)
+    message = str(error.value)
+    assert message.startswith(ERROR_PREFIX) and "\n" not in message, message
+    assert "--adaptive-masks needs a step graph with a dynamic window axis" in message and "W = 4 wide" in message
+
+
 def test_non_integer_ids_give_clear_error(mars_c, tiny_bundle):
     proc = subprocess.run([str(mars_c), str(tiny_bundle("llama", 4)[1])], input="1 2 x3", capture_output=True,
                           text=True, timeout=120)

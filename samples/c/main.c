@@ -260,6 +260,10 @@ int main(int argc, char **argv) {
     StepGraph graph;
     KVCache cache;
     step_graph_init(&graph, &cfg, args.bundle_dir, args.num_threads, (int)needed);
+    CHECK(require(!args.adaptive_masks || graph.is_window_dynamic, "--adaptive-masks needs a step graph with a "
+                  "dynamic window axis (exports since 2026-11-30), where a step without masks is narrower; every "
+                  "step of this bundle's graph is W = %d wide: re-export the bundle, or drop --adaptive-masks",
+                  cfg.window));
     kv_cache_init(&cache, &cfg, (int)needed);
     Generation result = {0};
     result.token_ids = MALLOC((size_t)args.max_new_tokens * sizeof(int64_t));

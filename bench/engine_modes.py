@@ -11,7 +11,8 @@ through the engine in AR mode (the baseline), threshold mode at each tau, verify
 with each draft source (masks, lookup, both), and threshold mode with lookup drafts at each
 tau and at tau 1 (where it must equal AR), each at every per-request block size (default:
 the bundle's B). ``--adaptive-masks`` runs every setting that feeds masks a second time with
-adaptive masks (:mod:`runtime.decode.mask_backoff`), right after it.
+adaptive masks (:mod:`runtime.decode.mask_backoff`), right after it; they need ``--schemes continuous``
+and a step graph that takes steps narrower than W (the block scheme runs every step W wide).
 Wall-clock covers prefill and decode of all requests (continuous batching admits them as
 slots free). Where it goes: the time inside onnxruntime's session calls (``graph_seconds``)
 and the rest, the runtime's own work (Python and numpy: scheduling, inputs, I/O binding,
@@ -36,7 +37,7 @@ from support import shared_data_file, shared_data_missing
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.engine import Engine, EngineConfig, why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError
 from runtime.evaluation.tasks import load_gsm8k, load_humaneval
 from runtime.text.tokenizer import Tokenizer
@@ -91,6 +92,9 @@ def run_config(backend, clock: GraphClock, config, prompts, scheme: str, batch_s
 def run(args) -> list[dict]:
     config = load_config(args.bundle)
     backend, tokenizer = OnnxBackend(args.bundle, config, num_threads=args.threads), Tokenizer(args.bundle)
+    for scheme in args.schemes if args.adaptive_masks else []:
+        if why := why_no_adaptive_masks(backend, scheme):
+            raise ParamError("adaptive_masks", f"--adaptive-masks with --schemes {scheme}: {why}")
     clock = GraphClock(backend.session)
     prompts = load_prompts(tokenizer, args.num_prompts)
     settings = [DecodeParams(mode="ar", max_new_tokens=args.max_new_tokens)]
@@ -138,7 +142,7 @@ def main() -> None:
         p.error(shared_data_missing())
     try:
         rows = run(args)
-    except ParamError as e:  # e.g. a prompt + --max-new-tokens beyond the bundle's context
+    except ParamError as e:  # e.g. a prompt + --max-new-tokens beyond the bundle's context, adaptive masks on block
         p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",

@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "threshold mode accepts masks by tau; default masks")
     p.add_argument("--adaptive-masks", action="store_true",
                    help="feed mask tokens only while they pay: after a step whose masks gained no token, back off "
-                        "1, 2 .. 16 steps without masks (runtime.decode.mask_backoff)")
+                        "1, 2 .. 16 steps without masks (runtime.decode.mask_backoff); needs a step graph with a "
+                        "dynamic window (exports since 2026-11-30)")
     p.add_argument("--metric", default="probability", choices=METRICS, help="confidence metric (default probability)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; so is anything below 1e-5); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")

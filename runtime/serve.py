@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-batch-size", type=int, default=None,
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
                         "engine's largest batch when smaller)")
-    g.add_argument("--scheme", default="continuous", choices=SCHEMES, help="batch scheme (default continuous)")
+    g.add_argument("--scheme", default="continuous", choices=SCHEMES,
+                   help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
+                        "adaptive masks)")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="tokens per slot (default: the model's context, or a TensorRT engine's profile)")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")

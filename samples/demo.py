@@ -7,7 +7,8 @@ Prompts: samples/prompts/demo_prompts.json (GSM8K test questions, HumanEval prom
 Each tau runs in threshold mode with the given draft source (DESIGN.md §3): ``masks`` is
 plain MARS; ``lookup`` / ``both`` also feed prompt-lookup drafts, verified exactly, before
 the masks. At tau = 1 the output is the greedy AR output whatever the draft source.
-``--adaptive-masks`` feeds masks only while they pay (:mod:`runtime.decode.mask_backoff`).
+``--adaptive-masks`` feeds masks only while they pay (:mod:`runtime.decode.mask_backoff`); a bundle whose
+step graph takes only W-token steps (exported before 2026-11-30) cannot, and the demo stops with one line.
 Uses only the torch-free runtime.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.decode.decoder import Decoder
+from runtime.decode.engine import why_no_adaptive_masks
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 
@@ -37,7 +39,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()
     config = load_config(args.bundle)
-    decoder, tokenizer = Decoder(OnnxBackend(args.bundle, config), config), Tokenizer(args.bundle)
+    backend = OnnxBackend(args.bundle, config)
+    if args.adaptive_masks and (why := why_no_adaptive_masks(backend)):
+        p.exit(2, f"error: {why}\n")
+    decoder, tokenizer = Decoder(backend, config), Tokenizer(args.bundle)
     prompts = json.loads(PROMPTS.read_text())["prompts"]
     print(f"bundle {args.bundle}: {config.source_model}, B={config.block_size}, W={config.window}, "
           f"draft {args.draft}{', adaptive masks' if args.adaptive_masks else ''}")

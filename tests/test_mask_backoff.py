@@ -1,15 +1,21 @@
 """Adaptive masks (runtime.decode.mask_backoff): the backoff rule, and the engine feeding masks only while they pay,
-on a tiny random model (its masks never pass tau 0.9, so every probe misses)."""
+on a tiny random model (its masks never pass tau 0.9, so every probe misses); where every step is W wide (the block
+scheme, a fixed-window graph) a request for them is refused, naming the fix."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from support import fix_window
 from transformers import AutoTokenizer
 
 from mars_export.parity import chat_prompt_ids
+from runtime import generate
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.decoder import Decoder
+from runtime.decode.engine import Engine, EngineConfig, why_no_adaptive_masks
 from runtime.decode.mask_backoff import MAX_BACKOFF, MaskBackoff, tokens_from_masks
 from runtime.decode.params import DecodeParams, ParamError
 
@@ -148,3 +154,52 @@ def test_an_adaptive_row_yields_the_same_beside_other_rows(tiny):
     while engine.has_unfinished():
         results.update((o.request_id, o.result.token_ids) for o in engine.step() if o.finished)
     assert [results[i] for i in ids] == solo
+
+
+# ------------------------------------------------------------------ where every step is W wide: refused, never ignored
+def adaptive(**fields) -> DecodeParams:
+    return DecodeParams(tau=0.9, max_new_tokens=8, adaptive_masks=True, **fields)
+
+
+def test_the_block_scheme_refuses_adaptive_masks_and_serves_the_other_requests(tiny):
+    """The block scheme runs every step W wide (it re-runs the block), so adaptive masks could not skip one: the
+    request is refused, naming the scheme and the fix; the engine then runs other requests as before."""
+    backend, config, prompts = tiny
+    engine = Engine(backend, config, EngineConfig(max_batch_size=2, scheme="block"))
+    with pytest.raises(ParamError, match=r"block scheme runs every step W wide.*--scheme continuous") as info:
+        engine.add_request(prompts[0], adaptive())
+    assert info.value.field == "adaptive_masks" and "\n" not in str(info.value)
+    assert not engine.has_unfinished()
+    plain = DecodeParams(tau=0.9, max_new_tokens=8)
+    assert [r.token_ids for r in engine.generate(prompts[:1], plain)] == run(tiny, plain)[0]
+
+
+@pytest.fixture(scope="module")
+def fixed_window(tiny_bundle, tmp_path_factory):
+    """A copy of the tiny bundle whose graph has a fixed window axis, as exports before 2026-11-30."""
+    _, bundle = tiny_bundle("llama", 4)
+    old = fix_window(shutil.copytree(bundle, tmp_path_factory.mktemp("fixed") / "bundle"), 4)
+    return old, OnnxBackend(old, load_config(old))
+
+
+def test_a_fixed_window_bundle_refuses_adaptive_masks(tiny, fixed_window):
+    """A graph that takes only W-token windows cannot run a step without masks: refused, naming the re-export;
+    the same request on the dynamic graph runs (why_no_adaptive_masks is the one rule)."""
+    backend, config, prompts = tiny
+    old, fixed = fixed_window
+    assert not fixed.is_window_dynamic
+    with pytest.raises(ParamError, match=r"model\.onnx takes exactly W = 4 tokens per step.*re-export the bundle "
+                                         r"with mars-export") as info:
+        Decoder(fixed, config).generate(prompts[0], adaptive())
+    assert info.value.field == "adaptive_masks"
+    assert why_no_adaptive_masks(backend) is None  # the dynamic graph, continuous scheme
+    assert Decoder(fixed, config).generate(prompts[0], DecodeParams(tau=0.9, max_new_tokens=8)).num_tokens == 8
+
+
+def test_generate_on_a_fixed_window_bundle_with_adaptive_masks_is_one_error_line(fixed_window, capsys):
+    old, _ = fixed_window
+    assert generate.main([str(old), "--prompt", "hi", "--tau", "0.9", "--adaptive-masks"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1 and err[0].startswith("error: adaptive masks")
+    assert "re-export" in err[0]

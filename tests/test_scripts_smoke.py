@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import export, load_script
+from support import export, fix_window, load_script
 from test_trt import GPU_MISSING
 from tiny_models import make_checkpoint
 
@@ -685,6 +685,33 @@ def test_demo_on_another_bundle(smoke_model):
               env={"BUNDLE": str(bundle)})
     assert out.count("tau=1.0") >= 6 and "### tau=0.5" in out and "draft both" in out, out[-1500:]
     assert re.search(r"decode tok/s at tau=0\.5 / tau=1\.0: \d+\.\d\dx", out), out[-500:]
+
+
+def test_demo_with_adaptive_masks_on_a_fixed_window_bundle_stops_with_one_line(tiny_bundle, tmp_path):
+    """A graph exported before 2026-11-30 takes only W-token steps: --adaptive-masks could skip no mask, so the
+    demo says so and what to do (re-export), exit status 2, before decoding anything."""
+    old = fix_window(shutil.copytree(tiny_bundle("llama", 4)[1], tmp_path / "old"), 4)
+    done = subprocess.run([sys.executable, "samples/demo.py", str(old), "--adaptive-masks", "--max-new-tokens", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("error: adaptive masks cannot act") and "re-export" in err[0]
+
+
+@pytest.mark.usefixtures("shared_data")
+def test_engine_modes_refuses_adaptive_masks_on_the_block_scheme(smoke_model, tmp_path):
+    """The block scheme runs every step W wide: --adaptive-masks with it (both schemes are the default) stops
+    before any run, naming --schemes and the continuous scheme, and writes nothing."""
+    _, bundle = smoke_model
+    done = subprocess.run([sys.executable, "bench/engine_modes.py", str(bundle), "--adaptive-masks", "--taus", "0.9",
+                           "--batch-sizes", "1", "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1",
+                           "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--adaptive-masks with --schemes block" in errors[0]
+    assert "use the continuous scheme" in errors[0] and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("make", [lambda path: (path / "notes.txt").write_text("mine"), lambda path: None],

@@ -440,3 +440,22 @@ def test_gpu_check_refuses_an_empty_prompt_set(tmp_path):
         with pytest.raises(ValueError, match="no prompts to check"):
             gpu_check.load_prompts(path, num)
     assert len(gpu_check.load_prompts(None, 2)) == 2
+
+
+def test_a_tensorrt_engine_refuses_adaptive_masks_naming_the_bundle_directory(engine_bundle, standin):
+    """The profile fixes W, so no step can go without masks: a request for adaptive masks is refused (naming the
+    fix: the bundle directory on onnxruntime), in both schemes; the engine then serves the other requests."""
+    from runtime.backends.trt import TrtBackend
+    from runtime.decode.engine import Engine, EngineConfig
+    from runtime.decode.params import DecodeParams, ParamError
+    config = load_config(engine_bundle)
+    trt = TrtBackend(engine_bundle, config)
+    for scheme, why in [("continuous", r"TensorRT engine's optimization profile fixes the window at W = 4.*serve "
+                                       r"the bundle directory instead of engine\.plan"),
+                        ("block", "block scheme runs every step W wide")]:
+        engine = Engine(trt, config, EngineConfig(max_batch_size=2, scheme=scheme))
+        with pytest.raises(ParamError, match=why) as info:
+            engine.add_request([1, 2, 3], DecodeParams(tau=0.9, max_new_tokens=4, adaptive_masks=True))
+        assert info.value.field == "adaptive_masks"
+        assert engine.generate([[1, 2, 3]], DecodeParams(tau=0.9, max_new_tokens=4))[0].num_tokens == 4
+        engine.cache.close()

@@ -46,6 +46,9 @@ class OnnxBackend:
 
     Attributes:
         huge_page_bytes: bytes of the session's memory moved onto huge pages at load (0 where none).
+        is_window_dynamic: the graph's window axis is dynamic: steps narrower than W (exports since 2026-11-30).
+        why_window_fixed: with a fixed window axis, why every step is W wide and what to do
+            (:func:`runtime.decode.engine.why_no_adaptive_masks` quotes it); else None.
         why_no_gate: without the confidence gate (``takes_confidence_gate`` False), why this bundle on this
             provider has none and what to do (:func:`runtime.bundle.why_no_confidence_gate`); else None.
 
@@ -73,6 +76,9 @@ class OnnxBackend:
         _check_io(self.session, config, path)
         # A symbolic window axis (exports since 2026-11-30) also runs T-token prefill forwards.
         self.is_window_dynamic = isinstance(self.session.get_inputs()[0].shape[1], str)
+        self.why_window_fixed = None if self.is_window_dynamic else (
+            f"{path.name} takes exactly W = {config.window} tokens per step (a step graph exported before "
+            "2026-11-30); re-export the bundle with mars-export, whose step graphs take narrower steps")
         # Batch and past length are dynamic axes: any batch, any past up to the model's context;
         # a fused graph runs batch 1 and writes its KV into the past in place (runtime.backends.fused).
         self.fused = FusedStep(self.session, ort, config) if config.graph == "fused" else None

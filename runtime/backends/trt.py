@@ -96,6 +96,7 @@ class TrtBackend:
     Attributes:
         max_batch, max_past: the largest batch and past length of the engine's optimization
             profile; no step may feed more.
+        is_window_dynamic: False: the profile fixes the window at W; ``why_window_fixed`` says so.
         kv_dtype: the engine's KV dtype (the bundle's).
 
     Raises:
@@ -128,6 +129,9 @@ class TrtBackend:
         _check_kv_in_place(self.engine, self.context, config.num_layers, path)
         self.kv_dtype = np.dtype(config.dtype)
         self.is_window_dynamic = False  # the optimization profile fixes W (runtime.trt_build)
+        self.why_window_fixed = (f"a TensorRT engine's optimization profile fixes the window at W = {config.window} "
+                                 f"tokens (runtime.trt_build); serve the bundle directory instead of {path.name} "
+                                 "(onnxruntime; --provider cuda on a GPU)")
         # The engine feeds no larger batch nor past (KV cache capacity) than the profile accepts.
         self.max_batch, self.max_past = profile_limits(lambda name: self.engine.get_tensor_profile_shape(name, 0))
         self.buffers: dict[str, DeviceTensor] = {}  # name -> device buffer (shape = (capacity in bytes,))

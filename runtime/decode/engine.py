@@ -49,7 +49,7 @@ from runtime.decode.kv_cache import KVCache
 from runtime.decode.mask_backoff import tokens_from_masks
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
 from runtime.decode.sampling import is_greedy, select
-from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan
+from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan, can_narrow_steps
 from runtime.decode.sequence import Sequence
 
 
@@ -144,6 +144,31 @@ def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) 
     return limit if max_seq_len is None else max_seq_len
 
 
+def why_no_adaptive_masks(backend, scheme: str = "continuous") -> str | None:
+    """The rule of where adaptive masks (:mod:`runtime.decode.mask_backoff`) can act: they skip masks by running a
+    step narrower than W (:func:`runtime.decode.scheduler.can_narrow_steps`), so where every step is W wide they
+    would change nothing, and a request for them is refused (:meth:`Engine.add_request`) rather than ignored.
+
+    Args:
+        backend: the backend: ``is_window_dynamic``, and ``why_window_fixed`` (why a fixed window is fixed and
+            what to do) where it says.
+        scheme: the batch scheme (:class:`runtime.decode.decoder.Decoder` runs ``continuous``).
+
+    Returns:
+        None where they act; else the refusal, one line naming the cause and the fix: the block scheme, or a
+        backend whose window axis is fixed (a TensorRT engine, a step graph exported before 2026-11-30).
+    """
+    if can_narrow_steps(scheme, backend.is_window_dynamic):
+        return None
+    if scheme == "block":
+        why = ("the block scheme runs every step W wide (it re-runs the block at a fixed shape); use the continuous "
+               "scheme (python -m runtime.serve --scheme continuous, the default)")
+    else:
+        why = getattr(backend, "why_window_fixed", None) or "this backend runs every step W wide"
+    return (f"adaptive masks cannot act here: they skip masks by running steps narrower than the window W, and "
+            f"{why}; or turn adaptive masks off")
+
+
 class Engine:
     """Continuous-batching MARS decoder over a backend with ``step`` (onnxruntime or TensorRT).
 
@@ -156,9 +181,14 @@ class Engine:
             A backend with a dynamic window also takes ``step(..., logits=False)`` (prefill
             forwards, whose logits are not read).
             A backend may offer ``make_cache`` (``KVCache``'s arguments) to hold the KV cache
-            where it computes (:meth:`runtime.backends.trt.TrtBackend.make_cache`).
+            where it computes (:meth:`runtime.backends.trt.TrtBackend.make_cache`), and, with a fixed
+            window, ``why_window_fixed`` (:func:`why_no_adaptive_masks` quotes it).
         config: the bundle config.
         engine_config: batch size, scheme and per-slot length.
+
+    Attributes:
+        why_no_adaptive_masks: where every step is W wide, why and what to do (a request for adaptive masks is
+            refused with it); None where they act (:func:`why_no_adaptive_masks`).
 
     Raises:
         ValueError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
@@ -177,6 +207,7 @@ class Engine:
         self.prefill_chunk = engine_config.prefill_chunk if self.is_window_dynamic else 0
         self.scheduler = Scheduler(engine_config.max_batch_size, config.window, engine_config.scheme,
                                    self.prefill_chunk, self.is_window_dynamic)
+        self.why_no_adaptive_masks = why_no_adaptive_masks(backend, engine_config.scheme)  # None: they act
         self._default_tau = 1.0
         self.num_steps = 0  # batch forwards run so far
 
@@ -211,11 +242,14 @@ class Engine:
 
         Raises:
             ParamError: empty prompt or an id outside the vocabulary (field ``prompt``), block_size
-                above the bundle's B (``block_size``), or max_new_tokens beyond :meth:`room`
-                (``max_new_tokens``).
+                above the bundle's B (``block_size``), max_new_tokens beyond :meth:`room`
+                (``max_new_tokens``), or adaptive masks where every step is W wide (``adaptive_masks``,
+                :func:`why_no_adaptive_masks`).
         """
         cfg = self.config
         check_prompt_ids(prompt_ids, cfg.vocab_size)
+        if params.adaptive_masks and self.why_no_adaptive_masks:
+            raise ParamError("adaptive_masks", self.why_no_adaptive_masks)
         block_size = params.block_size or cfg.block_size
         if block_size > cfg.block_size:
             raise ParamError("block_size", f"block_size {block_size} exceeds the bundle's block size {cfg.block_size}")

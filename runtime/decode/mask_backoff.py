@@ -13,6 +13,11 @@ A mask "gains a token" when its prediction is accepted by tau, or, fed as the ne
 same on any machine and beside any other rows. It changes which steps carry masks, so in threshold mode at
 tau < 1 the tokens can differ from a row that feeds masks every step (more of them are exact AR tokens); where the
 output is greedy AR whatever the masks (tau >= 1, verify mode), only the forward count changes.
+
+A step without masks saves work only by being narrower than W: the continuous scheme on a graph whose window axis is
+dynamic. In the block scheme, on a TensorRT engine (its profile fixes W) and on step graphs exported before
+2026-11-30 every step is W wide, so the engine refuses a request for adaptive masks there, naming the fix
+(:func:`runtime.decode.engine.why_no_adaptive_masks`), rather than ignoring it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,14 @@ SCHEMES = ("continuous", "block")
 MAX_PREFILL_PADDING = 0.1
 
 
+def can_narrow_steps(scheme: str, is_window_dynamic: bool) -> bool:
+    """Whether a step may be narrower than W (only as wide as its widest row needs): the continuous scheme on a
+    graph whose window axis is dynamic. The block scheme re-runs W-wide blocks, and a fixed window axis takes W
+    tokens, so there every step is W wide. Adaptive masks act only where this holds
+    (:func:`runtime.decode.engine.why_no_adaptive_masks`)."""
+    return scheme == "continuous" and is_window_dynamic
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step's plan.
@@ -81,7 +89,7 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free = list(range(num_slots))     # heap of free slots
         self.window, self.scheme, self.prefill_chunk = window, scheme, prefill_chunk
-        self.can_shrink = scheme == "continuous" and is_window_dynamic
+        self.can_shrink = can_narrow_steps(scheme, is_window_dynamic)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -14,7 +14,8 @@ summary table. Reported per (bundle, B, tau, draft source, adaptive masks): TPF,
 tokens/s and speed-up over AR, agreement with the bundle's own greedy AR output, GSM8K
 accuracy and HumanEval pass@1 (greedy, one sample); chat prompts (OpenAssistant trees) count
 in TPF and agreement only. ``--adaptive-masks`` runs every setting that feeds masks a second
-time with adaptive masks (``runtime.decode.mask_backoff``), right after it.
+time with adaptive masks (``runtime.decode.mask_backoff``), right after it; a bundle whose graph
+has a fixed window (exported before 2026-11-30) cannot run them and stops the run before it starts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
+from runtime.decode.engine import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
 from runtime.evaluation import tasks
 from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
@@ -71,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--adaptive-masks", action="store_true",
                    help="run every setting that feeds masks (tau < 1; tau 1 with --draft both) a second time with "
                    "adaptive masks, right after it: masks fed only while they gain tokens "
-                   "(runtime.decode.mask_backoff)")
+                   "(runtime.decode.mask_backoff); every bundle's step graph must take steps narrower than W "
+                   "(exports since 2026-11-30)")
     p.add_argument("--metric", default="probability", help="confidence metric: probability, margin or entropy")
     p.add_argument("--exec-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds each HumanEval test program may run (default {DEFAULT_TIMEOUT:g})")
@@ -129,13 +132,16 @@ def describe_bundles(args: argparse.Namespace, labels: dict[str, str], items: li
     """Per bundle: path, B, W, source model, and the block sizes to run.
 
     Checks every bundle before any decoding (config, tokenizer, graph file, block sizes,
-    prompt lengths), so a bad second bundle fails now rather than after the first one's run.
+    prompt lengths; with ``--adaptive-masks``, that its graph can run them: :func:`check_adaptive_masks`), so a
+    bad second bundle fails now rather than after the first one's run.
     """
     described = {}
     for bundle in args.bundles:
         config = load_config(bundle)
         if not (Path(bundle) / config.onnx_file).is_file():
             raise BundleError(f"{Path(bundle) / config.onnx_file} not found; re-export the bundle with mars-export")
+        if args.adaptive_masks:
+            check_adaptive_masks(bundle, config, args)
         encode_prompts(Tokenizer(bundle), items, args.max_new_tokens, config.window, config.max_context)
         sizes = plan_block_sizes(args.block_sizes, config.block_size)
         skipped = sorted(set(args.block_sizes or []) - set(sizes))
@@ -146,6 +152,19 @@ def describe_bundles(args: argparse.Namespace, labels: dict[str, str], items: li
                                      "window": config.window, "source_model": config.source_model,
                                      "block_sizes_run": sizes}
     return described
+
+
+def check_adaptive_masks(bundle: str, config, args: argparse.Namespace) -> None:
+    """With ``--adaptive-masks``: the bundle's graph must take steps narrower than W (its session is opened, then
+    dropped).
+
+    Raises:
+        UsageError: it cannot (:func:`runtime.decode.engine.why_no_adaptive_masks` says why and what to do).
+    """
+    from runtime.backends.onnx import OnnxBackend  # here: mars-eval imports this module without onnxruntime
+    why = why_no_adaptive_masks(OnnxBackend(bundle, config, args.provider, args.threads))
+    if why:
+        raise UsageError(f"--adaptive-masks on {bundle}: {why}")
 
 
 def make_settings(args: argparse.Namespace, bundles: dict) -> dict:

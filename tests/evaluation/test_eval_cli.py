@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+from support import fix_window
 
 from runtime.decode.decoder import Decoder
 from runtime.evaluation.answers import extract_answer, is_correct
@@ -249,3 +251,18 @@ def test_adaptive_masks_add_a_twin_after_each_run_that_feeds_masks(bundle, data,
     assert [[r.get(k) for k in same] for r in flagged if not r["adaptive_masks"]] == [[r.get(k) for k in same]
                                                                                       for r in plain]
     assert f" {draft} adaptive " in tables[True] and "adaptive" not in tables[False]
+
+
+def test_adaptive_masks_on_a_fixed_window_bundle_stop_before_any_decoding(bundle, data, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A graph exported before 2026-11-30 takes only W-token steps, so adaptive masks could skip no mask: one error
+    line naming that bundle and the re-export, before the first (good) bundle decodes anything."""
+    old = fix_window(shutil.copytree(bundle, tmp_path / "old"), 4)
+    decoded = []
+    monkeypatch.setattr(Decoder, "generate", lambda self, ids, params: decoded.append(params))
+    argv = [str(bundle), str(old), "--gsm8k", data[0], "--out", str(tmp_path / "out"), "--threads", "1"]
+    assert main([*argv, "--adaptive-masks"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --adaptive-masks on {old}: adaptive masks cannot act")
+    assert "re-export the bundle with mars-export" in err[0]
+    assert decoded == [] and not (tmp_path / "out").exists()

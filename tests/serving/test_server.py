@@ -461,3 +461,24 @@ def test_block_scheme_serves_the_same_ids(tiny_bundle, runtime_parts):
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
         assert mars["token_ids"] == decoder.generate(prompt_ids, DecodeParams(max_new_tokens=MAX_NEW)).token_ids
         assert streamed == tokenizer.decode(mars["token_ids"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_adaptive_masks_on_the_block_scheme_are_a_400_naming_the_fix(tiny_bundle, runtime_parts, stream):
+    """The block scheme runs every step W wide, so adaptive masks could skip no mask: the request is a 400 naming
+    the scheme and the fix (never silently decoded as if without them), and requests beside it decode as before."""
+    tokenizer, decoder = runtime_parts
+    _, bundle = tiny_bundle("llama", 4)
+    with serve(str(bundle), "--scheme", "block", "--max-batch-size", "2") as server, \
+            futures.ThreadPoolExecutor(3) as pool:
+        plain = [pool.submit(chat, server, text, stream=stream, extra_body={"tau": 1.0}) for text in PROMPTS[:2]]
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(server, PROMPTS[2], stream=stream, extra_body={"tau": 0.9, "adaptive_masks": True})
+        for text, done in zip(PROMPTS, plain):
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+            assert done.result()[2]["token_ids"] == decoder.generate(prompt_ids,
+                                                                     DecodeParams(max_new_tokens=MAX_NEW)).token_ids
+        assert server.health()["status"] == "ok" and server.metric('mars_requests_total{outcome="rejected"}') == 1
+    assert info.value.status_code == 400 and info.value.body["param"] == "adaptive_masks"
+    assert "block scheme runs every step W wide" in info.value.body["message"]
+    assert "--scheme continuous" in info.value.body["message"]

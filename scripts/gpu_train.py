@@ -106,7 +106,8 @@ def prepare(args: argparse.Namespace) -> list[Path]:
 
     Raises:
         ValueError: ``--revision`` without a hub id, or a hub id the cache and the hub do not have
-            (:func:`~mars_export.hub_model.fetch_snapshot`); a malformed prompt file.
+            (:func:`~mars_export.hub_model.fetch_snapshot`); a malformed prompt file; a directory with no
+            safetensors weights, one file or shards (:func:`~mars_export.training.transfer.read_weights`).
     """
     check_revision(args.model, args.revision)
     if args.model == DEFAULT_SPEC:

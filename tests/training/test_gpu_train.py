@@ -160,3 +160,22 @@ def test_a_directory_without_weights_is_one_line(files, message, tmp_path, capsy
     line, = capsys.readouterr().err.splitlines()
     assert line.startswith(f"error: {checkpoint}") and message in line, line
     assert not (tmp_path / "parts").exists()
+
+
+def test_parts_of_a_prepare_without_source_json_are_one_line_asking_to_prepare_again(tiny_parts, tmp_path, capsys):
+    """Parts written before prepare sent source.json (the base model's name) have none: train says to re-run
+    prepare (was a FileNotFoundError traceback) and names no base model it cannot know."""
+    _, parts = tiny_parts
+    info = json.loads((parts[-1] / "part.json").read_text())  # the last part as an older prepare wrote it
+    del info["files"][gpu_train.SOURCE_FILE]
+    (parts[-1] / "part.json").write_text(json.dumps(info))
+    (parts[-1] / gpu_train.SOURCE_FILE).unlink()
+    store, out = tmp_path / "store", tmp_path / "OUT"
+    for part in parts:
+        assert gpu_train.main(["receive", str(part), "--store", str(store)]) == 0
+    capsys.readouterr()
+    assert gpu_train.main(["train", "--store", str(store), "--out", str(out), "--max-steps", "1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"error: {store} has no {gpu_train.SOURCE_FILE} (the name of the model sent): its parts come "
+                      "from an older scripts/gpu_train.py prepare; run prepare again and send the new parts"]
+    assert not (out / "adapter").exists() and not (out / "train_log.json").exists()

@@ -32,6 +32,7 @@ from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id
 from mars_export.output_dir import check_output_dir, model_paths
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
+from runtime.command_line import ArgumentParser, UsageError
 from runtime.trt_build import MAX_CONTEXT_CAP, TrtBuildOptions
 
 FP32_PARITY_TOL = 1e-3
@@ -45,7 +46,7 @@ QUANT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
     p.add_argument("model", help=f"the model to export: {MODEL_SPECS_HELP}")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
     p.add_argument("--revision", default=None,
@@ -85,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, as the checks below
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problem = _precision_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -3,7 +3,8 @@
 In order: ``--block``; the one recorded with the model (``mars_block_size`` in the
 ``config.json`` that ``mars-train`` writes, ``block_size`` in the shipped adapter's
 ``mars_adapter.json`` for ``default-mars``); a ``blkN`` word anywhere in the checkpoint's
-name (between separators ``-``, ``_``, ``.`` or the name's ends), which is where the authors'
+name (between separators ``-``, ``_``, ``.`` or the name's ends; for a hub id the name after
+``owner/``, and the export says it came from the id), which is where the authors'
 published checkpoints keep it (``MARS-Qwen2.5-0.5B-blk4``, ``MARS-Qwen2.5-0.5B-blk8-no-sft``).
 A name with ``blk0`` or two different ``blkN`` is refused. Torch-free: it runs before the
 model is loaded, so a missing block size costs no model load.
@@ -48,8 +49,12 @@ def resolve_block_size(requested: int | None, spec: str, snapshot: HubSnapshot |
         raise ValueError(f"'{DEFAULT_SPEC}' is the base model, not trained for MARS, and records no block size: "
                          f"pass --block B, or export '{MARS_DEFAULT_SPEC}' (the shipped MARS adapter, block size "
                          f"{recorded_block_size(MARS_DEFAULT_SPEC)})")
+    if snapshot is not None:  # the id's name, not its folder in the hub cache, which the user never typed
+        guessed = block_size_in_names([snapshot.repo_id.split("/")[-1]])
+        if guessed is not None:
+            return guessed[0], f"from the hub id {snapshot.repo_id!r}"
     path = Path(location).resolve()
-    guessed = block_size_from_name(path)
+    guessed = None if snapshot else block_size_from_name(path)
     if guessed is not None:
         block, name = guessed
         where = "" if name in (path.name, path.stem) else f" {name!r} above it"
@@ -88,6 +93,15 @@ def block_size_from_name(path: Path) -> tuple[int, str] | None:
         names.append(path.parent.parent.name)
     if path.name.startswith("checkpoint-"):
         names.append(path.parent.name)
+    return block_size_in_names(names)
+
+
+def block_size_in_names(names: list[str]) -> tuple[int, str] | None:
+    """``(B, name)`` from the first of ``names`` with a ``blkN`` word (:func:`block_size_from_name`), or None.
+
+    Raises:
+        ValueError: the name says ``blk0``, or two different ``blkN``.
+    """
     for name in names:
         found = sorted({int(n) for n in _NAME_BLOCK.findall(name)})
         if len(found) > 1:

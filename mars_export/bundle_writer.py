@@ -19,6 +19,7 @@ from mars_export.model_source import LoadedModel
 from mars_export.onnx_export import export_step_graph, max_window
 from mars_export.output_dir import (
     check_output_dir,
+    landing_path,
     make_parent_folders,
     partial_prefix,
     remove_empty_folders,
@@ -109,11 +110,12 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
     config = replace(config, weight_dtype=weight_dtype, graph=graph)
     if graph == "fused":
         check_builder_accepts(loaded.model.config)  # before anything is written
-    made = make_parent_folders(out_dir)  # removed again, where still empty, should the export fail
+    target = landing_path(out_dir)  # -o a/new/../../x is x: no a/new made to pass through
+    made = make_parent_folders(target)  # removed again, where still empty, should the export fail
     tmp = None
     try:
-        remove_stale_partials(out_dir)
-        tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=out_dir.parent))
+        remove_stale_partials(target)
+        tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(target), dir=target.parent))
         if graph == "fused":
             quantized = weight_dtype is not None
             write_fused_graph(loaded.model, loaded.tokenizer, tmp / ONNX_FILE, fuse_projections=quantized,  # pays in int8
@@ -141,7 +143,7 @@ def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, wind
         config = replace(config, parity=parity)
         (tmp / CONFIG_FILE).write_text(config.to_json())
         check_output_dir(out_dir, list(loaded.source_paths), overwrite)  # again: the export took a while
-        _replace_dir(tmp, out_dir)
+        _replace_dir(tmp, target)
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -29,9 +29,10 @@ from pathlib import Path
 from mars_export.block_size import resolve_block_size
 from mars_export.default_model import MODEL_SPECS_HELP, check_model_spec
 from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id
-from mars_export.output_dir import check_output_dir, model_paths
+from mars_export.output_dir import check_output_dir, landing_if_other, landing_path, model_paths, named_path
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
+from runtime.command_line import ArgumentParser, UsageError
 from runtime.trt_build import MAX_CONTEXT_CAP, TrtBuildOptions
 
 FP32_PARITY_TOL = 1e-3
@@ -45,7 +46,7 @@ QUANT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="mars-export", description=__doc__.splitlines()[0])
     p.add_argument("model", help=f"the model to export: {MODEL_SPECS_HELP}")
     p.add_argument("-o", "--output", required=True, help="bundle directory to write")
     p.add_argument("--revision", default=None,
@@ -85,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, as the checks below
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problem = _precision_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
-    print(json.dumps({"bundle": args.output, "seconds": round(time.perf_counter() - start, 1),
+    bundle = landing_if_other(Path(args.output)) or args.output  # where it landed, if -o does not say it plainly
+    print(json.dumps({"bundle": str(bundle), "seconds": round(time.perf_counter() - start, 1),
                       "block_size": config.block_size, "window": config.window, "dtype": config.dtype,
                       "weight_dtype": config.weight_dtype, "graph": config.graph,
                       "engine_file": config.engine_file, "parity": config.parity}))
@@ -184,13 +190,14 @@ def _os_error_message(e: OSError, output: str | None) -> str:
     if output is None:
         todo = {errno.ENOSPC: "free space on its disk"}.get(e.errno, "check that path and its permissions")
         return f"cannot load the model: {where}{problem}; {todo}"
-    if path is not None and Path(path) in Path(output).parents:  # making the folders above -o
+    if path is not None and Path(path) in landing_path(Path(output)).parents:  # making the folders above -o
         where = f"cannot make the folder {path}: "
     todo = {errno.ENOSPC: "free space on its disk, or choose an -o on another disk",
             errno.EDQUOT: "free space in your quota, or choose an -o on another disk",
             errno.EACCES: "choose an -o where you may write", errno.EPERM: "choose an -o where you may write",
             errno.EROFS: "choose an -o on a writable disk"}.get(e.errno, "choose another -o")
-    return f"cannot write the bundle to -o {output}: {where}{problem}; {todo} (no bundle was written)"
+    return (f"cannot write the bundle to -o {named_path(Path(output))}: {where}{problem}; {todo} "
+            "(no bundle was written)")
 
 
 def _weight_dtype(args: argparse.Namespace) -> str | None:

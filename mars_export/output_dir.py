@@ -41,8 +41,9 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     """Raise if the bundle may not be written to ``out_dir``; nothing is left behind (:func:`check_can_write` makes
     a folder and removes it at once).
 
-    Checked where the export lands (:func:`landing_path`), so ``-o a/new/../../x`` is checked as ``x`` before the
-    export makes ``a/new``; the messages name ``out_dir`` as given.
+    Checked where the export lands (:func:`landing_path`), so ``-o a/new/../../x`` is checked as ``x``, which is where
+    the export writes it (making no ``a/new``); the messages name ``out_dir`` as given and, where they differ, where
+    it lands (:func:`named_path`).
 
     Raises:
         ValueError: ``out_dir`` is a symbolic link or not a directory, lies under a file, overlaps one of ``model_paths``
@@ -50,20 +51,20 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
             no folder can be made where the export makes its first one (:func:`check_can_write`).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
-    where = landing_path(out_dir)
+    where, named = landing_path(out_dir), named_path(out_dir)
     if where.is_symlink():
-        raise ValueError(f"-o {out_dir} is a symbolic link; give the directory it points to, or another -o")
+        raise ValueError(f"-o {named} is a symbolic link; give the directory it points to, or another -o")
     blocker = _file_on_path(where)
     if blocker is not None:
-        raise ValueError(f"-o {out_dir} lies under {blocker}, which is a file, not a directory, so no bundle can be "
+        raise ValueError(f"-o {named} lies under {blocker}, which is a file, not a directory, so no bundle can be "
                          "written there; choose another -o")
     check_apart_from_model(out_dir, model_paths, "-o")
     if where.exists() and not where.is_dir():
-        raise ValueError(f"-o {out_dir} is a file, not a directory; choose another -o")
+        raise ValueError(f"-o {named} is a file, not a directory; choose another -o")
     if where.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
+        raise FileExistsError(f"{named} already exists; choose another -o or pass --force to replace it")
     if where.exists() and not (where / CONFIG_FILE).is_file() and any(where.iterdir()):
-        raise ValueError(f"-o {out_dir} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
+        raise ValueError(f"-o {named} is not a MARS bundle (no {CONFIG_FILE}) and not empty; --force replaces "
                          "only a bundle: choose another -o, or move its files away")
     check_can_write(out_dir)
 
@@ -82,8 +83,8 @@ def check_can_write(out_dir: Path) -> None:
         problem = (e.strerror or str(e)).lower()
         todo = {errno.EROFS: "choose an -o on a writable disk", errno.EACCES: "choose an -o where you may write",
                 errno.EPERM: "choose an -o where you may write"}.get(e.errno, "choose another -o")
-        raise ValueError(f"-o {out_dir} cannot be written: no folder can be made in {base} ({problem}); "
-                         f"{todo}") from e
+        raise ValueError(f"-o {named_path(out_dir)} cannot be written: no folder can be made in {base} "
+                         f"({problem}); {todo}") from e
 
 
 def landing_path(out_dir: Path) -> Path:
@@ -94,6 +95,20 @@ def landing_path(out_dir: Path) -> Path:
     if out_dir.name == "..":
         return Path(os.path.realpath(out_dir))
     return Path(os.path.realpath(out_dir.parent), out_dir.name)
+
+
+def landing_if_other(path: Path) -> Path | None:
+    """Where ``path`` lands (:func:`landing_path`) where that differs from ``path`` in more than being relative (a
+    ``..`` or a symbolic link on the way), else None."""
+    where = landing_path(path)
+    return None if where == Path.cwd() / path else where
+
+
+def named_path(path: Path) -> str:
+    """``path`` as messages name it: as given, and where it lands if that is not plain from it
+    (:func:`landing_if_other`): ``a/new/../../x (that is /home/me/x)``."""
+    where = landing_if_other(path)
+    return str(path) if where is None else f"{path} (that is {where})"
 
 
 def _file_on_path(out_dir: Path) -> Path | None:
@@ -119,13 +134,14 @@ def check_apart_from_model(out_dir: Path, model_paths: list[Path], flag: str, wh
         source = _resolved(path)
         if source is not None and (target == source or target in source.parents):
             how = "is" if target == source else "contains"
-            raise ValueError(f"{flag} {out_dir} {how} {what} {path}; writing there could overwrite or delete "
-                             f"its files: choose another {flag}")
+            raise ValueError(f"{flag} {named_path(out_dir)} {how} {what} {path}; writing there could overwrite or "
+                             f"delete its files: choose another {flag}")
         for link in _links_under(path):
             real = _resolved(link)
             if real is not None and (target == real or target in real.parents):
-                raise ValueError(f"{flag} {out_dir} {'is' if target == real else 'holds'} {real}, which {what}'s "
-                                 f"{link} links to; writing there could overwrite or delete it: choose another {flag}")
+                raise ValueError(f"{flag} {named_path(out_dir)} {'is' if target == real else 'holds'} {real}, which "
+                                 f"{what}'s {link} links to; writing there could overwrite or delete it: choose "
+                                 f"another {flag}")
 
 
 def _resolved(path: Path) -> Path | None:

@@ -106,7 +106,8 @@ def prepare(args: argparse.Namespace) -> list[Path]:
 
     Raises:
         ValueError: ``--revision`` without a hub id, or a hub id the cache and the hub do not have
-            (:func:`~mars_export.hub_model.fetch_snapshot`); a malformed prompt file.
+            (:func:`~mars_export.hub_model.fetch_snapshot`); a malformed prompt file; a directory with no
+            safetensors weights, one file or shards (:func:`~mars_export.training.transfer.read_weights`).
     """
     check_revision(args.model, args.revision)
     if args.model == DEFAULT_SPEC:
@@ -171,7 +172,7 @@ def train(args: argparse.Namespace) -> dict:
     log = {"argv": sys.argv[1:], "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     checkpoint = assemble_checkpoint(store, store / "checkpoint-rebuilt")
-    log["base_model"] = json.loads((store / SOURCE_FILE).read_text())["base_model"]
+    log["base_model"] = read_base_model(store)
     log["rebuild_seconds"] = round(time.perf_counter() - begin, 1)
     logger.info("checkpoint rebuilt bit-exactly in %.1f s", log["rebuild_seconds"])
     log["distill"], mask_token = distill_checkpoint(checkpoint, store, args)
@@ -195,6 +196,19 @@ def train(args: argparse.Namespace) -> dict:
     logger.info("done in %.1f s: %d steps, %.2f epochs", log["total_seconds"], log["optimizer_steps"],
                 log["epochs_done"])
     return log
+
+
+def read_base_model(store: Path) -> str:
+    """The name of the model ``prepare`` sent (its ``source.json``), for the adapter and the log.
+
+    Raises:
+        ValueError: every part arrived but none held ``source.json``: an older ``prepare`` wrote them, and the
+            base model they hold cannot be named (the default's name would be wrong for any other model).
+    """
+    if not (store / SOURCE_FILE).is_file():
+        raise ValueError(f"{store} has no {SOURCE_FILE} (the name of the model sent): its parts come from an older "
+                         "scripts/gpu_train.py prepare; run prepare again and send the new parts")
+    return json.loads((store / SOURCE_FILE).read_text())["base_model"]
 
 
 def distill_checkpoint(checkpoint: Path, store: Path, args: argparse.Namespace) -> tuple[dict, str]:

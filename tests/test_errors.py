@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -205,6 +206,21 @@ def test_export_argument_errors(tiny_bundle, tmp_path, capsys, args, message):
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and message in err[0]
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "b", "--block", "abc"], "argument --block: invalid int value: 'abc'"),
+    (["-o", "b", "--graph", "nope"], "argument --graph: invalid choice: 'nope'"),
+    (["-o", "b", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: -o/--output")])
+def test_a_bad_command_line_is_one_error_line_as_mars_train_says_it(tmp_path, monkeypatch, capsys, args, message):
+    """argparse's refusals printed its usage block before 'mars-export: error: ...'; every other refusal (a flag
+    combination, the output, the model) is one 'error:' line: so are these now (runtime.command_line)."""
+    monkeypatch.chdir(tmp_path)
+    assert export_cli.main(["model", *args]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("make, message", [

@@ -20,7 +20,7 @@ from mars_export import cli as export_cli
 from mars_export.block_size import resolve_block_size
 from mars_export.context import config_fields, max_context_of
 from mars_export.onnx_export import export_step_graph
-from mars_export.output_dir import check_output_dir, make_parent_folders, remove_stale_partials
+from mars_export.output_dir import check_output_dir, make_parent_folders, named_path, remove_stale_partials
 from mars_export.parity import ParityError
 from mars_export.training import cli as train_cli
 from mars_export.training import distill as distill_module
@@ -370,15 +370,38 @@ def test_an_output_that_is_a_file_is_refused_before_the_model_loads(checkpoint, 
 def test_an_output_reached_through_a_missing_folder_is_checked_where_it_lands(checkpoint, tmp_path, capsys,
                                                                               no_model_load):
     """-o a/new/../../mine --force, new/ missing: the OS follows that '..' only once the export has made new/, and
-    then the path is mine/, a folder that is no bundle: refused before the model loads, nothing made."""
+    then the path is mine/, a folder that is no bundle: refused before the model loads, nothing made. The message
+    says which folder that is (it named only the path as typed)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     out = tmp_path / "a" / "new" / ".." / ".." / "mine"
     code, err = run_export(capsys, checkpoint, out, "--block", "4", "--force")
-    assert code == 2 and err == [f"error: -o {out} is not a MARS bundle (no mars_config.json) and not empty; --force "
-                                 "replaces only a bundle: choose another -o, or move its files away"], err
+    assert code == 2 and err == [f"error: -o {out} (that is {tmp_path / 'mine'}) is not a MARS bundle (no "
+                                 "mars_config.json) and not empty; --force replaces only a bundle: choose another -o, "
+                                 "or move its files away"], err
     assert files_under(tmp_path) == {"mine/notes.txt": b"keep me"} and os.listdir(tmp_path / "a") == []
+
+
+def test_an_output_reached_through_a_missing_folder_leaves_no_folder_behind(checkpoint, tmp_path, capsys):
+    """-o a/new/../../fresh, new/ missing: the bundle lands in fresh/; the export made a/new only to pass through
+    it and left it behind, empty. It makes only the folders above where the bundle lands (none here)."""
+    (tmp_path / "a").mkdir()
+    export(str(checkpoint), tmp_path / "a" / "new" / ".." / ".." / "fresh", 4, 4, "--mask-token", "<mask>")
+    assert (tmp_path / "fresh" / "mars_config.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["a", "fresh"] and os.listdir(tmp_path / "a") == []
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["bundle"] == str(tmp_path / "fresh")
+
+
+def test_an_output_is_named_as_typed_and_also_where_it_lands_where_that_is_not_plain(tmp_path, monkeypatch):
+    real = Path(os.path.realpath(tmp_path))
+    monkeypatch.chdir(real)
+    (real / "real").mkdir()
+    (real / "link").symlink_to("real")
+    assert [named_path(Path(p)) for p in ("bundle", "./bundle", str(real / "bundle"))] == \
+        ["bundle", "bundle", str(real / "bundle")]
+    assert named_path(Path("a/new/../../bundle")) == f"a/new/../../bundle (that is {real / 'bundle'})"
+    assert named_path(Path("link/bundle")) == f"link/bundle (that is {real / 'real' / 'bundle'})"
 
 
 def test_force_fills_an_empty_folder_and_removes_dead_exports_leftovers(checkpoint, tmp_path):

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,10 @@ from support import ROOT, export, load_script
 from tiny_models import make_a2d_checkpoint, make_checkpoint
 
 from mars_export import cli as export_cli
+from mars_export.block_size import resolve_block_size
 from mars_export.default_model import check_model_spec
-from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES, check_revision, fetch_snapshot,
-                                   is_hub_id)
+from mars_export.hub_model import (CONFIG_AND_TOKENIZER_FILES, SAFETENSORS_FILES, HubSnapshot, check_revision,
+                                   fetch_snapshot, is_hub_id)
 from mars_export.output_dir import check_output_dir, model_paths
 from mars_export.training import cli as train_cli
 from mars_export.training.config import TrainConfig
@@ -217,6 +219,25 @@ def test_a_hub_model_without_a_block_size_is_named_by_its_id(revision, resolved,
     assert str(snapshot) not in line and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("repo_id, expected", [
+    ("owner/tiny-blk4", (4, "from the hub id 'owner/tiny-blk4'")),
+    ("blk8/tiny", None),  # the owner is no part of the model's name (its cache folder is models--blk8--tiny)
+    ("owner/tiny-blk0", "the name 'tiny-blk0' gives block size 0 (blk0)")])
+def test_a_block_size_in_a_hub_ids_name_is_said_to_come_from_the_id(repo_id, expected, tmp_path, hub_cache):
+    """The export logged 'from the directory name 'models--owner--tiny-blk4' above it', the hub cache's folder,
+    which the user never typed; the id is where it came from (its revision and commit are on the line before)."""
+    path = make_hub_cache(hub_cache, repo_id, make_checkpoint("llama", tmp_path / "ckpt"))
+    snapshot = HubSnapshot(repo_id, "main", COMMIT, path)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            resolve_block_size(None, repo_id, snapshot)
+    elif expected is None:
+        with pytest.raises(ValueError, match="records no block size and its name has no 'blkN'"):
+            resolve_block_size(None, repo_id, snapshot)
+    else:
+        assert resolve_block_size(None, repo_id, snapshot) == expected
+
+
 def test_the_output_may_not_be_or_hold_a_cached_hub_model(tmp_path, hub_cache, monkeypatch):
     monkeypatch.chdir(tmp_path)
     snapshot = make_hub_cache(hub_cache, "owner/name", make_checkpoint("llama", tmp_path / "ckpt"))
@@ -243,8 +264,7 @@ def test_export_by_hub_id_from_the_cache(tmp_path):
     assert config.block_size == 4 and config.parity["max_abs_logit_diff"] <= 1e-3
     log = done.stderr.splitlines()
     assert f"model {REPO} (Hugging Face hub, revision main, commit {COMMIT})" in log
-    assert "block size 4 (from the directory name 'models--Xalphinions--MARS-tiny-qwen2-blk4' above it; " \
-           "pass --block to change)" in log
+    assert f"block size 4 (from the hub id '{REPO}'; pass --block to change)" in log
 
 
 def test_an_export_by_hub_id_resolves_it_once(tmp_path, hub_cache, monkeypatch):

@@ -18,12 +18,13 @@ import logging
 import sys
 
 from runtime.backends.providers import OnnxRuntimeMissing
+from runtime.command_line import ArgumentParser
 from mars_export.default_model import MODEL_SPECS_HELP
 from mars_export.training.config import LR_SCHEDULERS, PRECISIONS, LoraSettings, TrainConfig
 
 
-def make_train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mars-train", description="Fine-tune a causal LM with the MARS objective "
+def make_train_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="mars-train", description="Fine-tune a causal LM with the MARS objective "
                                 "(two streams, block size B, loss = CE(noisy) + alpha * CE(clean)).",
                                 epilog="Self-distillation data: mars-train distill --help")
     p.add_argument("model", metavar="MODEL", help=MODEL_SPECS_HELP)
@@ -65,8 +66,8 @@ def make_train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_distill_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mars-train distill",
+def make_distill_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="mars-train distill",
                                 description="Answer prompts with the model's own greedy AR output (the runtime "
                                             "engine at tau 1, continuous batching); write chat JSONL.")
     p.add_argument("model", metavar="MODEL",
@@ -83,6 +84,20 @@ def make_distill_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (default 0: its choice)")
     p.add_argument("--mask-token", default=None)
     return p
+
+
+def distill_main(argv: list[str]) -> int:
+    """``mars-train distill``; returns the exit status (2 on a bad argument or input, one ``error:`` line)."""
+    try:
+        args = make_distill_parser().parse_args(argv)
+        from mars_export.training.distill import distill
+        report = distill(args.model, args.prompts, args.output, args.max_new_tokens, args.batch_size,
+                         args.max_prompts, args.mask_token, args.threads, args.revision)
+    except (ValueError, OnnxRuntimeMissing) as err:  # a value, prompts or model (a hub error); no [cpu] extra
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -110,30 +125,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``mars-train``; returns the exit status (2 on a bad argument or input)."""
+    """Entry point of ``mars-train``; returns the exit status (2 on a bad argument or input, one ``error:`` line)."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["distill"]:
-        args = make_distill_parser().parse_args(argv[1:])
-        from mars_export.training.distill import distill
-        try:
-            report = distill(args.model, args.prompts, args.output, args.max_new_tokens, args.batch_size,
-                             args.max_prompts, args.mask_token, args.threads, args.revision)
-        except (ValueError, OnnxRuntimeMissing) as err:  # a value, prompts or model (a hub error); no [cpu] extra
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        print(report)
-        return 0
-    parser = make_train_parser()
-    args = parser.parse_args(argv)
+        return distill_main(argv[1:])
+    try:
+        config = config_from_args(make_train_parser().parse_args(argv))
+    except ValueError as err:  # how the command was typed; argparse's refusals are UsageErrors
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from mars_export.training.trainer import end_process_group, prepare_trainer, save_final_model
     try:
-        config = config_from_args(args)
-    except ValueError as err:  # how the command was typed: with its usage
-        parser.error(str(err))
-    try:
         trainer, resume_from = prepare_trainer(config)
-    except ValueError as err:  # what --output, the model (a hub error included) or the data hold: one line
+    except ValueError as err:  # what --output, the model (a hub error included) or the data hold
         print(f"error: {err}", file=sys.stderr)
         return 2
     trainer.train(resume_from_checkpoint=resume_from)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 MIB = 1 << 20
 MAX_CARRY_BYTES = 64 * MIB  # the most one device command receives, all carried files together
 MANIFEST_FILE, PART_FILE, WEIGHTS_FILE = "manifest.json", "part.json", "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's: its weight_map names each tensor's shard
 CHECKPOINT_DIR, PYTHON_DIR = "checkpoint", "python"
 
 
@@ -93,12 +94,44 @@ def _gguf_blocks(gguf_path: Path, names: list[str], config: dict) -> dict[str, t
     return blocks
 
 
+def read_weights(checkpoint: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors of a checkpoint directory's safetensors weights and the names of the files they were read from:
+    ``model.safetensors``, or the shards that ``model.safetensors.index.json`` names (as transformers writes a
+    larger model; no library returns a sharded checkpoint's tensors without a model to load them into).
+
+    Raises:
+        ValueError: one line: no such directory, no safetensors weights there (torch ``.bin`` weights only, say),
+            an index that is no JSON with a ``weight_map``, or shards it names that are not there.
+    """
+    if not checkpoint.is_dir():
+        raise ValueError(f"{checkpoint}: no such directory; give a Hugging Face checkpoint directory")
+    if (checkpoint / WEIGHTS_FILE).is_file():
+        return load_file(checkpoint / WEIGHTS_FILE), [WEIGHTS_FILE]
+    if not (checkpoint / INDEX_FILE).is_file():
+        why = "torch .bin weights only" if any(checkpoint.glob("pytorch_model*.bin")) else \
+            f"no safetensors weights ({WEIGHTS_FILE}, or {INDEX_FILE} and its shards)"
+        raise ValueError(f"{checkpoint} holds {why}; save the model there with transformers' save_pretrained")
+    try:
+        shards = sorted(set(json.loads((checkpoint / INDEX_FILE).read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not its layout
+        raise ValueError(f"{checkpoint / INDEX_FILE} is no safetensors index (JSON with a weight_map)") from e
+    missing = [str(shard) for shard in shards if str(shard) != Path(str(shard)).name  # a file in the directory
+               or not (checkpoint / str(shard)).is_file()]
+    if missing:
+        raise ValueError(f"{checkpoint / INDEX_FILE} names shards that are not there: {', '.join(missing)}")
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(checkpoint / shard))
+    return tensors, [INDEX_FILE, *shards]
+
+
 def prepare_parts(checkpoint: Path, out_dir: Path, max_part_bytes: int, gguf_path: Path | None = None,
                   extra_files: dict[str, Path] | None = None) -> list[Path]:
     """Write ``checkpoint``'s weights and files as part directories ``out_dir/part-1..N``.
 
     Args:
-        checkpoint: a Hugging Face checkpoint directory with ``model.safetensors`` (float32).
+        checkpoint: a Hugging Face checkpoint directory with safetensors weights, one file or shards
+            (:func:`read_weights`; sent as float32).
         max_part_bytes: the most bytes one part directory may hold, all its files together
             (at most :data:`MAX_CARRY_BYTES`).
         gguf_path: the GGUF file the checkpoint was dequantized from (llama architecture),
@@ -109,13 +142,16 @@ def prepare_parts(checkpoint: Path, out_dir: Path, max_part_bytes: int, gguf_pat
         The part directories in order.
 
     Raises:
-        ValueError: a limit above :data:`MAX_CARRY_BYTES`, a part that cannot fit its limit, or
-            an encoding that does not reproduce the checkpoint bit-exactly.
+        ValueError: a limit above :data:`MAX_CARRY_BYTES`, a checkpoint without weights (:func:`read_weights`)
+            or without ``config.json``, a part that cannot fit its limit, or an encoding that does not reproduce
+            the checkpoint bit-exactly.
     """
     if not 0 < max_part_bytes <= MAX_CARRY_BYTES:
         raise ValueError(f"a part may hold at most {MAX_CARRY_BYTES // MIB} MiB (what one device command "
                          f"receives), got {max_part_bytes / MIB:.1f} MiB")
-    tensors = load_file(checkpoint / WEIGHTS_FILE)
+    tensors, weight_files = read_weights(checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        raise ValueError(f"{checkpoint} has no config.json, so it is no Hugging Face checkpoint directory")
     config = json.loads((checkpoint / "config.json").read_text())
     if gguf_path is not None:
         encoded = _gguf_blocks(gguf_path, list(tensors), config)
@@ -130,17 +166,17 @@ def prepare_parts(checkpoint: Path, out_dir: Path, max_part_bytes: int, gguf_pat
         entries.append(entry)
         stream += data
         offset += len(data)
-    return _write_parts(checkpoint, out_dir, max_part_bytes, entries, bytes(stream), gguf_path is not None,
-                        extra_files or {})
+    return _write_parts(checkpoint, weight_files, out_dir, max_part_bytes, entries, bytes(stream),
+                        gguf_path is not None, extra_files or {})
 
 
-def _write_parts(checkpoint: Path, out_dir: Path, max_part_bytes: int, entries: list[dict], stream: bytes,
-                 needs_gguf: bool, extra_files: dict[str, Path]) -> list[Path]:
+def _write_parts(checkpoint: Path, weight_files: list[str], out_dir: Path, max_part_bytes: int, entries: list[dict],
+                 stream: bytes, needs_gguf: bool, extra_files: dict[str, Path]) -> list[Path]:
     first = out_dir / "part-1"
     shutil.rmtree(out_dir, ignore_errors=True)
     (first / CHECKPOINT_DIR).mkdir(parents=True)
-    for path in checkpoint.iterdir():
-        if path.is_file() and path.name != WEIGHTS_FILE:
+    for path in checkpoint.iterdir():  # the weights travel in the stream, rebuilt as one model.safetensors
+        if path.is_file() and path.name not in weight_files:
             shutil.copy2(path, first / CHECKPOINT_DIR / path.name)
     if needs_gguf:
         import gguf

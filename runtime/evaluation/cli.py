@@ -28,6 +28,7 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
+from runtime.command_line import ArgumentParser, UsageError
 from runtime.decode.engine import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
 from runtime.evaluation import tasks
@@ -43,17 +44,8 @@ DESCRIPTION = ("Speed/quality of MARS bundles on the torch-free runtime: TPF, to
                "GSM8K accuracy and HumanEval pass@1 per (bundle, block size, tau).")
 
 
-class UsageError(ValueError):
-    """A bad command line (reported as one ``error:`` line, exit code 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
-        raise UsageError(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="mars-eval", description=DESCRIPTION)
+    p = ArgumentParser(prog="mars-eval", description=DESCRIPTION)
     p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundle directories written by mars-export")
     p.add_argument("--gsm8k", metavar="FILE", help="GSM8K JSON lines (question, answer ending in '#### N'); .gz ok")
     p.add_argument("--humaneval", metavar="FILE", help="HumanEval JSON lines (task_id, prompt, entry_point, test); "

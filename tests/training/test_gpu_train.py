@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from support import load_script
 from tiny_mars import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
@@ -108,3 +108,74 @@ def test_default_model_travels_as_its_gguf_blocks_bit_exactly(tmp_path):
     base = load_file(default_checkpoint() / "model.safetensors")
     assert json.loads((tmp_path / "store" / "source.json").read_text()) == {"base_model": DEFAULT_BASE_MODEL_NAME}
     assert base.keys() == rebuilt.keys() and all(torch.equal(base[k], rebuilt[k]) for k in base)
+
+
+def test_a_sharded_checkpoint_travels_bit_exactly(tmp_path):
+    """transformers writes larger models as shards and an index (model.safetensors.index.json): prepare reads them
+    all, sends neither the index nor the shards as checkpoint files, and the rebuilt checkpoint loads."""
+    checkpoint = tmp_path / "ckpt"
+    make_model().save_pretrained(checkpoint, max_shard_size="20KB")
+    make_tokenizer().save_pretrained(checkpoint)
+    shards = sorted(checkpoint.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and not (checkpoint / "model.safetensors").exists()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    assert gpu_train.main(["prepare", str(checkpoint), "--prompts", str(prompts), "--out", str(tmp_path / "parts"),
+                           "--part-mib", "0.05"]) == 0
+    parts = sorted((tmp_path / "parts").glob("part-*"))
+    assert not any(p.name.startswith("model") for p in (parts[0] / "checkpoint").iterdir())
+    for part in parts:
+        receive_part(part, tmp_path / "store")
+    rebuilt = assemble_checkpoint(tmp_path / "store", tmp_path / "rebuilt")
+    base = {name: tensor for shard in shards for name, tensor in load_file(shard).items()}
+    weights = load_file(rebuilt / "model.safetensors")
+    assert base.keys() == weights.keys() and all(torch.equal(base[k], weights[k]) for k in base)
+    assert not (rebuilt / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(rebuilt)
+    assert torch.equal(loaded.model.embed_tokens.weight, base["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"config.json": "{}"}, "holds no safetensors weights (model.safetensors, or model.safetensors.index.json "
+                            "and its shards)"),
+    ({"config.json": "{}", "pytorch_model.bin": ""}, "holds torch .bin weights only"),
+    ({"config.json": "{}", "model.safetensors.index.json": json.dumps({"weight_map": {"w": "model-1.safetensors"}})},
+     "names shards that are not there: model-1.safetensors"),
+    ({"config.json": "{}", "model.safetensors.index.json": "{not json"}, "is no safetensors index"),
+    ({"model.safetensors": None}, "has no config.json"),
+    (None, "no such directory")])
+def test_a_directory_without_weights_is_one_line(files, message, tmp_path, capsys):
+    """Each was a traceback (FileNotFoundError: .../model.safetensors, or .../config.json)."""
+    checkpoint = tmp_path / "ckpt"
+    for name, text in (files or {}).items():
+        checkpoint.mkdir(exist_ok=True)
+        if text is None:
+            save_file({"w": torch.zeros(2)}, checkpoint / name)
+        else:
+            (checkpoint / name).write_text(text)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    assert gpu_train.main(["prepare", str(checkpoint), "--prompts", str(prompts), "--out",
+                           str(tmp_path / "parts")]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {checkpoint}") and message in line, line
+    assert not (tmp_path / "parts").exists()
+
+
+def test_parts_of_a_prepare_without_source_json_are_one_line_asking_to_prepare_again(tiny_parts, tmp_path, capsys):
+    """Parts written before prepare sent source.json (the base model's name) have none: train says to re-run
+    prepare (was a FileNotFoundError traceback) and names no base model it cannot know."""
+    _, parts = tiny_parts
+    info = json.loads((parts[-1] / "part.json").read_text())  # the last part as an older prepare wrote it
+    del info["files"][gpu_train.SOURCE_FILE]
+    (parts[-1] / "part.json").write_text(json.dumps(info))
+    (parts[-1] / gpu_train.SOURCE_FILE).unlink()
+    store, out = tmp_path / "store", tmp_path / "OUT"
+    for part in parts:
+        assert gpu_train.main(["receive", str(part), "--store", str(store)]) == 0
+    capsys.readouterr()
+    assert gpu_train.main(["train", "--store", str(store), "--out", str(out), "--max-steps", "1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"error: {store} has no {gpu_train.SOURCE_FILE} (the name of the model sent): its parts come "
+                      "from an older scripts/gpu_train.py prepare; run prepare again and send the new parts"]
+    assert not (out / "adapter").exists() and not (out / "train_log.json").exists()

@@ -115,20 +115,21 @@ def test_lora_init_continues_a_saved_adapter(tiny_checkpoint, tiny_jsonl, tmp_pa
                  "--lora-init", str(first / "adapter"), "--lr", "1e-12") == 0
     for name, tensor in weights(first).items():
         torch.testing.assert_close(weights(frozen)[name], tensor, msg=f"--lora-init did not load {name}")
-    with pytest.raises(SystemExit):  # --lora-init without --lora
-        train(tiny_checkpoint, tiny_jsonl, tmp_path / "a", "--max-steps", "1", "--lora-init", str(first / "adapter"))
+    # --lora-init without --lora
+    assert train(tiny_checkpoint, tiny_jsonl, tmp_path / "a", "--max-steps", "1", "--lora-init",
+                 str(first / "adapter")) == 2
     broken = tmp_path / "broken"
     broken.mkdir()
     for content, message in [(None, "no adapter_config.json"), ("{not json", "is not valid JSON"),
                              ((first / "adapter" / "adapter_config.json").read_text(), "no adapter_model")]:
         if content is not None:
             (broken / "adapter_config.json").write_text(content)
-        with pytest.raises(SystemExit):
-            train(tiny_checkpoint, tiny_jsonl, tmp_path / "b", "--max-steps", "1", "--lora", "--lora-init", str(broken))
+        assert train(tiny_checkpoint, tiny_jsonl, tmp_path / "b", "--max-steps", "1", "--lora", "--lora-init",
+                     str(broken)) == 2
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # the adapter's own rank applies
-        train(tiny_checkpoint, tiny_jsonl, tmp_path / "c", "--max-steps", "1", "--lora", "--lora-rank", "8",
-              "--lora-init", str(first / "adapter"))
+    # the adapter's own rank applies
+    assert train(tiny_checkpoint, tiny_jsonl, tmp_path / "c", "--max-steps", "1", "--lora", "--lora-rank", "8",
+                 "--lora-init", str(first / "adapter")) == 2
     assert "do not apply with --lora-init" in capsys.readouterr().err
 
 
@@ -190,3 +191,21 @@ def test_the_help_names_every_model_name(capsys):
     with pytest.raises(SystemExit):
         make_train_parser().parse_args(["--help"])
     assert "'default' (SmolLM2-135M-Instruct), 'default-mars'" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["m", "--data", "d", "--output", "o", "--block-size", "abc"], "argument --block-size: invalid int value: 'abc'"),
+    (["m", "--data", "d", "--output", "o", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["m", "--output", "o"], "the following arguments are required: --data"),
+    (["m", "--data", "d", "--output", "o", "--bogus"], "unrecognized arguments: --bogus"),
+    (["m", "--data", "d", "--output", "o", "--lora-init", "a"], "--lora-init continues a LoRA adapter: add --lora"),
+    (["distill", "m", "--prompts", "p", "--output", "o", "--batch-size", "q"],
+     "argument --batch-size: invalid int value: 'q'")])
+def test_a_bad_command_line_is_one_error_line_like_every_other_refusal(argv, message, tmp_path, monkeypatch, capsys):
+    """argparse's refusals (and the config's) printed argparse's usage block and 'mars-train: error: ...'; what
+    --output, the model or the data hold was one 'error:' line. Now all are one line, exit status 2."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,22 @@
+"""The argument parser of the project's commands (``mars-export``, ``mars-train``, ``mars-eval``).
+
+A bad command line (a value of the wrong type, an unknown choice or option, a missing argument) is refused as
+every other refusal of these commands is: one ``error: ...`` line and exit status 2, not argparse's usage block
+(``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+class UsageError(ValueError):
+    """A bad command line (reported as one ``error:`` line, exit status 2)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose refusals raise :class:`UsageError` instead of printing the usage and
+    exiting (argparse documents overriding ``error``; ``exit_on_error=False`` leaves out a missing argument)."""
+
+    def error(self, message: str):
+        raise UsageError(message)

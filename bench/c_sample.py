@@ -1,14 +1,16 @@
 """Prefill and decode speed of the C sample (samples/c, ``mars_c``): binaries against each other and the Python runtime.
 
     python bench/c_sample.py BUNDLE --binary NAME=PATH [--binary NAME=PATH ...] [--python]
-                             [--prompt-lengths 64 512] [--max-new-tokens 32] [--tau 1.0]
+                             [--prompt-lengths 64 512] [--max-new-tokens 32] [--tau 1.0] [--adaptive-masks]
                              [--repeats 5] [--threads 2] [--out bench/results] [--name c_sample]
 
 Prompts are real text (GSM8K test questions, joined, through the bundle's tokenizer) cut to each
 length in tokens. Every repeat runs each prompt length through every engine in turn (interleaved,
 so a slow spell of the machine hits all of them): each ``--binary`` (its own ``prefill_seconds``
 and ``decode_tokens_per_second``, session load excluded) and, with ``--python``,
-``runtime.decode.decoder.Decoder`` on ``OnnxBackend`` with the same threads. Writes
+``runtime.decode.decoder.Decoder`` on ``OnnxBackend`` with the same threads. ``--adaptive-masks`` runs every
+engine with adaptive masks (``mars_c --adaptive-masks``, ``DecodeParams.adaptive_masks``); a bundle whose step
+graph takes only W-wide steps, where they cannot act, stops before any run. Writes
 ``{name}.json`` (rows and a summary of medians, each engine against the first), ``{name}.csv``
 and ``{name}.png`` (prompt tokens/s of the prefill against prompt length); prints the summary
 as a markdown table. Bad arguments stop before anything runs, a failing binary with its own
@@ -33,6 +35,7 @@ from support import shared_data_file, shared_data_missing  # noqa: E402
 from runtime.backends.onnx import MAX_THREADS, OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
+from runtime.decode.engine import why_no_adaptive_masks  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
 from runtime.evaluation.tasks import load_gsm8k  # noqa: E402
 from runtime.text.tokenizer import Tokenizer  # noqa: E402
@@ -68,7 +71,7 @@ def run(args) -> dict:
     config = load_config(args.bundle)
     tokenizer = Tokenizer(args.bundle)
     decoder = Decoder(OnnxBackend(args.bundle, config, num_threads=args.threads), config) if args.python else None
-    params = DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens)
+    params = DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens, adaptive_masks=args.adaptive_masks)
     prompts = {length: prompt_of(tokenizer, length) for length in args.prompt_lengths}
     rows = []
     for repeat in range(args.repeats):
@@ -78,22 +81,25 @@ def run(args) -> dict:
                 if binary is None:
                     result = decoder.generate(ids, params)
                     summary = result.summary()
-                    out_ids, prefill_s, forwards, decode_tps = (result.token_ids, result.prefill_seconds,
-                                                                result.num_prefill_forwards,
-                                                                summary["decode_tokens_per_second"])
+                    out_ids, prefill_s, forwards, decode_forwards, decode_tps = (
+                        result.token_ids, result.prefill_seconds, result.num_prefill_forwards, result.num_forwards,
+                        summary["decode_tokens_per_second"])
                 else:
                     out_ids, counts = wrapper.run_binary(binary, args.bundle, ids, args.tau, args.max_new_tokens,
-                                                         num_threads=args.threads, timeout=600)
-                    prefill_s, forwards, decode_tps = (counts["prefill_seconds"], counts["num_prefill_forwards"],
-                                                       counts["decode_tokens_per_second"])
+                                                         num_threads=args.threads, timeout=600,
+                                                         adaptive_masks=args.adaptive_masks)
+                    prefill_s, forwards, decode_forwards, decode_tps = (
+                        counts["prefill_seconds"], counts["num_prefill_forwards"], counts["num_forwards"],
+                        counts["decode_tokens_per_second"])
                 first_ids = first_ids if first_ids is not None else out_ids
                 rows.append({"engine": name, "prompt_tokens": length, "repeat": repeat,
                              "prefill_seconds": prefill_s, "prefill_forwards": forwards,
                              "prompt_tokens_per_s": (length - 1) / prefill_s if prefill_s > 0 else None,
-                             "decode_tokens_per_second": decode_tps, "num_tokens": len(out_ids),
-                             "same_ids_as_first": out_ids == first_ids})
+                             "decode_forwards": decode_forwards, "decode_tokens_per_second": decode_tps,
+                             "num_tokens": len(out_ids), "same_ids_as_first": out_ids == first_ids})
     return {"bundle": str(args.bundle), "threads": args.threads, "tau": args.tau,
-            "max_new_tokens": args.max_new_tokens, "rows": rows, "summary": summarize(rows)}
+            "adaptive_masks": args.adaptive_masks, "max_new_tokens": args.max_new_tokens, "rows": rows,
+            "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -189,6 +195,12 @@ def usage_problem(args) -> str | None:
     if longest > config.max_context:
         return (f"the longest prompt + --max-new-tokens + window = {longest} exceeds the bundle's context of "
                 f"{config.max_context}; shorten --prompt-lengths or --max-new-tokens")
+    if args.adaptive_masks:  # the Python runtime's rule, which mars_c applies too (its own one-line refusal)
+        try:
+            why = why_no_adaptive_masks(OnnxBackend(args.bundle, config, num_threads=args.threads))
+        except BundleError as e:
+            return str(e)
+        return f"--adaptive-masks: {why}" if why else None
     return None
 
 
@@ -201,6 +213,8 @@ def main() -> None:
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[64, 512], help="prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--tau", type=float, default=1.0)
+    p.add_argument("--adaptive-masks", action="store_true",
+                   help="feed mask tokens only while they gain tokens, in every engine (runtime.decode.mask_backoff)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (0: its choice)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")

@@ -374,20 +374,31 @@ def test_non_integer_ids_give_clear_error(mars_c, tiny_bundle):
 @pytest.mark.usefixtures("shared_data")
 def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
     """bench/c_sample.py runs two binaries and the Python runtime on two prompt lengths and writes its results;
-    every engine gives the same ids and one prefill forward per prompt (both under 256 tokens)."""
+    every engine gives the same ids and one prefill forward per prompt (both under 256 tokens). With
+    --adaptive-masks every engine runs them: again the same ids and the same decode forwards, which for the 8-token
+    prompt differ from those without (checked: at tau 0.5 its masks miss on some step, so rows back off)."""
     _, bundle = tiny_bundle("llama", 4)
     script = Path(__file__).resolve().parents[1] / "bench" / "c_sample.py"
     command = [sys.executable, str(script), str(bundle), "--binary", f"a={mars_c}", "--binary", f"b={mars_c}",
-               "--python", "--prompt-lengths", "8", "40", "--repeats", "1", "--max-new-tokens", "6", "--threads", "1",
-               "--out", str(tmp_path), "--name", "smoke"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    for suffix in (".json", ".csv", ".png"):
-        assert (tmp_path / f"smoke{suffix}").stat().st_size > 0
-    summary = json.loads((tmp_path / "smoke.json").read_text())["summary"]
-    assert sorted((s["engine"], s["prompt_tokens"]) for s in summary) == [
-        (engine, length) for engine in ("a", "b", "python") for length in (8, 40)]
-    assert all(s["same_ids_as_first"] and s["prefill_forwards"] == 1 for s in summary)
+               "--python", "--prompt-lengths", "8", "40", "--repeats", "1", "--max-new-tokens", "6", "--tau", "0.5",
+               "--threads", "1", "--out", str(tmp_path), "--name", "smoke"]
+    runs = {}
+    for name, flags in [("smoke", []), ("adaptive", ["--adaptive-masks"])]:
+        done = subprocess.run([*command[:-1], name, *flags], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        for suffix in (".json", ".csv", ".png"):
+            assert (tmp_path / f"{name}{suffix}").stat().st_size > 0
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        summary = runs[name]["summary"]
+        assert sorted((s["engine"], s["prompt_tokens"]) for s in summary) == [
+            (engine, length) for engine in ("a", "b", "python") for length in (8, 40)]
+        assert all(s["same_ids_as_first"] and s["prefill_forwards"] == 1 for s in summary)
+    assert (runs["smoke"]["adaptive_masks"], runs["adaptive"]["adaptive_masks"]) == (False, True)
+    decode_forwards = {name: {(r["engine"], r["prompt_tokens"]): r["decode_forwards"] for r in run["rows"]}
+                       for name, run in runs.items()}
+    for forwards in decode_forwards.values():  # each engine as the first, with or without adaptive masks
+        assert all(forwards[engine, n] == forwards["a", n] for engine in ("b", "python") for n in (8, 40)), forwards
+    assert decode_forwards["adaptive"]["a", 8] != decode_forwards["smoke"]["a", 8], decode_forwards
     (tmp_path / "a_file").write_text("")
     not_executable = tmp_path / "a_file"
     for bad_args, message in [(["--binary", "a=/nonexistent/mars_c"], "is no file"),
@@ -403,6 +414,12 @@ def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
                              capture_output=True, text=True, timeout=600)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, (bad_args, bad.stderr)
         assert not out.exists()
+    fixed = fix_window(Path(shutil.copytree(bundle, tmp_path / "fixed")), 4)  # every step W wide: refused up front
+    bad = subprocess.run([sys.executable, str(script), str(fixed), "--binary", f"a={mars_c}", "--python",
+                          "--prompt-lengths", "8", "--adaptive-masks", "--out", str(out)], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "--adaptive-masks: adaptive masks cannot act here" in bad.stderr, bad.stderr
+    assert "re-export" in bad.stderr and "Traceback" not in bad.stderr and not out.exists()
     no_model = Path(shutil.copytree(bundle, tmp_path / "no-model"))
     (no_model / "model.onnx").unlink()  # the binary's own error, after the arguments passed
     failed = subprocess.run([*command[:2], str(no_model), *command[3:]], capture_output=True, text=True, timeout=600)

@@ -3,7 +3,8 @@
 Routes:
     POST /v1/chat/completions, POST /v1/completions   streamed (SSE) or not
     GET  /v1/models
-    GET  /health                                      200 while the engine thread runs, else 503
+    GET  /health                                      200 while the engine thread runs, else 503; also what the
+                                                      bundle allows (block size, adaptive masks or why not)
     GET  /metrics                                     Prometheus text format
     GET  /admin/tau, POST /admin/tau {"tau": x}       read / set the base tau live
 
@@ -124,11 +125,14 @@ def make_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        loop = ctx.engine_thread
+        loop, engine = ctx.engine_thread, ctx.engine_thread.engine  # engine: constants only, set at construction
         body = {"status": "ok" if loop.is_alive else "engine stopped", "model": ctx.model_name,
                 "queue_depth": loop.queue_depth, "active_slots": loop.num_running,
                 "default_tau": loop.default_tau, "base_tau": loop.base_tau,
-                "block_size": loop.engine.config.block_size}
+                "block_size": engine.config.block_size,
+                # the refusal a request with adaptive_masks would get (None: they act), for clients to show first
+                "can_adaptive_masks": engine.why_no_adaptive_masks is None,
+                "why_no_adaptive_masks": engine.why_no_adaptive_masks}
         return JSONResponse(body, status_code=200 if loop.is_alive else 503)
 
     @app.get("/metrics")

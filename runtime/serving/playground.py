@@ -1,7 +1,8 @@
 """The browser playground: a static page at ``/`` over the server's own OpenAI routes.
 
 Chat with streaming, the tau knob (per request: tau, mode, draft source, block size,
-temperature, max tokens; lookup drafts only where the server allows them), per answer its
+temperature, max tokens; lookup drafts only where the server allows them, adaptive masks only
+where ``/health`` says they act, else the box disabled with its reason), per answer its
 TPF, decode tokens/s and time to first token, each decode forward's accepted tokens shaded
 in the text (``return_step_tokens``), a view that sends one prompt at two values of tau,
 and the server's live default tau and load from ``/metrics``. Files in ``static/``

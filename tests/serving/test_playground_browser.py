@@ -1,5 +1,5 @@
 """Tier 2 in a real browser: the playground page in headless Chromium (Selenium) against the
-tiny random Llama (B = W = 4) served on loopback with an API key.
+tiny random Llama (B = W = 4) served on loopback with an API key (and once on the block scheme).
 
 Every wait is on a DOM condition (an answer's ``data-state`` leaves ``streaming``, a text
 appears), never on a sleep. The engine is greedy, so the page's answers are compared with
@@ -8,6 +8,7 @@ the API's. Skipped only where chromium or chromedriver is missing (.ci/run insta
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,16 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    """The tiny model served with an API key; ``server.sent`` collects each request's DecodeParams,
-    ``server.prompts`` its prompt ids."""
+    """The tiny model served with an API key (the continuous scheme, the default)."""
     _, bundle = tiny_bundle("llama", 4)
+    with serve_recorded(str(bundle), "--api-key", KEY, "--tau-min", "0.5") as running:
+        yield running
+
+
+@contextmanager
+def serve_recorded(*argv: str):
+    """``python -m runtime.serve ARGV`` (:func:`server_support.serve`); ``server.sent`` collects each request's
+    DecodeParams, ``server.prompts`` its prompt ids."""
     sent, prompts = [], []
 
     def record(app):
@@ -47,7 +55,7 @@ def server(tiny_bundle):
 
         loop.submit = submit
 
-    with serve(str(bundle), "--api-key", KEY, "--tau-min", "0.5", prepare=record) as running:
+    with serve(*argv, prepare=record) as running:
         running.sent, running.prompts = sent, prompts
         yield running
 
@@ -267,7 +275,13 @@ def test_the_draft_sent_follows_the_select(page, server):
 
 
 def test_the_adaptive_masks_box_is_sent(page, server):
-    """Off by default (the field is not sent); ticked, the request asks for adaptive masks and the answer says so."""
+    """Off by default (the field is not sent); ticked, the request asks for adaptive masks and the answer says so.
+    The continuous scheme runs them (/health: no reason why not), so the box is enabled, with its plain hint."""
+    box, note = page.find_element(By.ID, "adaptive-masks"), page.find_element(By.ID, "adaptive-masks-note")
+    assert server.health()["why_no_adaptive_masks"] is None
+    assert box.is_enabled() and not box.is_selected() and adaptive_masks_label(page).get_attribute("title") == ""
+    assert note.text.startswith("Feed mask tokens only while they gain tokens") and "blocked" not in \
+        note.get_attribute("class")
     chat_in_page(page, "Hi")
     assert server.sent[-1].adaptive_masks is False
     page.find_element(By.ID, "adaptive-masks").click()
@@ -275,6 +289,33 @@ def test_the_adaptive_masks_box_is_sent(page, server):
     assert server.sent[-1].adaptive_masks is True
     assert answer.find_element(By.CLASS_NAME, "sent").text == ("tau server default, threshold, draft both, adaptive masks"
                                                                ", B 4")
+
+
+def test_the_adaptive_masks_box_is_disabled_with_the_reason_on_the_block_scheme(driver, tiny_bundle):
+    """The block scheme runs every step W wide, so the server refuses adaptive masks (a 400); /health says why
+    beforehand, and the page disables the box with that same reason under it and as its tooltip. Clicking it
+    changes nothing, and a chat is sent without the field and answered."""
+    _, bundle = tiny_bundle("llama", 4)
+    with serve_recorded(str(bundle), "--scheme", "block") as block_server:
+        why = block_server.health()["why_no_adaptive_masks"]
+        assert why.startswith("adaptive masks cannot act here") and "--scheme continuous" in why
+        driver.get(block_server.url)
+        wait(driver, lambda d: d.find_element(By.ID, "block-size").get_attribute("value") == "4")
+        box, note = driver.find_element(By.ID, "adaptive-masks"), driver.find_element(By.ID, "adaptive-masks-note")
+        assert not box.is_enabled() and not box.is_selected()
+        assert note.text == why == adaptive_masks_label(driver).get_attribute("title")
+        assert note.value_of_css_property("color") == "rgba(138, 75, 0, 1)"  # as a refused draft source's note
+        adaptive_masks_label(driver).click()
+        assert not box.is_selected()
+        type_into(driver, "max-tokens", str(MAX_TOKENS))
+        answer = chat_in_page(driver, "Hi")
+        assert answer.get_attribute("data-state") == "done"
+        assert block_server.sent[-1].adaptive_masks is False
+        assert "adaptive masks" not in answer.find_element(By.CLASS_NAME, "sent").text
+
+
+def adaptive_masks_label(driver):
+    return driver.find_element(By.XPATH, "//input[@id='adaptive-masks']/parent::label")
 
 
 @pytest.mark.parametrize("blocker", ["temperature", "mode ar"])

@@ -30,6 +30,7 @@ from ray import serve  # noqa: E402
 from ray.serve.schema import LoggingConfig  # noqa: E402
 
 from runtime.decode.decoder import DecodeParams  # noqa: E402
+from runtime.decode.engine import why_no_adaptive_masks  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from runtime import serve as single  # noqa: E402
@@ -627,6 +628,33 @@ def test_our_own_rays_head_node_is_this_machine(fleet):
     here (the fixture's deploy did), not skipped as one on another machine would be."""
     head_ip = ray_proxy.head_node_ip()
     assert ray_proxy.is_this_machine(head_ip) and ray_proxy.readiness_address("127.0.0.1", head_ip) == "127.0.0.1"
+
+
+def test_adaptive_masks_on_a_block_scheme_fleet_are_the_plain_servers_400(fleet, tiny_bundle, runtime_parts):
+    """Redeploys (after the tests of the fixture's deployment, before the autoscaling one) one replica on the block
+    scheme, which runs every step W wide: a request with adaptive_masks gets, through Serve's proxy, streamed or
+    not, the plain server's 400 naming the fix (not a 500), /health gives that reason beforehand, and a request
+    without them decodes as the plain runtime does."""
+    serve.shutdown()
+    _, bundle = tiny_bundle("llama", 4)
+    deployed = deploy([str(bundle), "--port", "0", "--scheme", "block", "--max-batch-size", "2", "--threads", "1",
+                       "--log-level", "warning"], FleetOptions(replicas=1, num_cpus=0.5))
+    block = SimpleNamespace(http=httpx.Client(base_url=deployed.url, timeout=DEADLINE_S),
+                            client=openai.OpenAI(base_url=f"{deployed.url}/v1", api_key="none", max_retries=0,
+                                                 timeout=DEADLINE_S))
+    why = why_no_adaptive_masks(SimpleNamespace(is_window_dynamic=True), "block")  # the plain server's message
+    try:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                chat(block, PROMPTS[0], stream=stream, extra_body={"tau": 0.9, "adaptive_masks": True})
+            assert info.value.status_code == 400, stream
+            assert (info.value.body["param"], info.value.body["message"]) == ("adaptive_masks", why), stream
+        health = block.http.get("/health").json()
+        assert (health["can_adaptive_masks"], health["why_no_adaptive_masks"]) == (False, why)
+        assert chat(block, PROMPTS[0], extra_body={"tau": 1.0})[2]["token_ids"] == \
+            solo_ids(runtime_parts, PROMPTS[0], True)
+    finally:
+        block.http.close()
 
 
 def test_autoscaling_adds_a_replica_under_load(fleet, tiny_bundle):

@@ -382,6 +382,7 @@ def test_admin_tau_and_load_policy_move_the_default_live(tiny_server, monkeypatc
 def test_health_models_and_metrics(tiny_server):
     health = tiny_server.health()
     assert health["status"] == "ok" and health["base_tau"] == 1.0
+    assert (health["can_adaptive_masks"], health["why_no_adaptive_masks"]) == (True, None)  # the continuous scheme
     assert [m.id for m in tiny_server.client.models.list()] == [health["model"]]
     done = tiny_server.metric('mars_requests_total{outcome="length"}')
     rejected = tiny_server.metric('mars_requests_total{outcome="rejected"}')
@@ -466,7 +467,8 @@ def test_block_scheme_serves_the_same_ids(tiny_bundle, runtime_parts):
 @pytest.mark.parametrize("stream", [False, True])
 def test_adaptive_masks_on_the_block_scheme_are_a_400_naming_the_fix(tiny_bundle, runtime_parts, stream):
     """The block scheme runs every step W wide, so adaptive masks could skip no mask: the request is a 400 naming
-    the scheme and the fix (never silently decoded as if without them), and requests beside it decode as before."""
+    the scheme and the fix (never silently decoded as if without them), and requests beside it decode as before.
+    /health says so beforehand, with the same message (the playground disables its box with it)."""
     tokenizer, decoder = runtime_parts
     _, bundle = tiny_bundle("llama", 4)
     with serve(str(bundle), "--scheme", "block", "--max-batch-size", "2") as server, \
@@ -478,7 +480,9 @@ def test_adaptive_masks_on_the_block_scheme_are_a_400_naming_the_fix(tiny_bundle
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}])
             assert done.result()[2]["token_ids"] == decoder.generate(prompt_ids,
                                                                      DecodeParams(max_new_tokens=MAX_NEW)).token_ids
-        assert server.health()["status"] == "ok" and server.metric('mars_requests_total{outcome="rejected"}') == 1
+        health = server.health()
+        assert health["status"] == "ok" and server.metric('mars_requests_total{outcome="rejected"}') == 1
     assert info.value.status_code == 400 and info.value.body["param"] == "adaptive_masks"
+    assert (health["can_adaptive_masks"], health["why_no_adaptive_masks"]) == (False, info.value.body["message"])
     assert "block scheme runs every step W wide" in info.value.body["message"]
     assert "--scheme continuous" in info.value.body["message"]

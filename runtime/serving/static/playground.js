@@ -53,6 +53,23 @@ function syncDraft() {
   note.classList.toggle("blocked", blocked !== null);
 }
 
+// Adaptive masks act only where a step may be narrower than W (runtime.decode.engine.why_no_adaptive_masks);
+// elsewhere (the block scheme, a TensorRT engine, a fixed-window bundle) the server refuses them with a 400.
+// /health gives that refusal beforehand: the page then disables the box, unticked, with the reason under it
+// and as the tooltip of its label (a disabled input shows none of its own).
+let adaptiveAbout = "";  // the note's text where adaptive masks act
+
+function showAdaptiveMasks(health) {
+  const box = $("adaptive-masks");
+  const note = $("adaptive-masks-note");
+  const why = health.why_no_adaptive_masks || null;  // null also from a server that does not say
+  if (why !== null) box.checked = false;
+  box.disabled = why !== null;
+  box.closest("label").title = why || "";
+  note.textContent = why || adaptiveAbout;
+  note.classList.toggle("blocked", why !== null);
+}
+
 // The chat's tau: the server's default (sent as no tau, so each request follows the live default,
 // which the load policy may lower) while "follow" is checked; the slider's value once the user moves it.
 function followServerTau() {
@@ -355,6 +372,7 @@ async function loadModel() {
       select.append(option);
     }
     select.value = String(health.block_size);
+    showAdaptiveMasks(health);
   } catch (e) {
     $("server-status").textContent = `server unreachable (${e.message})`;
   }
@@ -372,6 +390,7 @@ function main() {
   key.addEventListener("input", () => localStorage.setItem(KEY_STORAGE, key.value));
   $("settings").addEventListener("submit", (e) => e.preventDefault());
   draftAbout = $("draft-note").textContent;
+  adaptiveAbout = $("adaptive-masks-note").textContent;
   $("mode").addEventListener("change", syncDraft);
   $("temperature").addEventListener("input", syncDraft);
   syncDraft();

@@ -354,8 +354,8 @@ def test_bad_arguments_give_clear_error(mars_c, tiny_bundle, case):
 
 
 def test_adaptive_masks_on_a_fixed_window_bundle_give_clear_error(mars_c, tiny_bundle, tmp_path):
-    """Every step of a fixed-window graph is W wide, so the flag could change nothing: refused in one line (the
-    Python runtime ignores it there), where the same bundle runs without the flag."""
+    """Every step of a fixed-window graph is W wide, so the flag could change nothing: refused in one line (as the
+    Python runtime refuses it there), where the same bundle runs without the flag."""
     fixed = fix_window(Path(shutil.copytree(tiny_bundle("llama", 4)[1], tmp_path / "fixed")), 4)
     assert len(wrapper.run_binary(mars_c, fixed, [1, 2, 3], 0.5, 4, num_threads=1, timeout=120)[0]) == 4
     with pytest.raises(wrapper.MarsCError) as error:

@@ -1,5 +1,5 @@
-"""The argument parser of the project's commands (``mars-export``, ``mars-train``, ``mars-eval`` and the
-``python -m runtime.*`` commands).
+"""The argument parser of the project's commands: ``mars-export``, ``mars-train``, ``mars-eval``, the
+``python -m runtime.*`` commands and the scripts in ``scripts/`` and ``samples/``.
 
 A bad command line (a value of the wrong type, an unknown choice or option, a missing argument) is refused as
 every other refusal of these commands is: one ``error: ...`` line and exit status 2, not argparse's usage block

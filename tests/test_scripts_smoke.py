@@ -247,6 +247,34 @@ def test_benches_without_the_shared_data_stop_with_one_line_naming_it(command, s
     assert not (tmp_path / "work").exists()
 
 
+BAD_COMMAND_LINES = {  # script -> (a bad command line: a wrong type, an unknown choice or option, a missing argument;
+    # the start of its one error line)
+    "samples/demo.py": (["BUNDLE", "--draft", "fast"], "argument --draft: invalid choice: 'fast'"),
+    "samples/c/mars_c.py": (["BUNDLE", "--prompt", "hi", "--tau", "high"], "argument --tau: invalid float value: 'high'"),
+    "samples/jetson/list_ops.py": ([], "the following arguments are required: bundle"),
+    "scripts/gpu_train.py": (["receive"], "the following arguments are required: part"),
+    "scripts/playground_screenshot.py": (["BUNDLE", "-o", "x.png", "--width", "wide"],
+                                         "argument --width: invalid int value: 'wide'"),
+    "scripts/random_checkpoint.py": (["config.json"], "the following arguments are required: -o/--output"),
+    "scripts/ship_adapter.py": (["CKPT", "--command", "c", "--data", "d"],
+                                "the following arguments are required: --block-size"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(BAD_COMMAND_LINES))
+def test_a_bad_command_line_is_one_error_line_in_every_script(script, tmp_path):
+    """argparse's refusals printed its usage block before 'SCRIPT: error: ...' (and so did the scripts' own checks
+    through parser.error), while their other refusals were one 'error:' line: each script now parses with
+    runtime.command_line's parser, as every command, and a bad command line is one 'error:' line, exit status 2."""
+    args, message = BAD_COMMAND_LINES[script]
+    done = subprocess.run([sys.executable, ROOT / script, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    line, = done.stderr.splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert os.listdir(tmp_path) == []
+
+
 def test_load_test(smoke_model, tmp_path, monkeypatch):
     """Both phases against one server. The periodic sampler is slowed to one sample per run (as on a loaded machine,
     where a 2 s phase got no sample of its own and its tokens/s came out NaN): each phase still has the samples that

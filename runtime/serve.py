@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
+from runtime.command_line import ArgumentParser
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, make_app
@@ -40,12 +41,13 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (uvico
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options (argparse itself exits, with its usage, on a malformed one).
+    """The options.
 
     Raises:
+        UsageError: a malformed command line (a ValueError: :func:`main` prints it as one ``error:`` line).
         ValueError: an API key of whitespace only (:func:`resolve_api_key`).
     """
-    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
     p.add_argument("path", help="bundle directory, its .onnx file, or its engine.plan")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000; 0 picks a free one)")

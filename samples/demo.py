@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
+from runtime.command_line import ArgumentParser, UsageError
 from runtime.decode.decoder import Decoder
 from runtime.decode.engine import why_no_adaptive_masks
 from runtime.decode.params import DecodeParams
@@ -28,8 +30,8 @@ from runtime.text.tokenizer import Tokenizer
 PROMPTS = Path(__file__).parent / "prompts" / "demo_prompts.json"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--tau", type=float, nargs="+", default=[1.0, 0.9])
     p.add_argument("--draft", choices=["masks", "lookup", "both"], default="both",
@@ -37,11 +39,22 @@ def main() -> None:
     p.add_argument("--adaptive-masks", action="store_true",
                    help="feed mask tokens only while they pay (runtime.decode.mask_backoff)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the exit status (2 after one ``error:`` line for a bad command line, or for
+    ``--adaptive-masks`` on a bundle that cannot run them)."""
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, as the adaptive-masks refusal below
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = load_config(args.bundle)
     backend = OnnxBackend(args.bundle, config)
     if args.adaptive_masks and (why := why_no_adaptive_masks(backend)):
-        p.exit(2, f"error: {why}\n")
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     decoder, tokenizer = Decoder(backend, config), Tokenizer(args.bundle)
     prompts = json.loads(PROMPTS.read_text())["prompts"]
     print(f"bundle {args.bundle}: {config.source_model}, B={config.block_size}, W={config.window}, "
@@ -66,7 +79,8 @@ def main() -> None:
     first = args.tau[0]
     for tau in args.tau[1:]:
         print(f"decode tok/s at tau={tau} / tau={first}: {speeds[tau] / speeds[first]:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -150,6 +150,10 @@ def test_bad_tau(bundle, capsys, tau, message):
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
+    # a bad command line: argparse's usage block and 'python -m runtime.generate: error: ...' before
+    (["--tau", "abc"], "error: argument --tau: invalid float value: 'abc'"),
+    (["--mode", "fast"], "error: argument --mode: invalid choice: 'fast'"),
+    (["--bogus"], "error: unrecognized arguments: --bogus"),
 ])
 def test_bad_runtime_arguments(bundle, capsys, extra, message):
     code, _, err = run_generate(bundle, capsys, *extra)

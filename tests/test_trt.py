@@ -65,6 +65,18 @@ def test_bad_batch_options():
         TrtBuildOptions(max_batch=2, opt_batch=4)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["BUNDLE", "--max-batch", "two"], "argument --max-batch: invalid int value: 'two'"),
+    (["BUNDLE", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: bundle")])
+def test_a_bad_command_line_is_one_error_line(capsys, args, message):
+    """argparse's refusals printed its usage block before 'python -m runtime.trt_build: error: ...'; a bad option
+    value or bundle was one 'error:' line, exit status 2: so are these now (runtime.command_line)."""
+    assert trt_build.main(args) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line
+
+
 def test_trtexec_line(tiny_bundle, capsys):
     _, bundle = tiny_bundle("llama", 4)
     config = load_config(bundle)

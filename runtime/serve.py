@@ -23,10 +23,11 @@ from fastapi import FastAPI
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
 from runtime.command_line import ArgumentParser
-from runtime.decode.engine import Engine, EngineConfig
+from runtime.decode.engine import EngineConfig
 from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, make_app
 from runtime.serving.engine_thread import EngineThread
+from runtime.serving.kv_memory import make_engine
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.playground import install_playground
@@ -246,7 +247,8 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     :class:`EngineThread`, or a subclass such as the Ray replicas' (runtime/serving/ray_replica.py).
 
     Raises:
-        BundleError, ValueError: bad path, bundle, or option value (the message says which).
+        BundleError, ValueError: bad path, bundle, or option value (the message says which); a KV cache whose
+            worst case does not fit the memory available (:func:`runtime.serving.kv_memory.make_engine`).
         OnnxRuntimeMissing: installed without the [cpu] or [gpu] extra.
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, one error line
@@ -254,7 +256,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
     # The limits come from the engine: a setting past its profile is refused (Engine), the default fits it.
     max_batch_size = resolve_max_batch_size(args.max_batch_size, backend.max_batch)
-    engine = Engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))
+    engine = make_engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))  # KV fits
     metrics = ServerMetrics(max_batch_size)
     ctx = ServerContext(engine_thread=make_thread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),
                         metrics=metrics, model_name=args.model_name or Path(bundle_dir).resolve().name,

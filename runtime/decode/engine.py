@@ -86,6 +86,24 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
 
+class CannotGrowCache(MemoryError):
+    """The KV cache could not grow for some rows: its larger buffers (every slot at the new capacity) cannot be
+    allocated. The engine has finished those rows (their slots are free; their requests get no more outputs) and
+    left the others as they were: they go on at the next step, within the capacity the cache holds.
+
+    Attributes:
+        request_ids: the rows' requests, which needed more positions than the cache holds.
+        capacity: positions per slot the cache holds (and keeps).
+        needed: positions per slot the step needed.
+        num_slots: N, the cache's slots (each holds ``capacity`` positions, in use or not).
+    """
+
+    def __init__(self, request_ids: list[str], capacity: int, needed: int, num_slots: int, cause: MemoryError):
+        super().__init__(f"the KV cache cannot grow from {capacity} to {needed} positions for each of its {num_slots} "
+                         f"slots: {cause}")
+        self.request_ids, self.capacity, self.needed, self.num_slots = request_ids, capacity, needed, num_slots
+
+
 @dataclass
 class StepOutput:
     """What one step did for one request.
@@ -275,7 +293,12 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> list[StepOutput]:
-        """One step: schedule, run the forward, accept per row, commit (DESIGN.md §3-4)."""
+        """One step: schedule, run the forward, accept per row, commit (DESIGN.md §3-4).
+
+        Raises:
+            CannotGrowCache: the KV cache could not grow for some rows; they are finished, this step runs no batch
+                forward (any prefill chunk it ran is committed) and the next step goes on with the others.
+        """
         plan = self.scheduler.schedule(self.default_tau)
         for group in plan.prefill:
             if len(group) == 1:
@@ -307,18 +330,37 @@ class Engine:
         forward per step rather than by its whole prefill.
         """
         chunk = seq.prefill_chunk(self.prefill_chunk)
-        self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
+        self._reserve([(seq, int(self.cache.lengths[seq.slot]) + len(chunk))])
         self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk), 0, len(chunk))
         self._count_prefilled(seq, len(chunk))
 
     def _prefill_first_chunks(self, group: list[Sequence]) -> None:
         """Commit the first prefill chunks of several rows with nothing cached yet in one forward (batched prefill)."""
         chunks = [seq.prefill_chunk(self.prefill_chunk) for seq in group]
-        self.cache.reserve(max(len(chunk) for chunk in chunks))
+        self._reserve([(seq, len(chunk)) for seq, chunk in zip(group, chunks)])
         presents = run_first_chunks(self.backend, self.cache, chunks, self.config.pad_token_id)
         for row, (seq, chunk) in enumerate(zip(group, chunks)):
             self.cache.commit_slot(seq.slot, presents, row, len(chunk))
             self._count_prefilled(seq, len(chunk))
+
+    def _reserve(self, needs: list[tuple[Sequence, int]], idle_need: int = 0) -> None:
+        """Make the cache hold the positions each row needs (``needs``: (row, positions) pairs; a free slot of
+        the forward: ``idle_need``).
+
+        Raises:
+            CannotGrowCache: the larger buffers cannot be allocated; the rows needing more than the cache holds
+                are finished first.
+        """
+        needed = max([idle_need, *(need for _, need in needs)])
+        try:
+            self.cache.reserve(needed)
+        except MemoryError as e:
+            capacity = self.cache.capacity
+            failed = [seq for seq, need in needs if need > capacity] or [seq for seq, _ in needs]
+            for seq in failed:
+                self._finish(seq, "abort")
+            raise CannotGrowCache([seq.request_id for seq in failed], capacity, needed, self.cache.num_slots,
+                                  e) from e
 
     @staticmethod
     def _count_prefilled(seq: Sequence, num_tokens: int) -> None:
@@ -342,7 +384,8 @@ class Engine:
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
-        self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
+        self._reserve([(seq, int(self.cache.lengths[seq.slot]) + plan.width) for seq in self.scheduler.running.values()],
+                      plan.width)
         fits = getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
         if fits and all(self._reads_ids_only(seq, plan.width) for seq in plan.rows):
             reads = "ids"

@@ -93,9 +93,14 @@ def check_fits(num_slots: int, max_len: int, per_position: int, available: int, 
         [f"--max-seq-len to {len_fitting}"] if len_fitting else [])
     fix = (f"lower {' or '.join(fixes)}" if fixes else
            f"not even 1 slot of {min_len} positions fits: free memory or use a larger machine")
-    raise ValueError(f"the KV cache may need {need / GIB:.1f} GiB ({num_slots} slots (--max-batch-size) x {max_len} "
+    raise ValueError(f"the KV cache may need {_size(need)} ({num_slots} slots (--max-batch-size) x {max_len} "
                      f"positions (--max-seq-len) x {per_position:,} bytes{also}; one long request grows every slot) "
-                     f"but {available / GIB:.1f} GiB is available ({where}): {fix}")
+                     f"but {_size(available)} is available ({where}): {fix}")
+
+
+def _size(num_bytes: int) -> str:
+    """Bytes for a message: GiB, or MiB below 1 GiB."""
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def memory_available(backend) -> tuple[int, str] | None:
@@ -182,7 +187,7 @@ def make_engine(backend, config: BundleConfig, engine_config: EngineConfig,
     except MemoryError as e:  # numpy's message is a shape: say what it is and what to change
         slots, first = engine_config.max_batch_size, min(MIN_CAPACITY, max_len)
         raise ValueError(f"the KV cache's first buffers, {slots} slots (--max-batch-size) x {first} positions x "
-                         f"{per_position:,} bytes = {slots * first * per_position / GIB:.1f} GiB, cannot be "
+                         f"{per_position:,} bytes = {_size(slots * first * per_position)}, cannot be "
                          f"allocated ({type(e).__name__}); lower --max-batch-size") from None
 
 

@@ -168,7 +168,7 @@ def test_a_server_whose_cache_cannot_fit_refuses_to_start_in_one_line(tiny, monk
     assert code == 2 and len(err) == 1 and not allocated, err
     assert err[0].startswith("error: the KV cache may need 36.6 GiB (100000 slots (--max-batch-size) x 512 positions "
                              "(--max-seq-len) x 512 bytes, plus the 256 per slot it grows from; ")
-    assert err[0].endswith("but 0.1 GiB is available (MemAvailable in /proc/meminfo): lower --max-batch-size to "
+    assert err[0].endswith("but 64.0 MiB is available (MemAvailable in /proc/meminfo): lower --max-batch-size to "
                            f"{64 * MIB // (768 * per_position)}")  # not even W + 2 positions for 100000 slots
     code, err = run_main([str(bundle), "--max-batch-size", "2000"], capsys)
     num_slots, max_len = largest_fitting(2000, 512, per_position, 64 * MIB, config.window + 2)
@@ -195,7 +195,7 @@ def test_a_first_allocation_that_fails_anyway_is_one_line(tiny, monkeypatch, cap
     code, err = run_main([str(bundle), "--max-batch-size", "100000"], capsys)
     assert code == 2 and len(err) == 1, err
     assert err[0] == ("error: the KV cache's first buffers, 100000 slots (--max-batch-size) x 16 positions x 512 bytes "
-                      "= 0.8 GiB, cannot be allocated (MemoryError); lower --max-batch-size")
+                      "= 781.2 MiB, cannot be allocated (MemoryError); lower --max-batch-size")
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -60,12 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("engine")
     g.add_argument("--max-batch-size", type=int, default=None,
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
-                        "engine's largest batch when smaller)")
+                        "engine's largest batch when smaller). One long request grows every slot to its length, so "
+                        "start-up refuses slots x --max-seq-len whose KV cache cannot fit the free memory (RAM; a "
+                        "TensorRT engine's GPU), naming the largest values that fit")
     g.add_argument("--scheme", default="continuous", choices=SCHEMES,
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")
     g.add_argument("--max-seq-len", type=int, default=None,
-                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile)")
+                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile); checked "
+                        "with --max-batch-size against the free memory at start-up")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
     g = p.add_argument_group("tau and the load policy")

@@ -36,7 +36,7 @@ from runtime.backends.onnx import MAX_THREADS, OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
 from runtime.command_line import ArgumentParser, run_main  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
-from runtime.decode.engine import why_no_adaptive_masks  # noqa: E402
+from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
 from runtime.evaluation.tasks import load_gsm8k  # noqa: E402
 from runtime.text.tokenizer import Tokenizer  # noqa: E402

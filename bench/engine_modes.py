@@ -37,7 +37,8 @@ from support import shared_data_file, shared_data_missing
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.command_line import ArgumentParser, run_main
-from runtime.decode.engine import Engine, EngineConfig, why_no_adaptive_masks
+from runtime.decode.admission import why_no_adaptive_masks
+from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError
 from runtime.evaluation.tasks import load_gsm8k, load_humaneval
 from runtime.text.tokenizer import Tokenizer

@@ -23,7 +23,7 @@ from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
 from runtime.command_line import ArgumentParser, UsageError
 from runtime.decode.decoder import Decoder
-from runtime.decode.engine import why_no_adaptive_masks
+from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
 

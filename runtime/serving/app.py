@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from runtime.decode.engine import check_prompt_ids
+from runtime.decode.admission import check_prompt_ids
 from runtime.decode.params import DecodeParams, ParamError
 from runtime.serving import protocol
 from runtime.serving.engine_thread import EngineThread

@@ -35,7 +35,8 @@ import os
 from pathlib import Path
 
 from runtime.bundle import BundleConfig
-from runtime.decode.engine import CannotGrowCache, Engine, EngineConfig, check_max_batch_size, check_max_seq_len
+from runtime.decode.admission import check_max_batch_size, check_max_seq_len
+from runtime.decode.engine import CannotGrowCache, Engine, EngineConfig
 from runtime.decode.kv_cache import MIN_CAPACITY, KVCache
 from runtime.memory import GIB, KV_BYTES, kv_cache_bytes
 

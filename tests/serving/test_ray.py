@@ -30,7 +30,7 @@ from ray import serve  # noqa: E402
 from ray.serve.schema import LoggingConfig  # noqa: E402
 
 from runtime.decode.decoder import DecodeParams  # noqa: E402
-from runtime.decode.engine import why_no_adaptive_masks  # noqa: E402
+from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from runtime import serve as single  # noqa: E402

@@ -42,14 +42,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.bundle import GREEDY_HEAD_MAX_ROWS, BundleConfig
+from runtime.bundle import BundleConfig
 from runtime.decode.acceptance import Accepted, ProvenRejection, accept, max_accept
 from runtime.decode.admission import check_max_batch_size, check_max_seq_len, check_prompt_ids, why_no_adaptive_masks
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.mask_backoff import tokens_from_masks
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
-from runtime.decode.sampling import is_greedy, select
+from runtime.decode.reads import choose_head, first_read_position, read_inputs
+from runtime.decode.sampling import select
 from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan
 from runtime.decode.sequence import Sequence
 
@@ -310,90 +311,33 @@ class Engine:
 
     def _run(self, plan: StepPlan) -> tuple[np.ndarray, list, str]:
         """One batch forward of the plan's rows (other slots idle). Returns the outputs, the presents and what the
-        outputs are (``reads``):
-
-        - ``"ids"``: each position's argmax id [n, w], the float32 output head skipped, where the backend has the
-          greedy head, the forward has at most ``GREEDY_HEAD_MAX_ROWS`` rows n·w and every row reads argmaxes
-          only (:meth:`_reads_ids_only`);
-        - ``"proven"``: the same ids, from a threshold step whose confidence gate skipped the head
-          (:meth:`_gate_taus`): every row's first confidence read is proven not above its tau;
-        - ``"logits"``: the logits [n, w, V], the mask token's logit suppressed."""
+        outputs are (``reads``: ``"ids"`` / ``"proven"``, the argmax ids [n, w], or ``"logits"`` [n, w, V], the mask
+        token's logit suppressed; :mod:`runtime.decode.reads` says which)."""
         rows: list[list[int] | None] = [None] * plan.num_rows
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
         self._reserve([(seq, int(self.cache.lengths[seq.slot]) + plan.width) for seq in self.scheduler.running.values()],
                       plan.width)
-        fits = getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
-        if fits and all(self._reads_ids_only(seq, plan.width) for seq in plan.rows):
-            reads = "ids"
-            outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id, greedy_ids=True)
-        elif fits and (taus := self._gate_taus(plan, rows)) is not None:
-            (ids, outputs), presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id,
-                                                 greedy_ids=True, confidence_tau=taus)
+        head, confidence_tau = choose_head(
+            plan.rows, rows, plan.width, [seq.tau(self.default_tau) for seq in plan.rows],
+            [self.scheduler.solo_width(seq, self.default_tau) for seq in plan.rows],
+            has_greedy_head=getattr(self.backend, "takes_num_greedy", False),
+            has_gate=getattr(self.backend, "takes_confidence_gate", False),
+            mask_token_id=self.config.mask_token_id, vocab_size=self.config.vocab_size)
+        pad = self.config.pad_token_id
+        if head == "gate":
+            (ids, outputs), presents = run_batch(self.backend, self.cache, rows, pad, greedy_ids=True,
+                                                 confidence_tau=confidence_tau)
             reads = "logits" if outputs is not None else "proven"
             outputs = ids if outputs is None else outputs
         else:
-            reads = "logits"
-            outputs, presents = run_batch(self.backend, self.cache, rows, self.config.pad_token_id)
+            reads = head
+            outputs, presents = run_batch(self.backend, self.cache, rows, pad, greedy_ids=head == "ids")
         if reads == "logits":  # the greedy head excludes the mask token itself
             outputs[:, :, self.config.mask_token_id] = np.finfo(np.float32).min  # the mask token is never generated
         self.num_steps += 1
         return outputs, presents, reads
-
-    def _reads_ids_only(self, seq: Sequence, width: int) -> bool:
-        """Whether the row's step (of width ``width``) reads no more than each prediction's argmax: a prefill
-        chunk, or greedy decoding that tests no confidence: tau >= 1 (as ``select(with_confidence=tau < 1)``), or
-        a step that feeds the row no mask it reads (adaptive masks backing off, a block size of 1)."""
-        if seq.is_prefilling:
-            return True
-        return is_greedy(seq.params.temperature) and (seq.tau(self.default_tau) >= 1.0
-                                                      or self._first_read_position(seq, width) is None)
-
-    def _gate_taus(self, plan: StepPlan, rows: list[list[int] | None]) -> np.ndarray | None:
-        """The confidence gate's ``confidence_tau`` float32 [n] for this step (mars_export.confidence_gate), or None
-        where the step reads its logits anyway: no gate in the backend, or a row that samples, tests another
-        metric, tests a tau below 1 / V (every probability passes it), or whose first confidence read is not at
-        its window's first mask token (a draft equal to the mask token). A row reading no confidence, and an idle
-        one, gets 1 (never tested); the others their tau as a float32 at most tau (rounded down where float32
-        rounds it up), so the gate's ``p_ub <= tau32`` fails the rule's ``p > tau`` however numpy compares a
-        float32 with a Python float."""
-        if not getattr(self.backend, "takes_confidence_gate", False):
-            return None
-        taus = np.ones(plan.num_rows, np.float32)
-        for seq in plan.rows:
-            if self._reads_ids_only(seq, plan.width):
-                continue
-            if not is_greedy(seq.params.temperature) or seq.params.metric != "probability":
-                return None
-            position = self._first_read_position(seq, plan.width)
-            if position is None:
-                continue
-            row = rows[seq.slot]
-            if self.config.mask_token_id not in row or row.index(self.config.mask_token_id) != position:
-                return None
-            tau = seq.tau(self.default_tau)
-            if tau * self.config.vocab_size < 1:
-                return None
-            tau32 = np.float32(tau)
-            taus[seq.slot] = np.nextafter(tau32, np.float32(-np.inf)) if float(tau32) > float(tau) else tau32
-        return taus
-
-    def _read_inputs(self, seq: Sequence, width: int) -> tuple[int, int, int]:
-        """(r, k, end) of the decoding row ``seq`` in a step of width ``width``, as :meth:`_accept` slices its
-        predictions: its r real inputs, then k drafts, read up to input ``end`` (its solo width); the inputs from
-        r + k to ``end`` are masks it reads."""
-        num_real = min(len(seq.uncached), width)
-        end = min(self.scheduler.solo_width(seq, self.default_tau), width)
-        return num_real, min(len(seq.drafts), end - num_real), end
-
-    def _first_read_position(self, seq: Sequence, width: int) -> int | None:
-        """The window position (0..w-1) whose output's confidence the acceptance rule reads first in this step of
-        the decoding row ``seq`` (as :func:`accept` reads them: the output after its real tokens and drafts), or
-        None where it reads none (no mask is read)."""
-        num_real, num_drafts, end = self._read_inputs(seq, width)
-        position = num_real + num_drafts
-        return position if position < end else None
 
     def _accept(self, seq: Sequence, outputs: np.ndarray, is_block: bool, reads: str) -> Accepted:
         """What this row keeps from its logits [w, V] (or, ``reads`` "ids" / "proven", its argmax ids [w]:
@@ -404,13 +348,14 @@ class Engine:
         num_real = min(len(seq.uncached), len(outputs))
         # [M, V] (or ids [M]), M = w - r + 1 for the width w this row would have alone: the AR prediction, then one
         # per later input; a wider batch's extra masks are not read (a sampled row draws M numbers: the same alone)
-        predictions = outputs[num_real - 1:self.scheduler.solo_width(seq, self.default_tau)]
+        solo_width = self.scheduler.solo_width(seq, self.default_tau)
+        predictions = outputs[num_real - 1:solo_width]
         in_block = is_block and seq.params.mode != "verify"  # verify rows advance per row in both schemes
         budget = max_accept(seq.block_size, seq.num_remaining, len(seq.uncached), self.config.window, in_block)
         if budget == 0:  # block scheme: a full block re-run until every row is ready
             return Accepted([], 0)
         params, tau = seq.params, seq.tau(self.default_tau)
-        position = self._first_read_position(seq, len(outputs)) if reads == "proven" and tau < 1.0 else None
+        position = first_read_position(seq, len(outputs), solo_width) if reads == "proven" and tau < 1.0 else None
         if position is not None:  # the gate proved the first confidence read not above tau
             ids, scores = predictions, ProvenRejection(len(predictions), position - (num_real - 1))
         elif reads != "logits":
@@ -449,9 +394,9 @@ class Engine:
 
     def _record_masks(self, seq: Sequence, acc: Accepted, width: int) -> None:
         """Adaptive masks: tell the row's backoff whether this step (of width ``width``) read a mask prediction of
-        the row (:meth:`_read_inputs`) and whether a mask gained a token. Call before :meth:`_commit` moves the
-        row's uncached tokens on."""
-        num_real, num_drafts, end = self._read_inputs(seq, width)
+        the row (:func:`runtime.decode.reads.read_inputs`) and whether a mask gained a token. Call before
+        :meth:`_commit` moves the row's uncached tokens on."""
+        num_real, num_drafts, end = read_inputs(seq, width, self.scheduler.solo_width(seq, self.default_tau))
         gained = tokens_from_masks(len(acc.tokens), num_drafts, seq.drafts_from_masks) > 0
         seq.mask_backoff.record(fed_masks=end > num_real + num_drafts, gained=gained)
 

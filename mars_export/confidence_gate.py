@@ -22,7 +22,8 @@ of the exponents (a few ulps of logits up to ~1e4). ``p`` as the runtime compute
 the full head's logits, mask token excluded: ``1 / sum_v exp(f_v - max f)``) is then at most ``p_ub``; SLACK
 covers the float32 rounding of both sums over V and of the exponentials (:func:`slack`). The gate skips the
 head when, for every row b of the batch, ``p_ub`` at its first mask is at most ``min(confidence_tau[b], 1)``:
-the runtime then knows that test fails without the logits.
+the runtime then knows that test fails without the logits (:func:`runtime.decode.reads.gate_tau` sets each row's
+``confidence_tau``).
 
 What a skipped step does not prove: that its tokens are the logits' argmaxes. They are the greedy head's
 ids, exactly the float32 argmax but for near-ties, where the logits path may pick the other token

@@ -5,9 +5,10 @@ w this step's window, M predictions of a row, V vocabulary.
 
 :meth:`Engine.step` reads schedule, run, accept, commit: the scheduler's plan
 (:class:`runtime.decode.scheduler.StepPlan`) says who feeds what and how wide; one forward
-runs it; the pure acceptance rules (:mod:`runtime.decode.acceptance`) say what each row
-keeps and how many KV entries it commits; :meth:`Engine._commit` is the one place that
-changes the sequences and the cache. A row's ``uncached`` tokens are always the real tokens
+runs it, asking for argmax ids, the confidence gate or logits as :mod:`runtime.decode.reads` says;
+the pure acceptance rules (:mod:`runtime.decode.acceptance`) say what each row keeps and how
+many KV entries it commits; :meth:`Engine._commit` is the one place that changes the sequences
+and the cache. A row's ``uncached`` tokens are always the real tokens
 whose KV is not committed: commit appends the accepted tokens and drops the committed ones.
 
 Every step is one forward of the step graph over the running rows:

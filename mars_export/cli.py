@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OnnxRuntimeMissing, RuntimeError) as e:  # installed without [cpu] or [gpu], or without [fused]
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from mars_export.bundle_writer import check_window_fits
     from mars_export.context import max_context_of
     from mars_export.model_source import load_model
     from mars_export.parity import ParityError
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.model, args.mask_token, snapshot=snapshot)
         _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
                     f"id {loaded.mask_token_id}, ")
-        _, context_note = max_context_of(loaded.model.config)
+        max_context, context_note = max_context_of(loaded.model.config)
         if context_note:
             print(context_note, file=sys.stderr)
+        check_window_fits(window, max_context, *_window_named(args, block, block_origin))
         config = write_bundle(loaded, args.output, block, window, args.parity_tol, args.force,
                               "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
                               args.min_top1, args.graph, args.quant_block)
@@ -177,6 +179,16 @@ def _log_choice(what: str, origin: str, flag: str, detail: str = "") -> None:
     directory name; pass --block to change)'."""
     if origin != flag:
         print(f"{what} ({detail}{origin}; pass {flag} to change)", file=sys.stderr)
+
+
+def _window_named(args: argparse.Namespace, block: int, block_origin: str) -> tuple[str, str]:
+    """How a message names the window and the option to lower it: ``--window`` where given, else what set the block
+    size, which the window defaults to."""
+    if args.window is not None:
+        return f"--window {args.window}", "--window"
+    if args.block is not None:
+        return f"--block {block} (the window W defaults to B)", "--block"
+    return f"the block size {block} ({block_origin}; the window W defaults to B)", "--block"
 
 
 def _os_error_message(e: OSError, output: str | None) -> str:

@@ -193,7 +193,10 @@ def test_existing_output_is_kept(tiny_bundle, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--block", "8", "--window", "4"], "need 1 <= --block <= --window"),
-    (["--block", "4", "--window", "100000", "--mask-token", "<mask>"], "must be smaller than the model's context"),
+    (["--block", "4", "--window", "100000", "--mask-token", "<mask>"], "error: --window 100000 must be smaller than "
+                                                                       "the model's context"),
+    (["--block", "100000", "--mask-token", "<mask>"], "error: --block 100000 (the window W defaults to B) must be "
+                                                      "smaller than the model's context"),  # no --window was given
     (["--block", "0"], "need 1 <= --block <= --window"),
     (["--block", "4", "--parity-tol", "-1"], "--parity-tol must be a number >= 0"),
     (["--block", "4", "--parity-tol", "nan"], "--parity-tol must be a number >= 0"),
@@ -206,6 +209,17 @@ def test_export_argument_errors(tiny_bundle, tmp_path, capsys, args, message):
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and message in err[0]
     assert not (tmp_path / "b").exists()
+
+
+def test_a_window_set_by_a_recorded_block_size_is_named_by_it(tiny_bundle, tmp_path, capsys):
+    """Neither --block nor --window given: the block size from the directory name (blkN) sets the window, and the
+    message says so, naming --block to lower it."""
+    ckpt = shutil.copytree(tiny_bundle("llama", 4)[0], tmp_path / "tiny-blk100000")
+    code = export_cli.main([str(ckpt), "-o", str(tmp_path / "b"), "--mask-token", "<mask>"])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and not (tmp_path / "b").exists()
+    assert err[0].startswith("error: the block size 100000 (from the directory name; the window W defaults to B) must "
+                             "be smaller than the model's context") and err[0].endswith("use --block 507 or less"), err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -150,6 +150,7 @@ def test_bad_tau(bundle, capsys, tau, message):
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
+    (["--temperature", "2.5"], "temperature must be a number in 0..2 (0 = greedy), got 2.5"),  # the server's limit
 ])
 def test_bad_runtime_arguments(bundle, capsys, extra, message):
     code, _, err = run_generate(bundle, capsys, *extra)

@@ -225,7 +225,9 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
     profile_flags = {"--trt-max-batch": args.trt_max_batch, "--trt-max-context": args.trt_max_context}
     profile = [flag for flag, value in profile_flags.items() if value is not None]
     if profile and not args.trt:
-        return f"{' and '.join(profile)} set the TensorRT profile and apply with --trt only: add --trt or drop them"
+        if len(profile) == 1:
+            return f"{profile[0]} sets the TensorRT profile; it applies with --trt only: add --trt or drop it"
+        return f"{' and '.join(profile)} set the TensorRT profile; they apply with --trt only: add --trt or drop them"
     if quantized and args.trt:
         return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if args.graph == "fused" and (args.fp16 or args.trt):

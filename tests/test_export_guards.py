@@ -471,8 +471,11 @@ def test_a_model_path_that_is_no_model_is_named_before_the_block_size(tmp_path, 
 
 @pytest.mark.parametrize("args, message", [
     (["--window", "508"], "use --window 507 or less"),
-    (["--trt-max-batch", "4"], "--trt-max-batch set the TensorRT profile and apply with --trt only"),
-    (["--trt-max-context", "256"], "--trt-max-context set the TensorRT profile and apply with --trt only"),
+    (["--trt-max-batch", "4"], "--trt-max-batch sets the TensorRT profile; it applies with --trt only: add --trt or "
+                               "drop it"),
+    (["--trt-max-context", "256"], "--trt-max-context sets the TensorRT profile; it applies with --trt only"),
+    (["--trt-max-batch", "4", "--trt-max-context", "256"], "--trt-max-batch and --trt-max-context set the TensorRT "
+                                                           "profile; they apply with --trt only: add --trt or drop them"),
 ])
 def test_flags_that_cannot_work_are_refused(checkpoint, tmp_path, capsys, args, message):
     code, err = run_export(capsys, checkpoint, tmp_path / "b", "--block", "4", "--mask-token", "<mask>", *args)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:  # argparse's refusals: one line, as the checks below
         print(f"error: {e}", file=sys.stderr)
         return 2
-    problem = _precision_problem(args)
+    problem = _precision_problem(args) or _output_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -244,6 +244,13 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
         return f"--quant-block must be one of {', '.join(map(str, QUANT_BLOCK_SIZES))} (MatMulNBits), got {args.quant_block}"
     if args.min_top1 is not None and not 0 <= args.min_top1 <= 1:
         return f"--min-top1 must be a fraction in [0, 1], got {args.min_top1}"
+    return None
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """Why ``-o`` names no directory (an empty string, which paths would read as the current directory), or None."""
+    if args.output == "":
+        return "-o is empty: give the directory to write the bundle to (e.g. -o bundles/mine)"
     return None
 
 

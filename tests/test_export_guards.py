@@ -483,6 +483,15 @@ def test_flags_that_cannot_work_are_refused(checkpoint, tmp_path, capsys, args, 
     assert os.listdir(tmp_path) == []
 
 
+def test_an_empty_output_is_refused_not_read_as_the_current_directory(checkpoint, tmp_path, monkeypatch, capsys):
+    """-o "" was read as "." and refused as "already exists" or as "contains the model" where the current
+    directory holds it: an empty -o is refused as such, before anything is checked or loaded."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_export(capsys, checkpoint, "", "--block", "4", "--mask-token", "<mask>")
+    assert code == 2 and err == ["error: -o is empty: give the directory to write the bundle to (e.g. -o bundles/mine)"]
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_tensorrt_profile_defaults_have_one_home(monkeypatch, capsys):
     """mars-export's --trt-max-batch help and runtime.trt_build's --max-batch default read TrtBuildOptions."""
     from runtime import trt_build

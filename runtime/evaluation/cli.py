@@ -100,6 +100,8 @@ def check_args(args: argparse.Namespace) -> None:
     DecodeParams(metric=args.metric)  # raises ValueError on an unknown metric
     if len({Path(b).resolve() for b in args.bundles}) < len(args.bundles):
         raise UsageError("a bundle directory is given twice")
+    if args.out == "":  # a path would read it as the current directory
+        raise UsageError("--out is empty: give the directory to write the results to (default ./mars-eval-results)")
     check_out_dir(Path(args.out))
 
 

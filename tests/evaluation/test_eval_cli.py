@@ -143,6 +143,9 @@ def test_an_out_that_is_a_file_is_refused_as_the_other_tools_refuse_it(bundle, d
         assert main(eval_args(bundle, data, out)) == 2
         assert capsys.readouterr().err == message + "\n"
     assert Path("README.md").read_text() == "mine"
+    assert main(eval_args(bundle, data, "")) == 2  # not read as the current directory
+    assert capsys.readouterr().err == "error: --out is empty: give the directory to write the results to (default " \
+                                      "./mars-eval-results)\n"
 
 
 def test_mars_eval_imports_without_torch():

@@ -59,7 +59,6 @@ Writes {name}.json and prints Markdown tables.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -76,6 +75,7 @@ from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
 from profile_step import interleaved_times, load_bundles, make_session, step_call  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.batch import run_batch, run_prefill
 from scaling import decode_inputs
 
@@ -271,7 +271,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("builder", type=Path, help="folder with the model builder's model.onnx (same weights)")
     p.add_argument("bundles", type=Path, nargs="+", help="bundle directories; ratios are to the first (float32)")
     p.add_argument("--quantize", nargs="*", default=[], choices=sorted(WEIGHT_BITS),
@@ -312,4 +312,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

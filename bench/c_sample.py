@@ -34,8 +34,9 @@ from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from runtime.backends.onnx import MAX_THREADS, OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
+from runtime.command_line import ArgumentParser, run_main  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
-from runtime.decode.engine import why_no_adaptive_masks  # noqa: E402
+from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
 from runtime.evaluation.tasks import load_gsm8k  # noqa: E402
 from runtime.text.tokenizer import Tokenizer  # noqa: E402
@@ -205,7 +206,7 @@ def usage_problem(args) -> str | None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path)
     p.add_argument("--binary", type=parse_binary, action="append", required=True, metavar="NAME=PATH",
                    help="a mars_c binary and its name in the results; repeat to compare builds")
@@ -232,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from mars_export.confidence_gate import MARGIN_ABSOLUTE, MARGIN_RELATIVE, UNIT, slack  # noqa: E402
+from runtime.command_line import ArgumentParser, run_main  # noqa: E402
 
 
 def screening_session(weight: np.ndarray):
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default="default-mars", help="model spec of mars-export (default default-mars)")
     p.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7, 0.5])
     p.add_argument("--num-prompts", type=int, default=10)
@@ -267,4 +268,4 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

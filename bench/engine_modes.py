@@ -22,7 +22,6 @@ counted). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -37,7 +36,9 @@ from support import shared_data_file, shared_data_missing
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.decode.engine import Engine, EngineConfig, why_no_adaptive_masks
+from runtime.command_line import ArgumentParser, run_main
+from runtime.decode.admission import why_no_adaptive_masks
+from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError
 from runtime.evaluation.tasks import load_gsm8k, load_humaneval
 from runtime.text.tokenizer import Tokenizer
@@ -123,7 +124,7 @@ def run(args) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--schemes", nargs="+", default=["continuous", "block"], choices=["continuous", "block"])
@@ -185,4 +186,4 @@ def _label(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -40,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from runtime.command_line import ArgumentParser, UsageError  # noqa: E402
+
 # What the full run imports, and where it comes from when missing.
 NEEDED = {"tensorrt": "pip install 'mars-edge[trt]' (tensorrt-cu12; on Jetson: JetPack's python3-libnvinfer)",
           "cuda-python": "pip install 'mars-edge[trt]' (cuda-python)",
@@ -51,7 +53,7 @@ MODULES = {"tensorrt": ("tensorrt",), "cuda-python": ("cuda.bindings.runtime", "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default-mars", help="model spec for mars-export (default default-mars)")
     p.add_argument("--block", type=int, default=4, help="block size B = window W (default 4, the adapter's)")
     p.add_argument("--mask-token", default=None, help="the MARS mask token (default: the one the model records)")
@@ -229,7 +231,11 @@ def run_on_gpu(args, refs: dict, report: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": environment(), "model": args.model,
               "block_size": args.block, "max_new_tokens": args.max_new_tokens, "dry_run": args.dry_run, "runs": {}}
     missing = report["environment"]["missing"]

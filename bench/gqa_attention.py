@@ -45,7 +45,6 @@ Writes {name}.json: ``rows`` (timing) and ``identity`` (graph, chunk, identical 
 
 from __future__ import annotations
 
-import argparse
 import io
 import itertools
 import json
@@ -60,6 +59,7 @@ from onnx import TensorProto, helper
 
 from mars_export.step_module import StepKV, rotary_joint, step_attention
 from profile_step import interleaved_times  # bench/ is on the path when this file runs as a script
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.batch import window_mask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def identity_rows(ours, gqa, args, rng) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pasts", type=int, nargs="+", default=[128, 1024], help="past lengths P")
     p.add_argument("--windows", type=int, nargs="+", default=[1, 4], help="windows W")
     p.add_argument("--heads", type=int, default=9, help="query heads H (default 9, SmolLM2-135M)")
@@ -320,4 +320,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -49,6 +49,7 @@ import openai
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
+from runtime.command_line import ArgumentParser, UsageError
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
@@ -64,7 +65,7 @@ DRAIN_S = 1.0  # seconds sampled after the last request, before the run ends
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", nargs="?", default=str(ROOT / "bundles" / "default-mars-b4"))
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the fixed phase")
@@ -388,7 +389,11 @@ def run_fleet(args, replicas: int, prompts, solo, tokenizer: Tokenizer) -> LoadR
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(args.bundle)

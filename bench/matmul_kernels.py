@@ -43,7 +43,6 @@ table.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -59,6 +58,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from runtime import bundle
 from runtime.backends.huge_pages import new_memory_on_huge_pages
+from runtime.command_line import ArgumentParser, run_main
 from results_files import write_results  # bench/ is on the path when this file runs as a script
 from scaling import GB, machine_info, stream_bandwidth, time_calls  # bench/ is on the path when this file runs as a script
 
@@ -225,7 +225,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path, help="bundle directory whose weight shapes are measured")
     p.add_argument("--formats", nargs="+", default=["fp32", "int8-32", "int8-128", "int4-32", "int4-128"],
                    help="weight formats: fp32, int8-S, int4-S (S the block size)")
@@ -245,7 +245,7 @@ def main() -> None:
         try:
             parse_format(name)
         except ValueError as e:
-            p.error(str(e))  # a bad argument: usage and exit status 2, as for the others
+            p.error(str(e))  # a bad argument: one error: line and exit status 2, as for the others
     try:
         result = run(args)
     except (ValueError, bundle.BundleError) as e:
@@ -255,4 +255,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

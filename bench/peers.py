@@ -23,8 +23,9 @@ no continuous-batching refill). Per chunk: time to first token
 measure it with a streamer, in the same ``generate`` call), then decode tokens/s (tokens
 after each sequence's first / time after TTFT) and end-to-end tokens/s. Each engine runs
 one warm-up generation first. The prompt token count each engine consumed is recorded and
-a mismatch with prompts.json stops the run. Only the standard library is imported at the
-top: the peer venvs lack the project's packages.
+a mismatch with prompts.json stops the run. Only the standard library (and
+``runtime/command_line.py``, which needs nothing else) is imported at the top: the peer venvs
+lack the project's packages.
 
 Threads: on a machine shared with other jobs, engines using every core (torch, llama.cpp)
 slowed down 4-30x in the smoke runs (threads waiting on a busy core); measure on a quiet
@@ -34,7 +35,6 @@ average before and after its run.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -44,6 +44,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+# the project is not installed in the peer venvs; runtime/command_line.py needs nothing but argparse
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime.command_line import ArgumentParser, run_main  # noqa: E402
 
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
@@ -728,7 +732,7 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser("prompts", help="write prompt ids and settings (project venv)")
     pp.add_argument("--bundle", default="bundles/default-mars-b4")
@@ -775,4 +779,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -17,7 +17,6 @@ ratio per run, and its median) to --out, and prints Markdown tables.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,6 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from results_files import write_results  # bench/ is on the path when this file runs as a script
+from runtime.command_line import ArgumentParser, run_main
 
 OK = "ok"
 # (label, numerator (engine, variant), denominator (engine, variant)): the comparisons of GitHub issue 11.
@@ -129,7 +129,7 @@ def plot(ratios: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path, nargs="+", help="folders of peers.json, one per scripts/bench_peers.sh run")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="peers_runs", help="stem of the output files (default peers_runs)")
@@ -147,4 +147,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

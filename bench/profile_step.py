@@ -45,7 +45,6 @@ Writes {name}.json to --out and prints Markdown tables.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import json
@@ -63,6 +62,7 @@ from runtime import bundle
 from runtime.backends.fused import FusedStep, past_with_room
 from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.backends.kv_binding import KVBinding
+from runtime.command_line import ArgumentParser, run_main
 from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
@@ -266,7 +266,7 @@ def markdown(result: dict, top: int) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundles", type=Path, nargs="+", help="bundle directories; ratios are to the first")
     p.add_argument("--pasts", type=int, nargs="+", default=[128], help="past lengths P")
     p.add_argument("--windows", type=int, nargs="+", default=[1, 4], help="windows W")
@@ -295,4 +295,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -27,7 +27,6 @@ the agreement and writes ``quantized_step_timing_w{W}.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import re
@@ -49,6 +48,7 @@ from mars_export import quantize
 from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleConfig, load_config
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.batch import window_mask
 from runtime.text.tokenizer import Tokenizer
 
@@ -72,7 +72,7 @@ def parse_variant(spec: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path, help="a float32 bundle (mars-export MODEL -o DIR)")
     p.add_argument("--prompts-each", type=int, default=3, help="GSM8K and HumanEval prompts each (default 3)")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
@@ -217,4 +217,4 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

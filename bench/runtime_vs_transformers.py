@@ -11,11 +11,11 @@ to --out (default bench/results/) and prints ratios to the baseline.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from mars_export.model_source import default_checkpoint
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
@@ -94,7 +95,7 @@ def write(out: Path, rows: list[dict], summary: list[dict], meta: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--checkpoint", default=None, help="HF checkpoint of the baseline (default: the default model)")
     p.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.9])
@@ -113,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

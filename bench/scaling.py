@@ -41,7 +41,6 @@ column ``kind`` = decode | prefill) and {name}.png to --out, and prints Markdown
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -62,6 +61,7 @@ from results_files import write_results  # bench/ is on the path when this file 
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.batch import run_batch, run_first_chunks, scratch_past, window_mask
 from runtime.decode.kv_cache import KVCache
 
@@ -510,7 +510,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path, nargs="?", default=Path("bundles/default-mars-b4"))
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048], help="past lengths P")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -549,4 +549,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -42,7 +42,6 @@ each part's cost with the rounds' range) to --out, and prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import shutil
@@ -60,6 +59,7 @@ from onnx import helper, numpy_helper
 from profile_step import interleaved_times, make_session, step_call  # bench/ is on the path when this file runs as a script
 from results_files import write_results
 from runtime import bundle
+from runtime.command_line import ArgumentParser, run_main
 from scaling import decode_inputs, machine_info, rotated
 
 PARTS = ("attention", "norms", "activation")
@@ -278,7 +278,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path, help="a fused bundle (mars-export --graph fused)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to remove, one at a time")
     p.add_argument("--pasts", type=int, nargs="+", default=[128, 1024], help="past lengths P")
@@ -303,4 +303,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

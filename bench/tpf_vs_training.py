@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from peft import PeftModel
 
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 from runtime.evaluation.tasks import DataError, load_chat
@@ -93,7 +95,7 @@ def mean_example_tokens(data: list[str]) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--gsm8k", type=Path, required=True)
     p.add_argument("--chat", type=Path, default=None, help="OpenAssistant tree JSONL (chat_multiturn)")
@@ -186,4 +188,4 @@ def meta_sets(args) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

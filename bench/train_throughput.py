@@ -25,6 +25,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from transformers import TrainerCallback
 from mars_export.training.config import LoraSettings, TrainConfig
 from mars_export.training.data import read_records
 from mars_export.training.trainer import prepare_trainer
+from runtime.command_line import ArgumentParser, run_main
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", help="'default', a .gguf file or a checkpoint directory")
     p.add_argument("--data", action="append", required=True)
     p.add_argument("--num-examples", type=int, default=64)
@@ -199,4 +201,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

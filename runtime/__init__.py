@@ -10,8 +10,7 @@ Layout (one concern per folder; the top-level modules are the file format and th
     evaluation/      ``mars-eval``: TPF and quality of bundles on GSM8K / HumanEval
     generate.py, serve.py, memory.py, trt_build.py
                      ``python -m runtime.<name>`` command-line entry points
-    command_line.py  the argument parser of mars-export, mars-train and mars-eval (a bad command line is one
-                     ``error:`` line)
+    command_line.py  the argument parser of every command and script (a bad command line is one ``error:`` line)
 
 Dimension letters, the same in every module of the runtime and of the reference decoder:
     n  batch rows of one forward (cache slots 0..n-1)       N  cache slots (``max_batch_size``)

@@ -13,6 +13,7 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
+from runtime.command_line import ArgumentParser
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -21,7 +22,7 @@ from runtime.text.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.generate", description=__doc__.splitlines()[0])
     p.add_argument("bundle", help="bundle directory written by mars-export")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -51,8 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Entry point of ``python -m runtime.generate``; returns the exit code (0 ok, 2 after one ``error:`` line for a
+    bad command line, option value or bundle)."""
     try:
+        args = parse_args(argv)  # argparse's refusals: UsageError, a ValueError
         from runtime.backends.onnx import OnnxBackend  # here: without onnxruntime, one error line
         params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, adaptive_masks=args.adaptive_masks,
                               metric=args.metric, max_new_tokens=args.max_new_tokens, block_size=args.block_size,

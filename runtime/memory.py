@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.command_line import ArgumentParser
 from runtime.context import max_context_of
 from runtime.hf_config import count_parameters, kv_heads_and_head_dim, read_config_json
 
@@ -267,7 +268,7 @@ def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.memory", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.memory", description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="+", help="bundle directories or Hugging Face config.json files")
     p.add_argument("--weights-dtype", default="fp16", choices=sorted(BYTES_PER_PARAM),
                    help="weights dtype for config.json sizing (default fp16; bundles use their files)")
@@ -290,8 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Entry point of ``python -m runtime.memory``; returns the exit code (0 ok, 2 after one ``error:`` line)."""
     try:
+        args = parse_args(argv)  # argparse's refusals: UsageError, a ValueError
         check_options(args)
         models = [load(Path(p), args.weights_dtype, args.kv_dtype, args.trt) for p in args.paths]
         text = reports(models, args.batch, args.context, args.reserve_gib)

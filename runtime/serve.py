@@ -23,10 +23,12 @@ from fastapi import FastAPI
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
-from runtime.decode.engine import Engine, EngineConfig
+from runtime.command_line import ArgumentParser
+from runtime.decode.engine import EngineConfig
 from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, check_limits_fit, make_app
 from runtime.serving.engine_thread import EngineThread
+from runtime.serving.kv_memory import make_engine
 from runtime.serving.load_policy import LoadPolicy
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.playground import install_playground
@@ -43,12 +45,13 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (uvico
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options (argparse itself exits, with its usage, on a malformed one).
+    """The options.
 
     Raises:
+        UsageError: a malformed command line (a ValueError: :func:`main` prints it as one ``error:`` line).
         ValueError: an API key of whitespace only (:func:`resolve_api_key`).
     """
-    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.serve", description=__doc__.splitlines()[0])
     p.add_argument("path", help="bundle directory, its .onnx file, or its engine.plan")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000; 0 picks a free one)")
@@ -60,12 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("engine")
     g.add_argument("--max-batch-size", type=int, default=None,
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
-                        "engine's largest batch when smaller)")
+                        "engine's largest batch when smaller). One long request grows every slot to its length, so "
+                        "start-up refuses slots x --max-seq-len whose KV cache cannot fit the free memory (RAM; a "
+                        "TensorRT engine's GPU), naming the largest values that fit")
     g.add_argument("--scheme", default="continuous", choices=SCHEMES,
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")
     g.add_argument("--max-seq-len", type=int, default=None,
-                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile)")
+                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile); checked "
+                        "with --max-batch-size against the free memory at start-up")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
     g = p.add_argument_group("tau and the load policy")
@@ -261,7 +267,8 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     :class:`EngineThread`, or a subclass such as the Ray replicas' (runtime/serving/ray_replica.py).
 
     Raises:
-        BundleError, ValueError: bad path, bundle, or option value (the message says which).
+        BundleError, ValueError: bad path, bundle, or option value (the message says which); a KV cache whose
+            worst case does not fit the memory available (:func:`runtime.serving.kv_memory.make_engine`).
         OnnxRuntimeMissing: installed without the [cpu] or [gpu] extra.
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, one error line
@@ -270,7 +277,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
         backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
         # The limits come from the engine: a setting past its profile is refused (Engine), the default fits it.
         max_batch_size = resolve_max_batch_size(args.max_batch_size, backend.max_batch)
-        engine = Engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))
+        engine = make_engine(backend, config, EngineConfig(max_batch_size, args.scheme, args.max_seq_len))  # KV fits
     check_limits_fit(limits, engine)
     metrics = ServerMetrics(max_batch_size)
     ctx = ServerContext(engine_thread=make_thread(engine, policy, metrics, args.tau), tokenizer=Tokenizer(bundle_dir),

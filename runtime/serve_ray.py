@@ -36,18 +36,19 @@ import threading
 
 from runtime import serve as single
 from runtime.backends.providers import OnnxRuntimeMissing, import_onnxruntime
+from runtime.command_line import ArgumentParser
 from runtime.serving.ray_deploy import Deployed, FleetOptions
 from runtime.serving.ray_launch import STOP_MARGIN_S, launch, stop
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser() -> ArgumentParser:
     """The parser of the Ray options (the rest go to ``python -m runtime.serve``'s)."""
-    p = argparse.ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
-                                epilog="Every option of `python -m runtime.serve` also applies, to each replica "
-                                       "(--host and --port to Serve's proxy; --shutdown-timeout is how long Serve "
-                                       "lets a stopping replica finish its requests, and on Ctrl-C this command "
-                                       f"waits that long plus {STOP_MARGIN_S:g} s for Serve to stop; --log-level "
-                                       "is also Serve's, for its replicas, controller and proxy).")
+    p = ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
+                       epilog="Every option of `python -m runtime.serve` also applies, to each replica "
+                              "(--host and --port to Serve's proxy; --shutdown-timeout is how long Serve "
+                              "lets a stopping replica finish its requests, and on Ctrl-C this command "
+                              f"waits that long plus {STOP_MARGIN_S:g} s for Serve to stop; --log-level "
+                              "is also Serve's, for its replicas, controller and proxy).")
     p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
     p.add_argument("--target-ongoing-requests", type=float, default=None,
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     3 (:data:`runtime.serve.STARTUP_FAILURE`, as ``python -m runtime.serve``) after one ``error:`` line for a
     ``--port`` in use, checked before Ray starts by the plain server's rule (only for a Ray of our own: with
     ``--address`` Serve's proxy may bind on another machine of the cluster)."""
-    ray_args, serve_argv = parse_args(argv)
     try:
+        ray_args, serve_argv = parse_args(argv)  # argparse's refusals: UsageError, a ValueError
         fleet = prepare_fleet(ray_args, serve_argv)
         deployed = launch(serve_argv, fleet, ray_args.address)
     except single.CannotListen as e:  # a Ray of our own: --port in use here, found before Ray starts

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from runtime import bundle
 from runtime.bundle import BundleConfig, BundleError, load_config
+from runtime.command_line import ArgumentParser
 
 # None for max_context / opt_context: min(model context, MAX_CONTEXT_CAP) and min(max_context, OPT_CONTEXT_CAP)
 MAX_CONTEXT_CAP = 4096
@@ -209,7 +210,7 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path, config: BundleC
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.trt_build", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m runtime.trt_build", description=__doc__.splitlines()[0])
     p.add_argument("bundle", help="bundle directory written by mars-export")
     p.add_argument("--max-batch", type=int, default=TrtBuildOptions.max_batch,
                    help="largest batch (default %(default)s)")
@@ -225,8 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Entry point of ``python -m runtime.trt_build``; returns the exit code (0 ok, 2 after one ``error:`` line)."""
     try:
+        args = parse_args(argv)  # argparse's refusals: UsageError, a ValueError
         config = load_config(args.bundle)
         options = TrtBuildOptions(args.max_batch, args.opt_batch, args.max_context, args.opt_context,
                                   args.workspace_mib)

@@ -18,22 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError, load_config
+from runtime.command_line import ArgumentParser, UsageError
+from runtime.decode.admission import check_max_seq_len, why_no_adaptive_masks
 from runtime.decode.decoder import Decoder
-from runtime.decode.engine import check_max_seq_len, why_no_adaptive_masks
 from runtime.decode.params import DecodeParams, ParamError
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).parent / "prompts" / "demo_prompts.json"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--tau", type=float, nargs="+", default=[1.0, 0.9])
     p.add_argument("--draft", choices=["masks", "lookup", "both"], default="both",
@@ -41,8 +41,14 @@ def main() -> int:
     p.add_argument("--adaptive-masks", action="store_true",
                    help="feed mask tokens only while they pay (runtime.decode.mask_backoff)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the exit status (2 after one ``error:`` line for a bad command line or value, a path
+    that is no bundle, or ``--adaptive-masks`` on a bundle that cannot run them, all before any decoding)."""
     try:
+        args = parse_args(argv)
         runs = prepare_runs(args)
         config = load_config(args.bundle)
         backend = OnnxBackend(args.bundle, config)
@@ -51,7 +57,7 @@ def main() -> int:
         tokenizer = Tokenizer(args.bundle)
         prompts = encode_prompts(tokenizer, json.loads(PROMPTS.read_text())["prompts"], args.max_new_tokens,
                                  config.window, check_max_seq_len(None, config.max_context, backend.max_past))
-    except (BundleError, ValueError) as e:  # ParamError too: a bad option, before any decoding
+    except (BundleError, ValueError) as e:  # UsageError and ParamError too: a bad option, before any decoding
         print(f"error: {e}", file=sys.stderr)
         return 2
     decoder = Decoder(backend, config)

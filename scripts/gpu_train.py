@@ -52,6 +52,7 @@ from mars_export.training.trainer import prepare_trainer  # noqa: E402
 from mars_export.training.transfer import (  # noqa: E402
     MIB, assemble_checkpoint, check_size, prepare_parts, receive_part,
 )
+from runtime.command_line import ArgumentParser, UsageError  # noqa: E402
 
 MAX_RETURN_BYTES = 16 * MIB  # the most one returned file may hold
 DEFAULT_PART_MIB = 50.0
@@ -62,7 +63,7 @@ logger = logging.getLogger("gpu_train")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="scripts/gpu_train.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="scripts/gpu_train.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="here: write the weights and prompts as part directories")
     prep.add_argument("model", help="'default' (sent as its GGUF blocks), a checkpoint directory (float32) or a "
@@ -262,7 +263,11 @@ class TimeBudget(TrainerCallback):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as err:  # argparse's refusals: one line, as the errors below
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     handlers = [logging.StreamHandler()]
     if args.command == "train":
         Path(args.out).mkdir(parents=True, exist_ok=True)

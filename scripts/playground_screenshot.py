@@ -13,7 +13,6 @@ are the main job's (scripts/demo.sh: tau 1.0 and 0.9, draft source both). The br
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from runtime.command_line import ArgumentParser, UsageError
 from runtime.decode.params import DRAFTS
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -128,7 +128,7 @@ def start_server(bundle: str, timeout: float) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", help="bundle directory to serve")
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
     p.add_argument("--prompt", default=PROMPT, help="the compare prompt (default: a GSM8K question)")
@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96, help="max tokens of each answer (default 96)")
     p.add_argument("--width", type=int, default=1280, help="viewport width in CSS pixels (default 1280)")
     p.add_argument("--timeout", type=float, default=600, help="longest wait for the server or an answer (s)")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, as the errors below
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     server, url = start_server(args.bundle, args.timeout)
     driver = make_driver(args.width)
     try:

@@ -18,7 +18,6 @@ takes B from the name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mars_export.model_source import default_checkpoint  # noqa: E402
+from runtime.command_line import ArgumentParser, UsageError  # noqa: E402
 
 # transformers model type -> the authors' model type and class name (dllm/pipelines/a2d/models).
 A2D_LAYOUTS = {"qwen2": ("a2d-qwen2", "A2DQwen2LMHeadModel"), "qwen3": ("a2d-qwen3", "A2DQwen3LMHeadModel"),
@@ -76,14 +76,18 @@ def make_random_checkpoint(config_path: Path, out: Path, tokenizer_dir: Path, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", type=Path, help="a Hugging Face config.json or its directory")
     p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint directory to write (must not exist)")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the default model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="dtype of the saved weights (default bfloat16, as the published checkpoints)")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, as the errors below
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.output.exists():
         print(f"error: {args.output} already exists; choose another -o", file=sys.stderr)
         return 2

@@ -11,14 +11,15 @@ the last logged loss terms (from the checkpoint's ``trainer_state.json``).
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
 from mars_export.default_model import DEFAULT_BASE_MODEL_NAME
 from mars_export.model_source import default_checkpoint
 from mars_export.training.adapter import write_shipped_adapter
 from mars_export.training.data import load_examples
+from runtime.command_line import ArgumentParser, UsageError
 
 
 def training_stats(checkpoint: Path, data: list[str], max_length: int) -> dict:
@@ -35,21 +36,26 @@ def training_stats(checkpoint: Path, data: list[str], max_length: int) -> dict:
             "loss_curve": [{k: e[k] for k in ("step", "loss_mask", "loss_ar")} for e in logs]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--out", type=Path, default=Path("mars_export/data/smollm2-135m-mars"))
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--command", required=True)
     p.add_argument("--data", action="append", required=True)
-    args = p.parse_args()
+    try:
+        args = p.parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     base_config = json.loads((default_checkpoint() / "config.json").read_text())
     info = {"mask_token": base_config["mars_mask_token"], "block_size": args.block_size,
             "command": args.command, **training_stats(args.checkpoint, args.data, args.max_length)}
     write_shipped_adapter(args.checkpoint, args.out, info, DEFAULT_BASE_MODEL_NAME)
     print(json.dumps({k: v for k, v in info.items() if k != "loss_curve"}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

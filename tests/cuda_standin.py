@@ -70,6 +70,7 @@ class _Memory:
 
 
 MEMORY = _Memory()
+DEVICE_BYTES = 80 << 30  # the stand-in device's memory (an H100's), which cudaMalloc and cudaMemGetInfo count
 
 
 class _Stream:
@@ -105,8 +106,15 @@ def cudaGetDeviceProperties(device: int):  # noqa: N802
     return cudaError_t.cudaSuccess, types.SimpleNamespace(name=b"TensorRT contract stand-in (CPU)")
 
 
-def cudaMalloc(size: int):  # noqa: N802
+def cudaMalloc(size: int):  # noqa: N802 [CU] cudaErrorMemoryAllocation past the device's memory
+    if size > cudaMemGetInfo()[1]:
+        return cudaError_t.cudaErrorMemoryAllocation, 0
     return cudaError_t.cudaSuccess, MEMORY.allocate(size, "device")
+
+
+def cudaMemGetInfo():  # noqa: N802 [CU] (free, total) bytes of device memory
+    used = sum(size for _, size, kind in MEMORY.blocks.values() if kind == "device")
+    return cudaError_t.cudaSuccess, max(DEVICE_BYTES - used, 0), DEVICE_BYTES
 
 
 def _finish_all() -> None:

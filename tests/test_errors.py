@@ -154,6 +154,10 @@ def test_bad_tau(bundle, capsys, tau, message):
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
     (["--temperature", "2.5"], "temperature must be a number in 0..2 (0 = greedy), got 2.5"),  # the server's limit
+    # a bad command line: argparse's usage block and 'python -m runtime.generate: error: ...' before
+    (["--tau", "abc"], "error: argument --tau: invalid float value: 'abc'"),
+    (["--mode", "fast"], "error: argument --mode: invalid choice: 'fast'"),
+    (["--bogus"], "error: unrecognized arguments: --bogus"),
 ])
 def test_bad_runtime_arguments(bundle, capsys, extra, message):
     code, _, err = run_generate(bundle, capsys, *extra)

@@ -14,8 +14,9 @@ from mars_export.parity import chat_prompt_ids
 from runtime import generate
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
+from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.decoder import Decoder
-from runtime.decode.engine import Engine, EngineConfig, why_no_adaptive_masks
+from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.mask_backoff import MAX_BACKOFF, MaskBackoff, tokens_from_masks
 from runtime.decode.params import DecodeParams, ParamError
 

@@ -156,8 +156,13 @@ def config_json(tmp_path: Path, **changes) -> Path:
      "config.json's max_position_embeddings must be a positive integer, got 'x'"),
     (lambda tmp, bundle: config_json(tmp, max_position_embeddings=None), [],
      "config.json's max_position_embeddings must be a positive integer, got None"),
+    # a bad command line: argparse's usage block and 'python -m runtime.memory: error: ...' before
+    (lambda tmp, bundle: bundle, ["--batch", "one"], "error: argument --batch: invalid int value: 'one'"),
+    (lambda tmp, bundle: bundle, ["--weights-dtype", "fp8"], "error: argument --weights-dtype: invalid choice: 'fp8'"),
+    (lambda tmp, bundle: bundle, ["--bogus"], "error: unrecognized arguments: --bogus"),
 ], ids=["batch-0", "negative-context", "nan-reserve", "bundle-kv-dtype", "no-bundle", "onnx-file", "json-list", "string-field",
-        "zero-heads", "zero-head-dim", "null-layers", "string-context", "no-context"])
+        "zero-heads", "zero-head-dim", "null-layers", "string-context", "no-context", "batch-type", "dtype-choice",
+        "unknown-option"])
 def test_bad_inputs_are_one_error_line(tiny_bundle, tmp_path, capsys, make, extra, message):
     """No traceback, no table: one line naming the bad value or file and what is allowed, exit status 2."""
     _, bundle = tiny_bundle("llama", 4)

@@ -247,6 +247,65 @@ def test_benches_without_the_shared_data_stop_with_one_line_naming_it(command, s
     assert not (tmp_path / "work").exists()
 
 
+BAD_COMMAND_LINES = {  # script -> (a bad command line: a wrong type, an unknown choice or option, a missing argument;
+    # the start of its one error line)
+    "bench/builder_step.py": (["BUILDER", "BUNDLE", "--steps", "two"], "argument --steps: invalid int value: 'two'"),
+    "bench/c_sample.py": (["BUNDLE"], "the following arguments are required: --binary"),
+    "bench/confidence_bounds.py": (["--block", "four"], "argument --block: invalid int value: 'four'"),
+    "bench/engine_modes.py": (["BUNDLE", "--schemes", "fast"], "argument --schemes: invalid choice: 'fast'"),
+    "bench/gpu_check.py": (["--bogus"], "unrecognized arguments: --bogus"),
+    "bench/gqa_attention.py": (["--heads", "nine"], "argument --heads: invalid int value: 'nine'"),
+    "bench/load_test.py": (["BUNDLE", "--clients", "many"], "argument --clients: invalid int value: 'many'"),
+    "bench/matmul_kernels.py": (["BUNDLE", "--pages", "big"], "argument --pages: invalid choice: 'big'"),
+    "bench/peers.py": (["run", "--engine", "ours"], "the following arguments are required: --work"),
+    "bench/peers_runs.py": ([], "the following arguments are required: runs"),
+    "bench/profile_step.py": (["BUNDLE", "--bogus"], "unrecognized arguments: --bogus"),
+    "bench/quantized_step.py": (["BUNDLE", "--past", "long"], "argument --past: invalid int value: 'long'"),
+    "bench/runtime_vs_transformers.py": (["BUNDLE", "--max-new-tokens", "x"],
+                                         "argument --max-new-tokens: invalid int value: 'x'"),
+    "bench/scaling.py": (["BUNDLE", "--contexts", "big"], "argument --contexts: invalid int value: 'big'"),
+    "bench/step_ablation.py": ([], "the following arguments are required: bundle"),
+    "bench/tpf_vs_training.py": (["RUN"], "the following arguments are required: --gsm8k"),
+    "bench/train_throughput.py": (["MODEL", "--data", "D", "--precisions", "fp8"],
+                                  "argument --precisions: invalid choice: 'fp8'"),
+    "samples/demo.py": (["BUNDLE", "--draft", "fast"], "argument --draft: invalid choice: 'fast'"),
+    "samples/c/mars_c.py": (["BUNDLE", "--prompt", "hi", "--tau", "high"], "argument --tau: invalid float value: 'high'"),
+    "samples/jetson/list_ops.py": ([], "the following arguments are required: bundle"),
+    "scripts/gpu_train.py": (["receive"], "the following arguments are required: part"),
+    "scripts/playground_screenshot.py": (["BUNDLE", "-o", "x.png", "--width", "wide"],
+                                         "argument --width: invalid int value: 'wide'"),
+    "scripts/random_checkpoint.py": (["config.json"], "the following arguments are required: -o/--output"),
+    "scripts/ship_adapter.py": (["CKPT", "--command", "c", "--data", "d"],
+                                "the following arguments are required: --block-size"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(BAD_COMMAND_LINES))
+def test_a_bad_command_line_is_one_error_line_in_every_script(script, tmp_path):
+    """argparse's refusals printed its usage block before 'SCRIPT: error: ...' (and so did the scripts' own checks
+    through parser.error), while their other refusals were one 'error:' line: each script now parses with
+    runtime.command_line's parser, as every command, and a bad command line is one 'error:' line, exit status 2."""
+    args, message = BAD_COMMAND_LINES[script]
+    done = subprocess.run([sys.executable, ROOT / script, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    line, = done.stderr.splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert os.listdir(tmp_path) == []
+
+
+def test_no_command_builds_argparses_own_parser_and_every_script_has_a_bad_command_line_above():
+    """No module or script builds argparse.ArgumentParser itself (its refusals print the usage block), and every
+    script that builds a parser is in BAD_COMMAND_LINES (a new one too)."""
+    paths = [path for folder in ("runtime", "mars_export", "bench", "scripts", "samples")
+             for path in (ROOT / folder).rglob("*.py")]
+    files = {str(path.relative_to(ROOT)): path.read_text() for path in paths}
+    assert [name for name, text in files.items() if "argparse.ArgumentParser(" in text] == []
+    scripts = {name for name, text in files.items() if name.startswith(("bench/", "scripts/", "samples/"))
+               and "ArgumentParser(" in text}
+    assert scripts == set(BAD_COMMAND_LINES)
+
+
 def test_load_test(smoke_model, tmp_path, monkeypatch):
     """Both phases against one server. The periodic sampler is slowed to one sample per run (as on a loaded machine,
     where a 2 s phase got no sample of its own and its tokens/s came out NaN): each phase still has the samples that

@@ -65,6 +65,18 @@ def test_bad_batch_options():
         TrtBuildOptions(max_batch=2, opt_batch=4)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["BUNDLE", "--max-batch", "two"], "argument --max-batch: invalid int value: 'two'"),
+    (["BUNDLE", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: bundle")])
+def test_a_bad_command_line_is_one_error_line(capsys, args, message):
+    """argparse's refusals printed its usage block before 'python -m runtime.trt_build: error: ...'; a bad option
+    value or bundle was one 'error:' line, exit status 2: so are these now (runtime.command_line)."""
+    assert trt_build.main(args) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line
+
+
 def test_trtexec_line(tiny_bundle, capsys):
     _, bundle = tiny_bundle("llama", 4)
     config = load_config(bundle)
@@ -460,3 +472,48 @@ def test_a_tensorrt_engine_refuses_adaptive_masks_naming_the_bundle_directory(en
         assert info.value.field == "adaptive_masks"
         assert engine.generate([[1, 2, 3]], DecodeParams(tau=0.9, max_new_tokens=4))[0].num_tokens == 4
         engine.cache.close()
+
+
+def test_the_server_checks_the_kv_cache_against_free_gpu_memory(engine_bundle, standin, monkeypatch, capsys):
+    """On an engine.plan the cache and the presents (2 copies) live in device memory: the start-up check reads
+    cudaMemGetInfo's free bytes, and its one line names both options and what fits there."""
+    from runtime import serve
+    from runtime.serving.kv_memory import largest_fitting
+    free = (standin.cuda.cudaError_t.cudaSuccess, 150_000, 1 << 30)  # batch 2 x 64 positions x 2 x 512 bytes x 1.5
+    monkeypatch.setattr(sys.modules["cuda.bindings.runtime"], "cudaMemGetInfo", lambda: free)
+    assert serve.main([str(engine_bundle / "engine.plan")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    num_slots, max_len = largest_fitting(2, 64, 2 * 512, 150_000, 6)
+    assert (num_slots, max_len) == (1, 41) and len(err) == 1
+    assert err[0].startswith("error: the KV cache may need 0.2 MiB (2 slots (--max-batch-size) x 64 positions "
+                             "(--max-seq-len) x 1,024 bytes, plus the 32 per slot it grows from; ")
+    assert err[0].endswith("but 0.1 MiB is available (free GPU memory): lower --max-batch-size to 1 or --max-seq-len "
+                           "to 41")
+    for option, value in (("--max-batch-size", "1"), ("--max-seq-len", "41")):
+        app = serve.build_app(serve.parse_args([str(engine_bundle / "engine.plan"), option, value]))
+        app.state.ctx.engine_thread.engine.cache.close()
+
+
+def test_a_device_cache_out_of_memory_gives_back_what_it_got_and_stays(engine_bundle, standin, monkeypatch):
+    """cudaMalloc running out while the cache grows: what this growth got is freed, the cache keeps its buffers and
+    raises MemoryError, which the engine turns into CannotGrowCache for the row that needed it."""
+    from runtime.backends.trt import TrtBackend
+    from runtime.decode.engine import CannotGrowCache, Engine, EngineConfig
+    from runtime.decode.params import DecodeParams
+    config = load_config(engine_bundle)
+    engine = Engine(TrtBackend(engine_bundle, config), config, EngineConfig(max_batch_size=2))
+    cache = engine.cache
+    cache.reserve(20)
+    blocks = dict(standin.cuda.MEMORY.blocks)
+    used = sum(size for _, size, kind in blocks.values() if kind == "device")
+    buffer = 2 * config.num_kv_heads * 64 * config.head_dim * 4  # [N, H, 64, D] float32
+    monkeypatch.setattr(standin.cuda, "DEVICE_BYTES", used + 3 * buffer + 100)  # the 4th of 2L = 4 buffers fails
+    with pytest.raises(MemoryError, match="out of GPU memory"):
+        cache.reserve(40)
+    assert standin.cuda.MEMORY.blocks == blocks and cache.capacity == 32
+    engine.add_request(list(range(1, 40)), DecodeParams(max_new_tokens=4), "long")
+    with pytest.raises(CannotGrowCache) as failed:
+        while True:
+            engine.step()
+    assert failed.value.request_ids == ["long"] and not engine.has_unfinished()
+    cache.close()

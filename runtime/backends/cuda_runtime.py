@@ -72,8 +72,20 @@ class CudaRuntime:
         return values[0] if len(values) == 1 else values
 
     def malloc(self, nbytes: int) -> int:
-        """Device allocation of ``nbytes`` (at least 1: TensorRT wants non-null addresses, even for empty tensors)."""
-        return int(self.check(self.rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
+        """Device allocation of ``nbytes`` (at least 1: TensorRT wants non-null addresses, even for empty tensors).
+
+        Raises:
+            MemoryError: out of device memory (``cudaErrorMemoryAllocation``), as numpy's allocations raise it.
+        """
+        result = self.rt.cudaMalloc(max(nbytes, 1))
+        if result[0] == self.rt.cudaError_t.cudaErrorMemoryAllocation:
+            raise MemoryError(f"cudaMalloc of {nbytes:,} bytes failed: out of GPU memory")
+        return int(self.check(result, "cudaMalloc"))
+
+    def free_memory(self) -> int:
+        """Bytes of device memory free now (``cudaMemGetInfo``)."""
+        free, _total = self.check(self.rt.cudaMemGetInfo(), "cudaMemGetInfo")
+        return int(free)
 
     def free(self, ptr: int) -> None:
         self.check(self.rt.cudaFree(int(ptr)), "cudaFree")

@@ -16,7 +16,8 @@ its tensor addresses):
     row, its ``count`` entries at positions ``length .. length + count - 1`` into the slot:
     one device-to-device 2-D copy (H rows of ``count * D`` elements) per row and tensor;
   - :meth:`reserve` reallocates (zero-filled: masked keys must hold finite numbers, as
-    0 * NaN is NaN) and copies the committed prefix device-to-device.
+    0 * NaN is NaN) and copies the committed prefix device-to-device; where the device memory
+    runs out it frees what it got and raises MemoryError, the cache left as it was.
 Host<->device traffic of the cache: none.
 """
 
@@ -37,7 +38,8 @@ class DeviceKVCache(KVCache):
         num_layers, num_kv_heads, head_dim, max_len, dtype, num_slots: as ``KVCache``.
 
     Raises:
-        RuntimeError: a CUDA call failed (out of device memory, for one).
+        MemoryError: out of device memory (its first buffers, or :meth:`reserve` growing them).
+        RuntimeError: another CUDA call failed.
     """
 
     def __init__(self, cuda: CudaRuntime, stream, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
@@ -87,10 +89,14 @@ class DeviceKVCache(KVCache):
         keep = min(capacity, self.capacity) if self.keys else 0
         item, old = self.dtype.itemsize, self.keys + self.values
         new = []
-        for _ in range(2 * self.num_layers):
-            buffer = DeviceTensor(self.cuda.malloc(int(np.prod(shape)) * item), shape, self.dtype)
-            self.cuda.memset(buffer.ptr, buffer.nbytes, self.stream)
-            new.append(buffer)
+        try:
+            for _ in range(2 * self.num_layers):
+                new.append(DeviceTensor(self.cuda.malloc(int(np.prod(shape)) * item), shape, self.dtype))
+                self.cuda.memset(new[-1].ptr, new[-1].nbytes, self.stream)
+        except MemoryError:  # out of device memory: give back what this growth got, keep the old buffers
+            for buffer in new:
+                self.cuda.free(buffer.ptr)
+            raise
         for src, dst in zip(old, new) if keep else ():  # rows are (slot, head) pairs: N * H rows of keep * D
             self.cuda.copy_rows(dst.ptr, capacity * self.head_dim * item, src.ptr, src.shape[2] * self.head_dim * item,
                                 keep * self.head_dim * item, self.num_slots * self.num_kv_heads, self.stream)

@@ -48,7 +48,7 @@ class OnnxBackend:
         huge_page_bytes: bytes of the session's memory moved onto huge pages at load (0 where none).
         is_window_dynamic: the graph's window axis is dynamic: steps narrower than W (exports since 2026-11-30).
         why_window_fixed: with a fixed window axis, why every step is W wide and what to do
-            (:func:`runtime.decode.engine.why_no_adaptive_masks` quotes it); else None.
+            (:func:`runtime.decode.admission.why_no_adaptive_masks` quotes it); else None.
         why_no_gate: without the confidence gate (``takes_confidence_gate`` False), why this bundle on this
             provider has none and what to do (:func:`runtime.bundle.why_no_confidence_gate`); else None.
 

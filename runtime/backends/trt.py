@@ -138,6 +138,12 @@ class TrtBackend:
         self.staging: dict[str, np.ndarray] = {}  # name -> pinned host buffer (uint8)
         self.stream = self.cuda.stream()
 
+    kv_copies = 2  # the cache and the present outputs, both in device memory (runtime.memory, runtime.serving.kv_memory)
+
+    def free_memory(self) -> int:
+        """Bytes of device memory free now, where :meth:`make_cache`'s cache and the presents live."""
+        return self.cuda.free_memory()
+
     def make_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype,
                    num_slots: int = 1) -> DeviceKVCache:
         """A KV cache in this backend's device memory (same arguments as :class:`runtime.decode.kv_cache.KVCache`).

@@ -8,6 +8,7 @@
     scheduler   waiting queue, KV slots, and each step's plan (rows, widths, block boundaries)
     kv_cache    the slot KV cache
     batch       the step graph's input arrays (window mask, positions)
+    admission   what the engine admits: prompt ids, batch size, slot length, where adaptive masks act
     engine      Engine.step: schedule, run, accept, commit
     decoder     Decoder: one prompt through the engine
 """

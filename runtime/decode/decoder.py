@@ -27,7 +27,8 @@ from __future__ import annotations
 import time
 
 from runtime.bundle import BundleConfig
-from runtime.decode.engine import Engine, EngineConfig, check_max_seq_len
+from runtime.decode.admission import check_max_seq_len
+from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams, GenerationResult
 
 

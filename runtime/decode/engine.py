@@ -44,12 +44,13 @@ import numpy as np
 
 from runtime.bundle import GREEDY_HEAD_MAX_ROWS, BundleConfig
 from runtime.decode.acceptance import Accepted, ProvenRejection, accept, max_accept
+from runtime.decode.admission import check_max_batch_size, check_max_seq_len, check_prompt_ids, why_no_adaptive_masks
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.mask_backoff import tokens_from_masks
 from runtime.decode.params import DecodeParams, GenerationResult, ParamError, check_tau
 from runtime.decode.sampling import is_greedy, select
-from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan, can_narrow_steps
+from runtime.decode.scheduler import SCHEMES, Scheduler, StepPlan
 from runtime.decode.sequence import Sequence
 
 
@@ -86,6 +87,24 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
 
+class CannotGrowCache(MemoryError):
+    """The KV cache could not grow for some rows: its larger buffers (every slot at the new capacity) cannot be
+    allocated. The engine has finished those rows (their slots are free; their requests get no more outputs) and
+    left the others as they were: they go on at the next step, within the capacity the cache holds.
+
+    Attributes:
+        request_ids: the rows' requests, which needed more positions than the cache holds.
+        capacity: positions per slot the cache holds (and keeps).
+        needed: positions per slot the step needed.
+        num_slots: N, the cache's slots (each holds ``capacity`` positions, in use or not).
+    """
+
+    def __init__(self, request_ids: list[str], capacity: int, needed: int, num_slots: int, cause: MemoryError):
+        super().__init__(f"the KV cache cannot grow from {capacity} to {needed} positions for each of its {num_slots} "
+                         f"slots: {cause}")
+        self.request_ids, self.capacity, self.needed, self.num_slots = request_ids, capacity, needed, num_slots
+
+
 @dataclass
 class StepOutput:
     """What one step did for one request.
@@ -105,70 +124,6 @@ class StepOutput:
     result: GenerationResult
 
 
-def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
-    """The vocabulary check: a prompt is >= 1 token id, each in 0..V-1.
-
-    Raises:
-        ParamError: (field ``prompt``) empty, or an id outside the vocabulary.
-    """
-    if not prompt_ids:
-        raise ParamError("prompt", "the prompt is empty: give at least one token")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-
-
-def check_max_batch_size(max_batch_size: int, backend_max_batch: int | None) -> None:
-    """Raise ValueError if ``max_batch_size`` exceeds the backend's largest batch (None: no limit),
-    naming the fix: a TensorRT engine's optimization profile, or a fused bundle's 1."""
-    if backend_max_batch is not None and max_batch_size > backend_max_batch:
-        raise ValueError(f"max_batch_size {max_batch_size} exceeds the backend's largest batch {backend_max_batch} "
-                         "(a TensorRT engine's optimization profile, or 1 for a fused bundle); lower it, or rebuild "
-                         "the engine / export with --graph step")
-
-
-def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) -> int:
-    """The positions a slot holds: ``max_seq_len``, or when None the most any slot may hold,
-    min(the model's max context, the backend's largest past). The past fed is the whole
-    cache capacity, so the capacity never exceeds the backend's ``max_past``.
-
-    Raises:
-        ValueError: ``max_seq_len`` above that limit (never silently capped).
-    """
-    limit = min(max_context, max_past)
-    if max_seq_len is not None and max_seq_len > limit:
-        bound = ("the backend's largest past, its optimization profile; rebuild the engine for more"
-                 if max_past < max_context else "the model's max context")
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds the {limit} positions a slot can hold ({bound}); "
-                         f"give at most {limit}")
-    return limit if max_seq_len is None else max_seq_len
-
-
-def why_no_adaptive_masks(backend, scheme: str = "continuous") -> str | None:
-    """The rule of where adaptive masks (:mod:`runtime.decode.mask_backoff`) can act: they skip masks by running a
-    step narrower than W (:func:`runtime.decode.scheduler.can_narrow_steps`), so where every step is W wide they
-    would change nothing, and a request for them is refused (:meth:`Engine.add_request`) rather than ignored.
-
-    Args:
-        backend: the backend: ``is_window_dynamic``, and ``why_window_fixed`` (why a fixed window is fixed and
-            what to do) where it says.
-        scheme: the batch scheme (:class:`runtime.decode.decoder.Decoder` runs ``continuous``).
-
-    Returns:
-        None where they act; else the refusal, one line naming the cause and the fix: the block scheme, or a
-        backend whose window axis is fixed (a TensorRT engine, a step graph exported before 2026-11-30).
-    """
-    if can_narrow_steps(scheme, backend.is_window_dynamic):
-        return None
-    if scheme == "block":
-        why = ("the block scheme runs every step W wide (it re-runs the block at a fixed shape); use the continuous "
-               "scheme (python -m runtime.serve --scheme continuous, the default)")
-    else:
-        why = getattr(backend, "why_window_fixed", None) or "this backend runs every step W wide"
-    return (f"adaptive masks cannot act here: they skip masks by running steps narrower than the window W, and "
-            f"{why}; or turn adaptive masks off")
-
-
 class Engine:
     """Continuous-batching MARS decoder over a backend with ``step`` (onnxruntime or TensorRT).
 
@@ -182,18 +137,19 @@ class Engine:
             forwards, whose logits are not read).
             A backend may offer ``make_cache`` (``KVCache``'s arguments) to hold the KV cache
             where it computes (:meth:`runtime.backends.trt.TrtBackend.make_cache`), and, with a fixed
-            window, ``why_window_fixed`` (:func:`why_no_adaptive_masks` quotes it).
+            window, ``why_window_fixed`` (:func:`runtime.decode.admission.why_no_adaptive_masks` quotes it).
         config: the bundle config.
         engine_config: batch size, scheme and per-slot length.
 
     Attributes:
         why_no_adaptive_masks: where every step is W wide, why and what to do (a request for adaptive masks is
-            refused with it); None where they act (:func:`why_no_adaptive_masks`).
+            refused with it); None where they act (:func:`runtime.decode.admission.why_no_adaptive_masks`).
 
     Raises:
         ValueError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
             not None: a TensorRT optimization profile, or a fused bundle's 1), or ``max_seq_len`` exceeds the model's
-            max context or the backend's largest past (:func:`check_max_seq_len`, every backend).
+            max context or the backend's largest past (:func:`runtime.decode.admission.check_max_seq_len`, every
+            backend).
     """
 
     def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
@@ -244,7 +200,7 @@ class Engine:
             ParamError: empty prompt or an id outside the vocabulary (field ``prompt``), block_size
                 above the bundle's B (``block_size``), max_new_tokens beyond :meth:`room`
                 (``max_new_tokens``), or adaptive masks where every step is W wide (``adaptive_masks``,
-                :func:`why_no_adaptive_masks`).
+                :func:`runtime.decode.admission.why_no_adaptive_masks`).
         """
         cfg = self.config
         check_prompt_ids(prompt_ids, cfg.vocab_size)
@@ -275,7 +231,12 @@ class Engine:
             self._finish(seq, "abort")
 
     def step(self) -> list[StepOutput]:
-        """One step: schedule, run the forward, accept per row, commit (DESIGN.md §3-4)."""
+        """One step: schedule, run the forward, accept per row, commit (DESIGN.md §3-4).
+
+        Raises:
+            CannotGrowCache: the KV cache could not grow for some rows; they are finished, this step runs no batch
+                forward (any prefill chunk it ran is committed) and the next step goes on with the others.
+        """
         plan = self.scheduler.schedule(self.default_tau)
         for group in plan.prefill:
             if len(group) == 1:
@@ -307,18 +268,37 @@ class Engine:
         forward per step rather than by its whole prefill.
         """
         chunk = seq.prefill_chunk(self.prefill_chunk)
-        self.cache.reserve(int(self.cache.lengths[seq.slot]) + len(chunk))
+        self._reserve([(seq, int(self.cache.lengths[seq.slot]) + len(chunk))])
         self.cache.commit_slot(seq.slot, run_prefill(self.backend, self.cache, seq.slot, chunk), 0, len(chunk))
         self._count_prefilled(seq, len(chunk))
 
     def _prefill_first_chunks(self, group: list[Sequence]) -> None:
         """Commit the first prefill chunks of several rows with nothing cached yet in one forward (batched prefill)."""
         chunks = [seq.prefill_chunk(self.prefill_chunk) for seq in group]
-        self.cache.reserve(max(len(chunk) for chunk in chunks))
+        self._reserve([(seq, len(chunk)) for seq, chunk in zip(group, chunks)])
         presents = run_first_chunks(self.backend, self.cache, chunks, self.config.pad_token_id)
         for row, (seq, chunk) in enumerate(zip(group, chunks)):
             self.cache.commit_slot(seq.slot, presents, row, len(chunk))
             self._count_prefilled(seq, len(chunk))
+
+    def _reserve(self, needs: list[tuple[Sequence, int]], idle_need: int = 0) -> None:
+        """Make the cache hold the positions each row needs (``needs``: (row, positions) pairs; a free slot of
+        the forward: ``idle_need``).
+
+        Raises:
+            CannotGrowCache: the larger buffers cannot be allocated; the rows needing more than the cache holds
+                are finished first.
+        """
+        needed = max([idle_need, *(need for _, need in needs)])
+        try:
+            self.cache.reserve(needed)
+        except MemoryError as e:
+            capacity = self.cache.capacity
+            failed = [seq for seq, need in needs if need > capacity] or [seq for seq, _ in needs]
+            for seq in failed:
+                self._finish(seq, "abort")
+            raise CannotGrowCache([seq.request_id for seq in failed], capacity, needed, self.cache.num_slots,
+                                  e) from e
 
     @staticmethod
     def _count_prefilled(seq: Sequence, num_tokens: int) -> None:
@@ -342,7 +322,8 @@ class Engine:
         for seq in plan.rows:
             rows[seq.slot] = seq.step_ids(plan.width, self.config.mask_token_id, self.config.pad_token_id)
         # Every row of the forward writes w entries after its length, idle rows (free or sitting out) too.
-        self.cache.reserve(int(self.cache.lengths[:plan.num_rows].max()) + plan.width)
+        self._reserve([(seq, int(self.cache.lengths[seq.slot]) + plan.width) for seq in self.scheduler.running.values()],
+                      plan.width)
         fits = getattr(self.backend, "takes_num_greedy", False) and plan.num_rows * plan.width <= GREEDY_HEAD_MAX_ROWS
         if fits and all(self._reads_ids_only(seq, plan.width) for seq in plan.rows):
             reads = "ids"

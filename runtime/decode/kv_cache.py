@@ -26,6 +26,11 @@ Memory traffic of the cache manager per step:
     than ``2 * C`` positions per row, i.e. O(1) per generated token.
 The graph itself reads the whole ``[n, H, S, D]`` past each step, so S is kept within 2x
 of the longest row (4x after rows shrink, before :meth:`reserve` shrinks it).
+
+Memory: every slot holds S positions, whoever uses them, so the cache's largest size is
+``N * max_len`` positions; while :meth:`reserve` grows it to ``max_len`` the buffers it grows
+from are held too (:meth:`KVCache.peak_positions` per slot). Growth that cannot be allocated
+raises MemoryError and leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -59,12 +64,23 @@ class KVCache:
         """S, positions per slot in the current buffers."""
         return self.keys[0].shape[2]
 
+    @staticmethod
+    def peak_positions(max_len: int) -> int:
+        """Positions per slot held at the cache's largest, by :meth:`reserve`'s growth rule: ``max_len``, plus
+        while it grows to ``max_len`` the buffers it grows from (the largest capacity below it,
+        ``MIN_CAPACITY * 2**k``; none when ``max_len`` is the first capacity)."""
+        previous = MIN_CAPACITY
+        while previous * 2 < max_len:
+            previous *= 2
+        return max_len + (previous if previous < max_len else 0)
+
     def reserve(self, needed: int) -> None:
         """Make S at least ``needed``: double until it fits (capped at ``max_len``); halve while the
-        longest row is under S / 4.
+        longest row is under S / 4 (where the smaller buffers cannot be allocated, the current ones stay).
 
         Raises:
             ValueError: ``needed`` exceeds ``max_len``.
+            MemoryError: the larger buffers cannot be allocated (the cache is left as it was).
         """
         if needed > self.max_len:
             raise ValueError(f"KV cache overflow: {needed} positions > capacity {self.max_len}")
@@ -75,8 +91,13 @@ class KVCache:
         while target > MIN_CAPACITY and used * 4 <= target:
             target //= 2
         target = min(target, self.max_len)
-        if target != self.capacity:
+        if target > self.capacity:
             self._allocate(target)
+        elif target < self.capacity:
+            try:
+                self._allocate(target)
+            except MemoryError:  # shrinking only saves reading and memory: the larger buffers serve as well
+                pass
 
     def past(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Views ``([n, H, S, D], [n, H, S, D])`` per layer of slots 0..n-1 (no copy).

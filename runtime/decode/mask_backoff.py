@@ -17,7 +17,7 @@ output is greedy AR whatever the masks (tau >= 1, verify mode), only the forward
 A step without masks saves work only by being narrower than W: the continuous scheme on a graph whose window axis is
 dynamic. In the block scheme, on a TensorRT engine (its profile fixes W) and on step graphs exported before
 2026-11-30 every step is W wide, so the engine refuses a request for adaptive masks there, naming the fix
-(:func:`runtime.decode.engine.why_no_adaptive_masks`), rather than ignoring it.
+(:func:`runtime.decode.admission.why_no_adaptive_masks`), rather than ignoring it.
 """
 
 from __future__ import annotations

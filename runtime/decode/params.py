@@ -3,7 +3,7 @@
 The one home of: tau's validation (:func:`check_tau`), the error that names the bad
 request field (:class:`ParamError`), tokens per forward (:func:`tokens_per_forward`), and which
 settings feed mask tokens (:meth:`DecodeParams.uses_masks`; which engines can skip them with adaptive masks:
-:func:`runtime.decode.engine.why_no_adaptive_masks`).
+:func:`runtime.decode.admission.why_no_adaptive_masks`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class DecodeParams:
             whose masks gained no token the row runs steps without masks, 1, 2, 4 .. 16 of them, between probes.
             They act only where a step can be narrower than W (the continuous scheme on a graph with a dynamic
             window axis); elsewhere the engine refuses the request
-            (:func:`runtime.decode.engine.why_no_adaptive_masks`).
+            (:func:`runtime.decode.admission.why_no_adaptive_masks`).
             In threshold mode at tau < 1 the tokens can differ from feeding masks every step (the default, MARS
             §3); where the output is greedy AR anyway (tau >= 1, verify mode) only the forward count changes.
         metric: confidence metric, one of ``probability``, ``margin``, ``entropy``.

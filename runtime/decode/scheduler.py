@@ -38,7 +38,7 @@ def can_narrow_steps(scheme: str, is_window_dynamic: bool) -> bool:
     """Whether a step may be narrower than W (only as wide as its widest row needs): the continuous scheme on a
     graph whose window axis is dynamic. The block scheme re-runs W-wide blocks, and a fixed window axis takes W
     tokens, so there every step is W wide. Adaptive masks act only where this holds
-    (:func:`runtime.decode.engine.why_no_adaptive_masks`)."""
+    (:func:`runtime.decode.admission.why_no_adaptive_masks`)."""
     return scheme == "continuous" and is_window_dynamic
 
 

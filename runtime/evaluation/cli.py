@@ -29,7 +29,7 @@ from pathlib import Path
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
 from runtime.command_line import ArgumentParser, UsageError
-from runtime.decode.engine import why_no_adaptive_masks
+from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
 from runtime.evaluation import tasks
 from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
@@ -169,7 +169,7 @@ def check_adaptive_masks(bundle: str, config, args: argparse.Namespace) -> None:
     dropped).
 
     Raises:
-        UsageError: it cannot (:func:`runtime.decode.engine.why_no_adaptive_masks` says why and what to do).
+        UsageError: it cannot (:func:`runtime.decode.admission.why_no_adaptive_masks` says why and what to do).
     """
     from runtime.backends.onnx import OnnxBackend  # here: mars-eval imports this module without onnxruntime
     why = why_no_adaptive_masks(OnnxBackend(bundle, config, args.provider, args.threads))

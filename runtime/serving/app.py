@@ -22,11 +22,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from runtime.decode.engine import check_prompt_ids
+from runtime.decode.admission import check_prompt_ids
 from runtime.decode.params import DecodeParams, ParamError
 from runtime.serving import protocol
 from runtime.serving.engine_thread import EngineThread
 from runtime.serving.errors import APIError, BodyLimit, install_error_handlers, make_auth_check, require_json_body
+from runtime.serving.kv_memory import KVCacheOutOfMemory
 from runtime.serving.metrics import ServerMetrics
 from runtime.serving.protocol import SSE_DONE, ChatRequest, CompletionRequest, TauRequest, sse_event
 from runtime.serving.request_stream import RequestStream
@@ -182,7 +183,7 @@ async def _generate(ctx: ServerContext, body, prompt_ids: list[int], prompt_fiel
     except ValueError as e:
         raise APIError(400, str(e), param=prompt_field, code="invalid_value") from e
     except RuntimeError as e:
-        raise APIError(500, str(e), code="engine_error", type_="server_error") from e
+        raise engine_failure(e) from e
     if body.stream:
         async def close():  # also runs when the client left before the stream started
             gen.close()
@@ -263,8 +264,16 @@ async def _collect(gen: RequestStream, request: Request) -> str | None:
     try:
         joiner.result()
     except RuntimeError as e:
-        raise APIError(500, str(e), code="engine_error", type_="server_error") from e
+        raise engine_failure(e) from e
     return "".join(parts)
+
+
+def engine_failure(e: RuntimeError) -> APIError:
+    """The error answer of a request the engine failed: 507 where the KV cache could not grow for it
+    (:class:`~runtime.serving.kv_memory.KVCacheOutOfMemory`), else a 500 ``engine_error``."""
+    if isinstance(e, KVCacheOutOfMemory):
+        return APIError(e.status, str(e), code=e.code, type_="server_error")
+    return APIError(500, str(e), code="engine_error", type_="server_error")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -296,7 +305,8 @@ async def _stream(ctx: ServerContext, gen: RequestStream, body, chat: bool):
             yield sse_event(protocol.usage_chunk(rid, model, object_, usage))
     except RuntimeError as e:  # headers are sent: the error goes in the stream
         ctx.metrics.record_outcome("error")
-        yield sse_event(protocol.error_body(str(e), "server_error", None, "engine_error"))
+        error = engine_failure(e)
+        yield sse_event(protocol.error_body(error.message, error.type, None, error.code))
     finally:
         gen.close()
     yield SSE_DONE

@@ -20,8 +20,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from runtime.decode.engine import CannotGrowCache
 from runtime.decode.params import DecodeParams
 from runtime.serving.load_policy import LoadPolicy
+from runtime.serving.kv_memory import cannot_grow_error
 from runtime.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class Submission:
         params: decoding parameters.
         deliver: called on the engine thread with :data:`ADMITTED`, then each
             :class:`~runtime.decode.engine.StepOutput`; or once with a ``ValueError`` (rejected)
-            or a ``RuntimeError`` (the engine failed).
+            or a ``RuntimeError`` (the engine failed; :class:`~runtime.serving.kv_memory.KVCacheOutOfMemory`:
+            the KV cache could not grow for this request).
     """
 
     request_id: str
@@ -167,6 +170,14 @@ class EngineThread:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except CannotGrowCache as e:  # the engine finished those requests; the others go on at the next turn
+            error = cannot_grow_error(e, self.engine.config.window)
+            log.warning("%d request(s) failed: %s", len(e.request_ids), error)
+            for request_id in e.request_ids:
+                deliver = self._deliver.pop(request_id, None)
+                if deliver is not None:
+                    deliver(error)
+            return
         except Exception as e:  # the server must outlive an engine failure; requests in flight get a 500
             log.exception("engine step failed")
             self._fail_all(f"the engine failed: {type(e).__name__}: {e}")

@@ -14,7 +14,7 @@ server turns a validation failure into an OpenAI-style 400 naming the field. MAR
 - ``adaptive_masks``: feed mask tokens only while they pay (``runtime.decode.mask_backoff``): after a
   step whose masks gained no token, steps without masks back off 1, 2 .. 16 at a time (default false).
   Where every step is W wide (``--scheme block``, a TensorRT engine, a fixed-window bundle) the engine
-  refuses it: a 400 naming the fix (``runtime.decode.engine.why_no_adaptive_masks``).
+  refuses it: a 400 naming the fix (``runtime.decode.admission.why_no_adaptive_masks``).
 - ``block_size``: most tokens accepted per decode step, 1..the bundle's B (absent: B).
 - ``top_k``: sampling filter (0 = off).
 - ``return_token_ids``: add the generated ids to the response's ``mars`` object.

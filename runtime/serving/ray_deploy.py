@@ -131,7 +131,7 @@ def check_serve_args(serve_argv: list[str]) -> argparse.Namespace:
         BundleError, ValueError: bad path, bundle, option value or batch.
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, main prints one error line
-    from runtime.decode.engine import check_max_batch_size
+    from runtime.decode.admission import check_max_batch_size
     args = single.parse_args(serve_argv)
     single.resolve_host(args.host)
     backend, _, _ = load_backend(args.path, args.provider, 1)

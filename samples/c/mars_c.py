@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runtime.command_line import ArgumentParser, UsageError
+
 DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
 
 
@@ -74,7 +76,7 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", help="bundle directory written by mars-export")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -94,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.bundle import BundleError
     from runtime.text.tokenizer import Tokenizer
 
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, as the errors below
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problem = binary_problem(args.binary)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -8,7 +8,6 @@ JetPack (README.md in this folder records the check for the graphs mars-export w
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -18,6 +17,7 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from runtime.bundle import load_config
+from runtime.command_line import ArgumentParser, UsageError
 
 
 def graph_ops(path: Path) -> dict:
@@ -34,11 +34,15 @@ def graph_ops(path: Path) -> dict:
             "outputs": {v.name: kind(v) for v in model.graph.output}}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    try:
+        args = p.parse_args(argv)
+    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = load_config(args.bundle)
     info = graph_ops(Path(args.bundle) / config.onnx_file)
     if args.json:

@@ -129,12 +129,9 @@ def test_a_tau_option_out_of_range_stops_the_server_before_the_bundle_loads(tiny
     _, bundle = tiny_bundle("llama", 4)
     capsys.readouterr()  # the bundle's export output, if it was made now
     monkeypatch.setattr("runtime.backends.loading.load_backend", lambda *a: pytest.fail("the bundle was loaded"))
-    try:
-        code = main([str(bundle), *options])
-    except SystemExit as e:  # argparse's refusal: its usage, then one error line
-        code = e.code
+    assert main([str(bundle), *options]) == 2
     err = capsys.readouterr().err
-    assert code == 2 and message in err and err.count("error:") == 1, err
+    assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
 
 
 def test_the_default_tau_range_is_tau_to_1(tmp_path):
@@ -155,10 +152,24 @@ def test_the_default_max_tokens_follows_a_lower_limit_and_an_explicit_one_above_
 
 @pytest.mark.parametrize("port", ["99999", "65536", "-1", "80x"])
 def test_a_port_outside_0_to_65535_is_refused(tmp_path, capsys, port):
-    with pytest.raises(SystemExit):
-        parse_args([str(tmp_path), "--port", port])
-    assert f"--port: must be a port number in 1..65535 (0 picks a free one), got {port}" in capsys.readouterr().err
+    assert main([str(tmp_path), "--port", port]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line == f"error: argument --port: must be a port number in 1..65535 (0 picks a free one), got {port}"
     assert [parse_args([str(tmp_path), "--port", p]).port for p in ("0", "1", "65535")] == [0, 1, 65535]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["BUNDLE", "--max-batch-size", "abc"], "argument --max-batch-size: invalid int value: 'abc'"),
+    (["BUNDLE", "--scheme", "nope"], "argument --scheme: invalid choice: 'nope'"),
+    (["BUNDLE", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: path")])
+def test_a_bad_command_line_is_one_error_line_as_every_other_refusal(monkeypatch, capsys, args, message):
+    """argparse's refusals printed its usage block before 'python -m runtime.serve: error: ...'; a bad option value
+    or bundle was one 'error:' line, exit status 2: so are these now (runtime.command_line, as mars-export)."""
+    monkeypatch.setattr("runtime.backends.loading.load_backend", lambda *a: pytest.fail("the bundle was loaded"))
+    assert main(args) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line
 
 
 def test_a_port_in_use_stops_the_server_before_the_bundle_loads(tiny_bundle, monkeypatch, capsys):

@@ -30,7 +30,7 @@ from ray import serve  # noqa: E402
 from ray.serve.schema import LoggingConfig  # noqa: E402
 
 from runtime.decode.decoder import DecodeParams  # noqa: E402
-from runtime.decode.engine import why_no_adaptive_masks  # noqa: E402
+from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from runtime import serve as single  # noqa: E402
@@ -116,7 +116,12 @@ def test_fleet_options_reject_bad_counts():
 @pytest.mark.parametrize("options, named", [(["--tau", "0.5", "--tau-min", "0.9"], "--tau-min"),
                                             (["--default-max-tokens", "300", "--max-tokens-limit", "200"],
                                              "--default-max-tokens"),
-                                            (["--api-key", "  "], "--api-key")])
+                                            (["--api-key", "  "], "--api-key"),
+                                            # a bad command line, Ray's options or the server's: argparse's usage
+                                            # block and 'python -m runtime.serve_ray: error: ...' before
+                                            (["--replicas", "two"], "argument --replicas: invalid int value: 'two'"),
+                                            (["--port", "80x"], "argument --port: must be a port number"),
+                                            (["--bogus"], "unrecognized arguments: --bogus")])
 def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, capsys, options, named):
     _, bundle = tiny_bundle("llama", 4)
     capsys.readouterr()  # the bundle's export output, if it was made now

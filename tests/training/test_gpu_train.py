@@ -179,3 +179,19 @@ def test_parts_of_a_prepare_without_source_json_are_one_line_asking_to_prepare_a
     assert errors == [f"error: {store} has no {gpu_train.SOURCE_FILE} (the name of the model sent): its parts come "
                       "from an older scripts/gpu_train.py prepare; run prepare again and send the new parts"]
     assert not (out / "adapter").exists() and not (out / "train_log.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["prepare", "default", "--prompts", "p.jsonl", "--max-prompts", "many"],
+     "argument --max-prompts: invalid int value: 'many'"),
+    (["train", "--store", "store"], "the following arguments are required: --out"),
+    (["receive", "part", "--bogus"], "unrecognized arguments: --bogus"),
+    (["send"], "argument command: invalid choice: 'send'")])
+def test_a_bad_command_line_is_one_error_line_as_every_other_refusal(argv, message, tmp_path, monkeypatch, capsys):
+    """argparse's refusals printed its usage block before 'scripts/gpu_train.py: error: ...'; a bad part, checkpoint
+    or prompt file was one 'error:' line, exit status 2: so are these now (runtime.command_line)."""
+    monkeypatch.chdir(tmp_path)
+    assert gpu_train.main(argv) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert list(tmp_path.iterdir()) == []

@@ -53,7 +53,7 @@ function syncDraft() {
   note.classList.toggle("blocked", blocked !== null);
 }
 
-// Adaptive masks act only where a step may be narrower than W (runtime.decode.engine.why_no_adaptive_masks);
+// Adaptive masks act only where a step may be narrower than W (runtime.decode.admission.why_no_adaptive_masks);
 // elsewhere (the block scheme, a TensorRT engine, a fixed-window bundle) the server refuses them with a 400.
 // /health gives that refusal beforehand: the page then disables the box, unticked, with the reason under it
 // and as the tooltip of its label (a disabled input shows none of its own).

@@ -1,0 +1,78 @@
+"""What the engine admits, and why not: the rules on a request and on a server's settings that
+:class:`runtime.decode.engine.Engine` checks before it takes them (which waiting request takes a free
+slot is the scheduler's, :mod:`runtime.decode.scheduler`).
+
+The one home of: the vocabulary check on a prompt (:func:`check_prompt_ids`), the batch size a backend
+can run (:func:`check_max_batch_size`), the positions a slot can hold (:func:`check_max_seq_len`), and
+where adaptive masks can act (:func:`why_no_adaptive_masks`).
+"""
+
+from __future__ import annotations
+
+from runtime.decode.params import ParamError
+from runtime.decode.scheduler import can_narrow_steps
+
+
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """The vocabulary check: a prompt is >= 1 token id, each in 0..V-1.
+
+    Raises:
+        ParamError: (field ``prompt``) empty, or an id outside the vocabulary.
+    """
+    if not prompt_ids:
+        raise ParamError("prompt", "the prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_max_batch_size(max_batch_size: int, backend_max_batch: int | None) -> None:
+    """Raise ValueError if ``max_batch_size`` exceeds the backend's largest batch (None: no limit),
+    naming the fix: a TensorRT engine's optimization profile, or a fused bundle's 1."""
+    if backend_max_batch is not None and max_batch_size > backend_max_batch:
+        raise ValueError(f"max_batch_size {max_batch_size} exceeds the backend's largest batch {backend_max_batch} "
+                         "(a TensorRT engine's optimization profile, or 1 for a fused bundle); lower it, or rebuild "
+                         "the engine / export with --graph step")
+
+
+def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) -> int:
+    """The positions a slot holds: ``max_seq_len``, or when None the most any slot may hold,
+    min(the model's max context, the backend's largest past). The past fed is the whole
+    cache capacity, so the capacity never exceeds the backend's ``max_past``.
+
+    Raises:
+        ValueError: ``max_seq_len`` above that limit (never silently capped).
+    """
+    limit = min(max_context, max_past)
+    if max_seq_len is not None and max_seq_len > limit:
+        bound = ("the backend's largest past, its optimization profile; rebuild the engine for more"
+                 if max_past < max_context else "the model's max context")
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the {limit} positions a slot can hold ({bound}); "
+                         f"give at most {limit}")
+    return limit if max_seq_len is None else max_seq_len
+
+
+def why_no_adaptive_masks(backend, scheme: str = "continuous") -> str | None:
+    """The rule of where adaptive masks (:mod:`runtime.decode.mask_backoff`) can act: they skip masks by running a
+    step narrower than W (:func:`runtime.decode.scheduler.can_narrow_steps`), so where every step is W wide they
+    would change nothing, and a request for them is refused (:meth:`runtime.decode.engine.Engine.add_request`)
+    rather than ignored.
+
+    Args:
+        backend: the backend: ``is_window_dynamic``, and ``why_window_fixed`` (why a fixed window is fixed and
+            what to do) where it says.
+        scheme: the batch scheme (:class:`runtime.decode.decoder.Decoder` runs ``continuous``).
+
+    Returns:
+        None where they act; else the refusal, one line naming the cause and the fix: the block scheme, or a
+        backend whose window axis is fixed (a TensorRT engine, a step graph exported before 2026-11-30).
+    """
+    if can_narrow_steps(scheme, backend.is_window_dynamic):
+        return None
+    if scheme == "block":
+        why = ("the block scheme runs every step W wide (it re-runs the block at a fixed shape); use the continuous "
+               "scheme (python -m runtime.serve --scheme continuous, the default)")
+    else:
+        why = getattr(backend, "why_window_fixed", None) or "this backend runs every step W wide"
+    return (f"adaptive masks cannot act here: they skip masks by running steps narrower than the window W, and "
+            f"{why}; or turn adaptive masks off")

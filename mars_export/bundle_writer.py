@@ -55,10 +55,7 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
                           "decoding causally over a KV cache, cannot compute; no flag changes this, export a "
                           "causal model")
     max_context, _ = max_context_of(cfg)
-    if window > max_window(max_context):
-        raise BundleError(f"--window {window} must be smaller than the model's context of {max_context} tokens by "
-                          f"at least {max_context - max_window(max_context)} (the past the export traces the graph "
-                          f"with): use --window {max_window(max_context)} or less")
+    check_window_fits(window, max_context)
     eos = loaded.model.generation_config.eos_token_id
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})
     return BundleConfig(
@@ -68,6 +65,23 @@ def prepare_config(loaded: LoadedModel, block_size: int, window: int, dtype: str
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         vocab_size=loaded.model.get_output_embeddings().weight.shape[0], max_context=max_context,
         dtype=dtype, source_model=loaded.source)
+
+
+def check_window_fits(window: int, max_context: int, named: str | None = None, flag: str = "--window") -> None:
+    """Refuse a window W that leaves no room in the context for the past the export traces the graph with
+    (:func:`mars_export.onnx_export.max_window`).
+
+    Args:
+        named: how the message names the window (default ``--window W``); ``flag``: the option to lower. A window
+            that defaults to the block size is named by what set that (``--block B (the window W defaults to B)``).
+
+    Raises:
+        BundleError: ``window`` above ``max_window(max_context)``.
+    """
+    if window > max_window(max_context):
+        raise BundleError(f"{named or f'--window {window}'} must be smaller than the model's context of {max_context} "
+                          f"tokens by at least {max_context - max_window(max_context)} (the past the export traces "
+                          f"the graph with): use {flag} {max_window(max_context)} or less")
 
 
 def write_bundle(loaded: LoadedModel, out_dir: str | Path, block_size: int, window: int,

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:  # argparse's refusals: one line, as the checks below
         print(f"error: {e}", file=sys.stderr)
         return 2
-    problem = _precision_problem(args)
+    problem = _precision_problem(args) or _output_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OnnxRuntimeMissing, RuntimeError) as e:  # installed without [cpu] or [gpu], or without [fused]
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from mars_export.bundle_writer import check_window_fits
     from mars_export.context import max_context_of
     from mars_export.model_source import load_model
     from mars_export.parity import ParityError
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.model, args.mask_token, snapshot=snapshot)
         _log_choice(f"mask token {loaded.mask_token!r}", loaded.mask_token_origin, "--mask-token",
                     f"id {loaded.mask_token_id}, ")
-        _, context_note = max_context_of(loaded.model.config)
+        max_context, context_note = max_context_of(loaded.model.config)
         if context_note:
             print(context_note, file=sys.stderr)
+        check_window_fits(window, max_context, *_window_named(args, block, block_origin))
         config = write_bundle(loaded, args.output, block, window, args.parity_tol, args.force,
                               "float16" if args.fp16 else "float32", trt_options, _weight_dtype(args),
                               args.min_top1, args.graph, args.quant_block)
@@ -177,6 +179,16 @@ def _log_choice(what: str, origin: str, flag: str, detail: str = "") -> None:
     directory name; pass --block to change)'."""
     if origin != flag:
         print(f"{what} ({detail}{origin}; pass {flag} to change)", file=sys.stderr)
+
+
+def _window_named(args: argparse.Namespace, block: int, block_origin: str) -> tuple[str, str]:
+    """How a message names the window and the option to lower it: ``--window`` where given, else what set the block
+    size, which the window defaults to."""
+    if args.window is not None:
+        return f"--window {args.window}", "--window"
+    if args.block is not None:
+        return f"--block {block} (the window W defaults to B)", "--block"
+    return f"the block size {block} ({block_origin}; the window W defaults to B)", "--block"
 
 
 def _os_error_message(e: OSError, output: str | None) -> str:
@@ -213,7 +225,9 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
     profile_flags = {"--trt-max-batch": args.trt_max_batch, "--trt-max-context": args.trt_max_context}
     profile = [flag for flag, value in profile_flags.items() if value is not None]
     if profile and not args.trt:
-        return f"{' and '.join(profile)} set the TensorRT profile and apply with --trt only: add --trt or drop them"
+        if len(profile) == 1:
+            return f"{profile[0]} sets the TensorRT profile; it applies with --trt only: add --trt or drop it"
+        return f"{' and '.join(profile)} set the TensorRT profile; they apply with --trt only: add --trt or drop them"
     if quantized and args.trt:
         return f"{chosen[0]} is a CPU (onnxruntime) export; TensorRT builds its own precisions, drop --trt"
     if args.graph == "fused" and (args.fp16 or args.trt):
@@ -230,6 +244,13 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
         return f"--quant-block must be one of {', '.join(map(str, QUANT_BLOCK_SIZES))} (MatMulNBits), got {args.quant_block}"
     if args.min_top1 is not None and not 0 <= args.min_top1 <= 1:
         return f"--min-top1 must be a fraction in [0, 1], got {args.min_top1}"
+    return None
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """Why ``-o`` names no directory (an empty string, which paths would read as the current directory), or None."""
+    if args.output == "":
+        return "-o is empty: give the directory to write the bundle to (e.g. -o bundles/mine)"
     return None
 
 

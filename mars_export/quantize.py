@@ -168,7 +168,7 @@ def quantize_and_check(loaded: LoadedModel, bundle_dir: Path, config: BundleConf
     backend = OnnxBackend(bundle_dir, config)
     parity = {**measure_parity(loaded.model, backend, config, prompts), "backend": "onnxruntime-cpu",
               "min_top1_agreement": floor, "weights": weights}
-    check_top1_floor(parity, floor, config.weight_dtype)
+    check_top1_floor(parity, weights, min_top1)
     parity["greedy_vs_float32"] = measure_greedy_agreement(OnnxBackend(bundle_dir, reference_config), backend,
                                                            config, prompts)
     (bundle_dir / REFERENCE_FILE).unlink()
@@ -245,18 +245,44 @@ def measure_greedy_agreement(reference, backend, config: BundleConfig, prompts: 
 
 def default_top1_floor(summary: dict) -> float:
     """The top-1 floor of a graph quantized as :func:`quantize_step_graph`'s ``summary`` says."""
-    if summary.get("gguf_imported") and not summary.get("gguf_requantized"):
-        return MIN_TOP1_GGUF_BLOCKS
-    return MIN_TOP1_AGREEMENT[summary["weight_dtype"]]
+    return MIN_TOP1_GGUF_BLOCKS if _holds_gguf_blocks(summary) else MIN_TOP1_AGREEMENT[summary["weight_dtype"]]
 
 
-def check_top1_floor(result: dict, floor: float, weight_dtype: str) -> None:
-    """Raise :class:`ParityError` if the top-1 agreement with PyTorch is below ``floor``."""
-    if not result["top1_agreement"] >= floor:
-        raise ParityError(f"parity check failed for the {weight_dtype} graph: top-1 agreement with the float32 "
-                          f"PyTorch model {result['top1_agreement']:.4f} < floor {floor:g} over "
-                          f"{result['num_positions']} positions (max |Δlogit| {result['max_abs_logit_diff']:.3g}); "
-                          "quantization broke the model")
+def _holds_gguf_blocks(summary: dict) -> bool:
+    """Whether every layer of the graph ``summary`` describes holds a GGUF file's blocks as they are."""
+    return bool(summary.get("gguf_imported")) and not summary.get("gguf_requantized")
+
+
+def check_top1_floor(result: dict, weights: dict, min_top1: float | None = None) -> None:
+    """Raise :class:`ParityError` if the top-1 agreement with PyTorch is below the floor: ``min_top1`` (``--min-top1``)
+    where given, else :func:`default_top1_floor` of ``weights`` (:func:`quantize_step_graph`'s summary).
+
+    The default floor is set to catch a broken graph, not as a quality mark (:data:`MIN_TOP1_AGREEMENT`), so the
+    message calls the quantization broken only below it; below a stricter floor the user asked for, it says so.
+    """
+    agreement, default = result["top1_agreement"], default_top1_floor(weights)
+    floor = default if min_top1 is None else min_top1
+    if agreement >= floor:
+        return
+    dtype = weights["weight_dtype"]
+    kind = f"{dtype} exports" + (" holding a GGUF file's own blocks" if _holds_gguf_blocks(weights) else "")
+    measured = (f"parity check failed for the {dtype} graph: top-1 agreement with the float32 PyTorch model "
+                f"{agreement:.4f} over {result['num_positions']} positions (max |Δlogit| "
+                f"{result['max_abs_logit_diff']:.3g})")
+    blocks = weights.get("block_size")
+    broke = "quantization broke the model" + (
+        f", or blocks of {blocks} (--quant-block) keep too little of it" if blocks not in (None, BLOCK_SIZE[dtype])
+        else "")
+    if min_top1 is None:
+        raise ParityError(f"{measured} is below the default floor {default:g} of {kind}, set to catch a broken graph, "
+                          f"not as a quality mark (README \"Quantized exports\"): {broke}; pass a lower --min-top1 to "
+                          "keep it on purpose")
+    if agreement < default:
+        raise ParityError(f"{measured} is below the floor you asked for (--min-top1 {min_top1:g}) and below the "
+                          f"default floor {default:g} of {kind} too, set to catch a broken graph: {broke}")
+    raise ParityError(f"{measured} is below the floor you asked for (--min-top1 {min_top1:g}); it passes the default "
+                      f"floor {default:g} of {kind}, set to catch a broken graph, not as a quality mark (README "
+                      "\"Quantized exports\"): lower --min-top1 to keep this export")
 
 
 def count_quantized_nodes(path: Path) -> int:

@@ -437,7 +437,8 @@ def load_config(bundle_dir: str | Path) -> BundleConfig:
     required = {f.name for f in fields(BundleConfig) if f.default is MISSING and f.default_factory is MISSING}
     missing, unknown = sorted(required - raw.keys()), sorted(raw.keys() - known)
     if missing or unknown:
-        raise BundleError(f"{path} has missing fields {missing} and unknown fields {unknown}; re-export the bundle")
+        problems = [f"{kind} fields {names}" for kind, names in (("missing", missing), ("unknown", unknown)) if names]
+        raise BundleError(f"{path} has {' and '.join(problems)}; re-export the bundle")
     try:
         return BundleConfig(**raw)
     except BundleError as e:  # a field of the wrong JSON type or value

@@ -23,7 +23,8 @@ per prefill forward: 50 MB for SmolLM2 at 256 tokens), the
 runtime's workspace, TensorRT's device copy of a host-array past (the parity check only), on
 onnxruntime a cache the backend's I/O binding still holds after its engine let it go (until a
 step binds another), the CUDA context, the OS. Jetson memory is shared by CPU and GPU, so measure what your
-image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``.
+image uses (``tegrastats``, ``free``) and pass it as ``--reserve-gib``: the default is 0, no reserve (each table
+says so), since no figure holds for every image.
 """
 
 from __future__ import annotations
@@ -215,8 +216,8 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
                  f"{model.max_context}")
     if model.context_note:
         lines.append(model.context_note)
-    lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB)
-                 + (f"   (reserve {reserve_gib:g} GiB)" if reserve_gib else ""))
+    lines.append(reserve_note(reserve_gib))
+    lines.append(f"{'batch':>5} {'context':>7} {'KV GiB':>8} {'total GiB':>9}  " + "  ".join(BUDGETS_GIB))
     for batch in batches:
         for context in contexts:
             kv = model.kv_bytes(context, batch)
@@ -230,6 +231,16 @@ def report(model: ModelMemory, batches: list[int], contexts: list[int], reserve_
         best = [min(model.max_context, int(room // (per_token * b))) if room > 0 else 0 for b in batches]
         lines.append(f"  {name:<14} " + "  ".join(f"B={b}: {t}" for b, t in zip(batches, best)))
     return "\n".join(lines)
+
+
+def reserve_note(reserve_gib: float) -> str:
+    """What "fits" below means: weights + KV within each board's memory less ``--reserve-gib``; with none (the
+    default, 0: the repository documents no figure to assume) the line says so and how to add one."""
+    if reserve_gib:
+        return f"fits: weights + KV within the board's memory less --reserve-gib {reserve_gib:g} GiB"
+    return ("fits: weights + KV alone within the board's whole memory: no reserve for the OS, the CUDA context or "
+            "activations was applied (--reserve-gib 0, the default); measure what your image uses (tegrastats, free) "
+            "and pass it as --reserve-gib GIB")
 
 
 def load(path: Path, weights_dtype: str, kv_dtype: str | None, trt: bool = False) -> ModelMemory:
@@ -272,7 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "outputs); default onnxruntime, which writes into the cache in place (an engine.plan PATH "
                         "is always sized for TensorRT)")
     p.add_argument("--reserve-gib", type=float, default=0.0,
-                   help="memory kept for OS, CUDA context and activations, subtracted from each budget")
+                   help="memory kept for OS, CUDA context and activations, subtracted from each budget (default 0: "
+                        "none, so 'fits' means weights + KV alone fit; measure your image with tegrastats or free)")
     args = p.parse_args(argv)
     args.batch = list(dict.fromkeys(args.batch))  # a batch size given twice is sized once, in the order given
     return args

@@ -9,6 +9,8 @@ plain MARS; ``lookup`` / ``both`` also feed prompt-lookup drafts, verified exact
 the masks. At tau = 1 the output is the greedy AR output whatever the draft source.
 ``--adaptive-masks`` feeds masks only while they pay (:mod:`runtime.decode.mask_backoff`); a bundle whose
 step graph takes only W-token steps (exported before 2026-11-30) cannot, and the demo stops with one line.
+So does any bad value (a tau, --max-new-tokens, a path that is no bundle), checked by the runtime's own rules
+before the first run decodes anything (exit status 2).
 Uses only the torch-free runtime.
 """
 
@@ -20,11 +22,11 @@ import sys
 from pathlib import Path
 
 from runtime.backends.onnx import OnnxBackend
-from runtime.bundle import load_config
+from runtime.bundle import BundleError, load_config
 from runtime.command_line import ArgumentParser, UsageError
+from runtime.decode.admission import check_max_seq_len, why_no_adaptive_masks
 from runtime.decode.decoder import Decoder
-from runtime.decode.admission import why_no_adaptive_masks
-from runtime.decode.params import DecodeParams
+from runtime.decode.params import DecodeParams, ParamError
 from runtime.text.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).parent / "prompts" / "demo_prompts.json"
@@ -43,30 +45,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the exit status (2 after one ``error:`` line for a bad command line, or for
-    ``--adaptive-masks`` on a bundle that cannot run them)."""
+    """Run the demo; returns the exit status (2 after one ``error:`` line for a bad command line or value, a path
+    that is no bundle, or ``--adaptive-masks`` on a bundle that cannot run them, all before any decoding)."""
     try:
         args = parse_args(argv)
-    except UsageError as e:  # argparse's refusals: one line, as the adaptive-masks refusal below
+        runs = prepare_runs(args)
+        config = load_config(args.bundle)
+        backend = OnnxBackend(args.bundle, config)
+        if args.adaptive_masks and (why := why_no_adaptive_masks(backend)):
+            raise ParamError("adaptive_masks", why)
+        tokenizer = Tokenizer(args.bundle)
+        prompts = encode_prompts(tokenizer, json.loads(PROMPTS.read_text())["prompts"], args.max_new_tokens,
+                                 config.window, check_max_seq_len(None, config.max_context, backend.max_past))
+    except (BundleError, ValueError) as e:  # UsageError and ParamError too: a bad option, before any decoding
         print(f"error: {e}", file=sys.stderr)
         return 2
-    config = load_config(args.bundle)
-    backend = OnnxBackend(args.bundle, config)
-    if args.adaptive_masks and (why := why_no_adaptive_masks(backend)):
-        print(f"error: {why}", file=sys.stderr)
-        return 2
-    decoder, tokenizer = Decoder(backend, config), Tokenizer(args.bundle)
-    prompts = json.loads(PROMPTS.read_text())["prompts"]
+    decoder = Decoder(backend, config)
     print(f"bundle {args.bundle}: {config.source_model}, B={config.block_size}, W={config.window}, "
           f"draft {args.draft}{', adaptive masks' if args.adaptive_masks else ''}")
     speeds = {}
-    for tau in args.tau:
+    for tau, params in runs:
         tokens = forwards = 0
         seconds = 0.0
-        for prompt in prompts:
-            ids = tokenizer.encode_chat([{"role": "user", "content": prompt["text"]}])
-            params = DecodeParams(tau=tau, max_new_tokens=args.max_new_tokens, draft=args.draft,
-                                  adaptive_masks=args.adaptive_masks)
+        for prompt, ids in prompts:
             result = decoder.generate(ids, params)
             decode_seconds = result.seconds - result.prefill_seconds
             print(f"\n=== {prompt['id']}  tau={tau}  tokens={result.num_tokens}  TPF={result.tpf:.2f}  "
@@ -80,6 +81,32 @@ def main(argv: list[str] | None = None) -> int:
     for tau in args.tau[1:]:
         print(f"decode tok/s at tau={tau} / tau={first}: {speeds[tau] / speeds[first]:.2f}x")
     return 0
+
+
+def prepare_runs(args: argparse.Namespace) -> list[tuple[float, DecodeParams]]:
+    """Each tau with the parameters of its run, every one checked before any decoding.
+
+    Raises:
+        ParamError: a tau or --max-new-tokens out of range (the runtime's own rules, :class:`DecodeParams`).
+    """
+    return [(tau, DecodeParams(tau=tau, max_new_tokens=args.max_new_tokens, draft=args.draft,
+                               adaptive_masks=args.adaptive_masks)) for tau in args.tau]
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[dict], max_new_tokens: int, window: int,
+                   max_len: int) -> list[tuple[dict, list[int]]]:
+    """Each prompt with its chat-template ids, checked against the positions a slot holds (``max_len``).
+
+    Raises:
+        ParamError: a prompt plus --max-new-tokens plus the window does not fit ``max_len``.
+    """
+    encoded = [(prompt, tokenizer.encode_chat([{"role": "user", "content": prompt["text"]}])) for prompt in prompts]
+    longest = max(len(ids) for _, ids in encoded)
+    if longest + max_new_tokens + window > max_len:
+        raise ParamError("max_new_tokens", f"--max-new-tokens {max_new_tokens} does not fit: the longest prompt "
+                         f"({longest} tokens) + {max_new_tokens} + the window ({window}) exceeds the {max_len} "
+                         f"positions a slot can hold; give --max-new-tokens {max_len - window - longest} or less")
+    return encoded
 
 
 if __name__ == "__main__":

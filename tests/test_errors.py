@@ -79,7 +79,10 @@ def test_verify_with_lookup_drafts_prints_the_greedy_ids(bundle, capsys):
     (lambda b: set_config(fix_window(b, 4), window=16, block_size=4),
      "has a window of 4 tokens but mars_config.json says 16"),
     (lambda b: set_config(b, format_version="1"), "format version '1' is not supported"),
-    (lambda b: set_config(b, num_layers=None), "missing fields ['num_layers']"),
+    (lambda b: set_config(b, num_layers=None), "mars_config.json has missing fields ['num_layers']; re-export"),
+    (lambda b: set_config(b, colour="red"), "mars_config.json has unknown fields ['colour']; re-export"),
+    (lambda b: set_config(b, num_layers=None, colour="red"),
+     "mars_config.json has missing fields ['num_layers'] and unknown fields ['colour']; re-export"),
     (lambda b: (b / "tokenizer.json").unlink(), "tokenizer.json not found"),
     (lambda b: (b / "mars_config.json").unlink(), "is not a MARS bundle"),
     (lambda b: (b / "mars_config.json").write_text("{not json"), "is not valid JSON"),
@@ -150,6 +153,7 @@ def test_bad_tau(bundle, capsys, tau, message):
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
+    (["--temperature", "2.5"], "temperature must be a number in 0..2 (0 = greedy), got 2.5"),  # the server's limit
     # a bad command line: argparse's usage block and 'python -m runtime.generate: error: ...' before
     (["--tau", "abc"], "error: argument --tau: invalid float value: 'abc'"),
     (["--mode", "fast"], "error: argument --mode: invalid choice: 'fast'"),
@@ -197,7 +201,10 @@ def test_existing_output_is_kept(tiny_bundle, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--block", "8", "--window", "4"], "need 1 <= --block <= --window"),
-    (["--block", "4", "--window", "100000", "--mask-token", "<mask>"], "must be smaller than the model's context"),
+    (["--block", "4", "--window", "100000", "--mask-token", "<mask>"], "error: --window 100000 must be smaller than "
+                                                                       "the model's context"),
+    (["--block", "100000", "--mask-token", "<mask>"], "error: --block 100000 (the window W defaults to B) must be "
+                                                      "smaller than the model's context"),  # no --window was given
     (["--block", "0"], "need 1 <= --block <= --window"),
     (["--block", "4", "--parity-tol", "-1"], "--parity-tol must be a number >= 0"),
     (["--block", "4", "--parity-tol", "nan"], "--parity-tol must be a number >= 0"),
@@ -210,6 +217,17 @@ def test_export_argument_errors(tiny_bundle, tmp_path, capsys, args, message):
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and message in err[0]
     assert not (tmp_path / "b").exists()
+
+
+def test_a_window_set_by_a_recorded_block_size_is_named_by_it(tiny_bundle, tmp_path, capsys):
+    """Neither --block nor --window given: the block size from the directory name (blkN) sets the window, and the
+    message says so, naming --block to lower it."""
+    ckpt = shutil.copytree(tiny_bundle("llama", 4)[0], tmp_path / "tiny-blk100000")
+    code = export_cli.main([str(ckpt), "-o", str(tmp_path / "b"), "--mask-token", "<mask>"])
+    err = error_lines(capsys)
+    assert code == 2 and len(err) == 1 and not (tmp_path / "b").exists()
+    assert err[0].startswith("error: the block size 100000 (from the directory name; the window W defaults to B) must "
+                             "be smaller than the model's context") and err[0].endswith("use --block 507 or less"), err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -471,12 +471,24 @@ def test_a_model_path_that_is_no_model_is_named_before_the_block_size(tmp_path, 
 
 @pytest.mark.parametrize("args, message", [
     (["--window", "508"], "use --window 507 or less"),
-    (["--trt-max-batch", "4"], "--trt-max-batch set the TensorRT profile and apply with --trt only"),
-    (["--trt-max-context", "256"], "--trt-max-context set the TensorRT profile and apply with --trt only"),
+    (["--trt-max-batch", "4"], "--trt-max-batch sets the TensorRT profile; it applies with --trt only: add --trt or "
+                               "drop it"),
+    (["--trt-max-context", "256"], "--trt-max-context sets the TensorRT profile; it applies with --trt only"),
+    (["--trt-max-batch", "4", "--trt-max-context", "256"], "--trt-max-batch and --trt-max-context set the TensorRT "
+                                                           "profile; they apply with --trt only: add --trt or drop them"),
 ])
 def test_flags_that_cannot_work_are_refused(checkpoint, tmp_path, capsys, args, message):
     code, err = run_export(capsys, checkpoint, tmp_path / "b", "--block", "4", "--mask-token", "<mask>", *args)
     assert code == 2 and len(err) == 1 and message in err[0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_empty_output_is_refused_not_read_as_the_current_directory(checkpoint, tmp_path, monkeypatch, capsys):
+    """-o "" was read as "." and refused as "already exists" or as "contains the model" where the current
+    directory holds it: an empty -o is refused as such, before anything is checked or loaded."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_export(capsys, checkpoint, "", "--block", "4", "--mask-token", "<mask>")
+    assert code == 2 and err == ["error: -o is empty: give the directory to write the bundle to (e.g. -o bundles/mine)"]
     assert os.listdir(tmp_path) == []
 
 

@@ -107,6 +107,24 @@ def test_cli_on_bundle_and_configs(tiny_bundle, capsys):
     assert "Orin Nano 8GB  B=1: 0  B=8: 0" in out
 
 
+def test_the_table_and_help_say_that_no_reserve_is_applied_by_default(capsys):
+    """Qwen2.5-7B at batch 1, 32k tokens (15.935 GiB) "fits" an Orin NX 16GB with 0 bytes left, and --help did not say
+    that --reserve-gib defaults to 0: both say it, and how to add a reserve; a reserve given is named instead."""
+    config = str(CONFIGS / "qwen2.5-7b-instruct" / "config.json")
+    assert memory.main([config, "--batch", "1", "--context", "32768"]) == 0
+    out = capsys.readouterr().out
+    note = ("fits: weights + KV alone within the board's whole memory: no reserve for the OS, the CUDA context or "
+            "activations was applied (--reserve-gib 0, the default); measure what your image uses (tegrastats, free) "
+            "and pass it as --reserve-gib GIB\n")
+    assert note + "batch context" in out and "15.935" in out
+    assert memory.main([config, "--batch", "1", "--context", "32768", "--reserve-gib", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: weights + KV within the board's memory less --reserve-gib 1.5 GiB\nbatch" in out and note not in out
+    with pytest.raises(SystemExit):
+        memory.parse_args(["--help"])
+    assert "(default 0: none, so 'fits' means weights + KV alone fit;" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cli_rejects_other_paths(tmp_path, capsys):
     assert memory.main([str(tmp_path)]) == 2
     assert "is neither a MARS bundle nor a Hugging Face config.json" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from tiny_models import make_checkpoint
 
 from mars_export import cli as export_cli
 from mars_export import quantize
+from mars_export.parity import ParityError
 from runtime import generate
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import has_greedy_head, load_config
@@ -233,6 +234,38 @@ def test_agreement_below_floor_fails_and_leaves_nothing(tiny_bundle, tmp_path, c
     err = error_lines(capsys)
     assert code == 2 and len(err) == 1 and "parity check failed for the int4 graph: top-1 agreement" in err[0]
     assert list(tmp_path.iterdir()) == []  # not the out/ folder the export made either
+    # the tiny model's int4 agreement (0.92-0.97) is normal: below the floor asked for, not a broken quantization
+    assert "is below the floor you asked for (--min-top1 1); it passes the default floor 0.5 of int4 exports" in err[0]
+    assert err[0].endswith("lower --min-top1 to keep this export") and "broke the model" not in err[0]
+
+
+@pytest.mark.parametrize("agreement, weights, min_top1, says", [
+    (0.954, {"weight_dtype": "int8", "block_size": 32}, 1.0,
+     "0.9540 over 348 positions (max |Δlogit| 0.5) is below the floor you asked for (--min-top1 1); it passes the "
+     "default floor 0.9 of int8 exports, set to catch a broken graph, not as a quality mark"),
+    (0.4, {"weight_dtype": "int8", "block_size": 32}, None,
+     "0.4000 over 348 positions (max |Δlogit| 0.5) is below the default floor 0.9 of int8 exports, set to catch a "
+     "broken graph, not as a quality mark (README \"Quantized exports\"): quantization broke the model; pass a lower "
+     "--min-top1 to keep it on purpose"),
+    (0.897, {"weight_dtype": "int8", "block_size": 128}, None,
+     "quantization broke the model, or blocks of 128 (--quant-block) keep too little of it;"),
+    (0.4, {"weight_dtype": "int4", "block_size": 32}, 0.6,
+     "is below the floor you asked for (--min-top1 0.6) and below the default floor 0.5 of int4 exports too, set to "
+     "catch a broken graph: quantization broke the model"),
+    (0.7, {"weight_dtype": "int4", "block_size": 32, "gguf_imported": {"Q4_1": 7}, "gguf_requantized": {}}, None,
+     "is below the default floor 0.8 of int4 exports holding a GGUF file's own blocks"),
+], ids=["asked-floor", "default-floor", "default-floor-quant-block", "both-floors", "gguf-blocks"])
+def test_a_failed_top1_floor_says_which_floor_and_calls_the_model_broken_only_below_the_default(agreement, weights,
+                                                                                                  min_top1, says):
+    """--int8 --min-top1 1 failed with "... < floor 1 ...; quantization broke the model" at 0.954, the normal int8
+    figure. The default floor is set to catch a broken graph; only below it is the quantization called broken."""
+    result = {"top1_agreement": agreement, "num_positions": 348, "max_abs_logit_diff": 0.5}
+    with pytest.raises(ParityError) as failed:
+        quantize.check_top1_floor(result, weights, min_top1)
+    assert says in str(failed.value) and str(failed.value).startswith(
+        f"parity check failed for the {weights['weight_dtype']} graph: top-1 agreement with the float32 PyTorch model")
+    assert ("broke the model" in str(failed.value)) == (agreement < quantize.default_top1_floor(weights))
+    quantize.check_top1_floor({**result, "top1_agreement": min_top1 or 0.95}, weights, min_top1)  # at the floor: passes
 
 
 @pytest.mark.slow

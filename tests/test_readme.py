@@ -9,6 +9,7 @@ parser's default or its choices.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from importlib import import_module
 from pathlib import Path
@@ -98,3 +99,13 @@ def _same_values(default: list[str], shown: list[str]) -> bool:
 def test_quantization_gates_match_the_code():
     gates = re.search(r"at least ([\d.]+) for int8\s+and ([\d.]+) for int4", README)
     assert gates and (float(gates[1]), float(gates[2])) == (MIN_TOP1_AGREEMENT["int8"], MIN_TOP1_AGREEMENT["int4"])
+
+
+def test_generate_json_prints_the_keys_the_readme_lists(tiny_bundle, capsys):
+    """runtime.generate --json printed a ``tau`` key the README's list left out."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    assert generate.main([str(bundle), "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    listed = re.search(r"with `--json` one object with (.*?)\. ", README, re.S).group(1)
+    assert re.findall(r"`(\w+)`", listed) == list(printed)

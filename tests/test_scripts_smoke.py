@@ -757,6 +757,29 @@ def test_demo_with_adaptive_masks_on_a_fixed_window_bundle_stops_with_one_line(t
     assert len(err) == 1 and err[0].startswith("error: adaptive masks cannot act") and "re-export" in err[0]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    (["--tau", "-1"], "tau must be a finite number >= 0, got -1.0"),
+    (["--tau", "nan"], "tau must be a finite number >= 0, got nan"),
+    (["--tau", "1.0", "-1"], "tau must be a finite number >= 0, got -1.0"),  # not after the tau 1.0 run
+    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit: the longest prompt ("),
+    (["--bundle-is-a-file"], "is not a MARS bundle: it is a file"),
+], ids=["max-new-tokens-0", "tau-negative", "tau-nan", "second-tau-negative", "beyond-context", "not-a-bundle"])
+def test_demo_refuses_bad_values_with_one_line_before_decoding(tiny_bundle, tmp_path, args, message):
+    """demo.py ended in a traceback on a bad value (the runtime's ParamError, BundleError), and checked each tau only
+    when its run began, so '--tau 1.0 -1' ran the whole tau 1.0 pass first. Every value is checked by the runtime's
+    own rules before any decoding: one error line, exit status 2, nothing on stdout."""
+    bundle = tiny_bundle("llama", 4)[1]
+    if args == ["--bundle-is-a-file"]:
+        bundle, args = tmp_path / "notes.txt", []
+        bundle.write_text("mine")
+    done = subprocess.run([sys.executable, "samples/demo.py", str(bundle), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
 @pytest.mark.usefixtures("shared_data")
 def test_engine_modes_refuses_adaptive_masks_on_the_block_scheme(smoke_model, tmp_path):
     """The block scheme runs every step W wide: --adaptive-masks with it (both schemes are the default) stops

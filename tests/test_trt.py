@@ -416,8 +416,9 @@ def test_server_takes_its_limits_from_the_engine(engine_bundle, standin, capsys)
     app = serve.build_app(serve.parse_args([str(engine_bundle / "engine.plan"), "--threads", "1"]))
     engine = app.state.ctx.engine_thread.engine
     assert engine.engine_config.max_batch_size == 2 and engine.cache.max_len == 64
-    for option, value, message in [("--max-batch-size", "8", "max_batch_size 8 exceeds the backend's largest batch 2"),
-                                   ("--max-seq-len", "512", "max_seq_len 512 exceeds the 64 positions")]:
+    for option, value, message in [
+            ("--max-batch-size", "8", "max_batch_size (--max-batch-size) 8 exceeds the backend's largest batch 2"),
+            ("--max-seq-len", "512", "max_seq_len (--max-seq-len) 512 exceeds the 64 positions")]:
         assert serve.main([str(engine_bundle / "engine.plan"), option, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]

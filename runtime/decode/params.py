@@ -17,6 +17,7 @@ from runtime.decode.sampling import is_greedy
 
 MODES = ("ar", "threshold", "verify")
 DRAFTS = ("masks", "lookup", "both")
+MAX_TEMPERATURE = 2.0  # OpenAI's range, 0..2, which the server's API keeps; the one limit of every entry point
 
 
 class ParamError(ValueError):
@@ -60,8 +61,8 @@ class DecodeParams:
         max_new_tokens: most tokens to generate, >= 1.
         block_size: most tokens accepted per step; None = the bundle's B.
         stop_ids: ids that end generation; None = the bundle's eos ids.
-        temperature: >= 0; below 1e-5 (0 included, :func:`runtime.decode.sampling.is_greedy`) greedy,
-            else sampled (see :mod:`runtime.decode.sampling` for what tau means then).
+        temperature: 0 .. :data:`MAX_TEMPERATURE`; below 1e-5 (0 included, :func:`runtime.decode.sampling.is_greedy`)
+            greedy, else sampled (see :mod:`runtime.decode.sampling` for what tau means then).
         top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all.
         seed: seed of the request's random generator (sampling only), an integer >= 0; None = fresh entropy.
 
@@ -118,8 +119,9 @@ class DecodeParams:
             raise ParamError("max_new_tokens", f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.block_size is not None and self.block_size < 1:
             raise ParamError("block_size", f"block_size must be >= 1, got {self.block_size}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ParamError("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ParamError("temperature", f"temperature must be a number in 0..{MAX_TEMPERATURE:g} (0 = greedy), "
+                             f"got {self.temperature}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -100,6 +100,24 @@ def check_args(args: argparse.Namespace) -> None:
     DecodeParams(metric=args.metric)  # raises ValueError on an unknown metric
     if len({Path(b).resolve() for b in args.bundles}) < len(args.bundles):
         raise UsageError("a bundle directory is given twice")
+    if args.out == "":  # a path would read it as the current directory
+        raise UsageError("--out is empty: give the directory to write the results to (default ./mars-eval-results)")
+    check_out_dir(Path(args.out))
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an ``--out`` that is a file or lies under one (the results could not be written there), in the words
+    mars-export and mars-train use for their outputs.
+
+    Raises:
+        UsageError: naming the file and the fix.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory; choose another --out")
+    above = next((folder for folder in out.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UsageError(f"--out {out} lies under {above}, which is a file, not a directory, so no results can be "
+                         "written there; choose another --out")
 
 
 def load_items(args: argparse.Namespace) -> list[tasks.EvalItem]:
@@ -187,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
     if args.humaneval:
         verify_harness()
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # no permission, a read-only disk
+        raise UsageError(f"cannot make --out {out_dir} ({(e.strerror or str(e)).lower()}); choose another --out") from e
     records = []
     for bundle in args.bundles:
         records += run_bundle(bundle, labels[bundle], items, args.taus, args.block_sizes, args.max_new_tokens,

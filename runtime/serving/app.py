@@ -204,7 +204,7 @@ def _check_budget(ctx: ServerContext, prompt_ids: list[int], body, prompt_field:
     (named as the client sent it: ``max_tokens`` or ``max_completion_tokens``)."""
     limits, num_prompt, engine = ctx.limits, len(prompt_ids), ctx.engine_thread.engine
     requested, field = body.requested_max_tokens, body.max_tokens_field
-    max_prompt = engine.room(0) - 1  # at least one token left to generate
+    max_prompt = longest_prompt(engine)
     if limits.max_prompt_tokens is not None:
         max_prompt = min(max_prompt, limits.max_prompt_tokens)
     if num_prompt > max_prompt:
@@ -220,6 +220,26 @@ def _check_budget(ctx: ServerContext, prompt_ids: list[int], body, prompt_field:
                             f"lower {field} to {room} or shorten the prompt", param=field,
                        code="context_length_exceeded")
     return requested if requested is not None else min(limits.default_max_tokens, room)
+
+
+def longest_prompt(engine) -> int:
+    """The most prompt tokens a slot of ``engine`` takes: :meth:`~runtime.decode.engine.Engine.room` of an empty
+    prompt less one, so that at least one token is left to generate."""
+    return engine.room(0) - 1
+
+
+def check_limits_fit(limits: ServerLimits, engine) -> None:
+    """Refuse limits the engine's slots cannot honour (before the server starts).
+
+    Raises:
+        ValueError: ``max_prompt_tokens`` above :func:`longest_prompt` (named with its option, like the
+            slot's own limit ``--max-seq-len``, never silently capped).
+    """
+    longest, flag = longest_prompt(engine), LIMIT_FLAGS["max_prompt_tokens"]
+    if limits.max_prompt_tokens is not None and limits.max_prompt_tokens > longest:
+        raise ValueError(f"max_prompt_tokens ({flag}) {limits.max_prompt_tokens} exceeds the {longest} tokens a "
+                         f"prompt can have (the {engine.cache.max_len} positions a slot holds, --max-seq-len, less the "
+                         f"window {engine.config.window} and one token to generate); give at most {longest}")
 
 
 async def _collect(gen: RequestStream, request: Request) -> str | None:

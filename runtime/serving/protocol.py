@@ -43,6 +43,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from runtime.decode.params import MAX_TEMPERATURE
+
 MAX_STOP_STRINGS = 4
 
 
@@ -73,7 +75,7 @@ class _GenerationRequest(_RequestObject):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     n: int = 1

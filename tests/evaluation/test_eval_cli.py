@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support import fix_window
@@ -126,6 +127,25 @@ def test_bad_files_give_one_error_line(bundle, data, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_is_refused_as_the_other_tools_refuse_it(bundle, data, tmp_path, capsys, monkeypatch):
+    """--out README.md (an existing file) gave "error: [Errno 17] File exists: 'README.md'", after the bundles
+    were loaded. It is refused before anything is loaded, in the words of mars-export -o and mars-train --output,
+    and the file is kept."""
+    monkeypatch.chdir(tmp_path)
+    Path("README.md").write_text("mine")
+    monkeypatch.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
+    for out, message in (("README.md", "error: --out README.md is a file, not a directory; choose another --out"),
+                         ("README.md/results", "error: --out README.md/results lies under README.md, which is a file, "
+                                               "not a directory, so no results can be written there; choose another "
+                                               "--out")):
+        assert main(eval_args(bundle, data, out)) == 2
+        assert capsys.readouterr().err == message + "\n"
+    assert Path("README.md").read_text() == "mine"
+    assert main(eval_args(bundle, data, "")) == 2  # not read as the current directory
+    assert capsys.readouterr().err == "error: --out is empty: give the directory to write the results to (default " \
+                                      "./mars-eval-results)\n"
 
 
 def test_mars_eval_imports_without_torch():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.evaluation.plot import tpf_lines
+from runtime.evaluation.plot import (LABEL_PLACES, make_tpf_figure, place_labels, plot_tpf_quality, tau_labels,
+                                     tpf_lines)
 from runtime.evaluation.runner import plan_block_sizes, plan_runs, plan_taus
 from runtime.evaluation.scoring import common_prefix, score_agreement
 from runtime.evaluation.summary import draft_label, summarize
@@ -88,3 +89,46 @@ def test_plans():
     assert plan_block_sizes([2, 8], 4) == [2]
     with pytest.raises(ValueError, match="none of the block sizes"):
         plan_block_sizes([8, 16], 4)
+
+
+def summary_row(tau, tpf, quality, draft="masks"):
+    """A summary row on the plot: every panel's metric at ``quality``."""
+    return {"bundle": "b", "block_size": 4, "draft": draft, "adaptive_masks": False, "tau": tau, "tpf": tpf,
+            **dict.fromkeys(["gsm8k_accuracy", "humaneval_pass_at_1", "agreement_exact", "agreement_prefix"], quality)}
+
+
+def test_tau_labels_share_a_point_that_coincides_and_skip_a_point_without_a_value():
+    ar = summary_row(1.0, 1.0, 1.0)
+    rows = [ar, summary_row(0.95, 1.0, 1.0), summary_row(0.9, 1.03, 0.97), ar,  # the AR row on a second line
+            {**summary_row(0.3, 2.5, 0.2), "agreement_exact": None}]
+    assert tau_labels(rows, "agreement_exact") == {(1.0, 1.0): "1, 0.95", (1.03, 0.97): "0.9"}
+
+
+def test_labels_close_together_are_placed_apart():
+    """Plain data: a label takes the first place its neighbours leave free; a crowd pushes the later ones out."""
+    assert place_labels([(0, 0), (100, 0)], ["1", "0.9"]) == [LABEL_PLACES[0], LABEL_PLACES[0]]  # far apart
+    assert place_labels([(0, 0), (1, 0)], ["1", "0.9"]) == [LABEL_PLACES[0], LABEL_PLACES[1]]
+    crowd = place_labels([(i, 0) for i in range(6)], ["1", "0.95", "0.9", "0.8", "0.7", "0.6"])  # 1 point apart
+    assert crowd[:4] == list(LABEL_PLACES)  # every place round the first points taken,
+    assert crowd[4] == ((11, 11), "left", "bottom")  # so the fifth moves out by a line height (7 points),
+    assert crowd[5] == LABEL_PLACES[0]  # and the sixth, 5 points on, has room above right again
+
+
+def test_the_tau_labels_of_points_close_together_do_not_touch(tmp_path):
+    """"1" and "0.9" at TPF 1.0 and 1.02 were drawn up right of each point and read as "10.9". No two labels' drawn
+    boxes meet now (checked on the rendered figure, not its pixels), also in a crowd of points, and the PNG is
+    written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    summary = [summary_row(1.0, 1.0, 1.0), summary_row(0.95, 1.01, 1.0), summary_row(0.9, 1.02, 1.0),
+               summary_row(0.8, 1.05, 0.99), summary_row(0.7, 2.0, 0.8), summary_row(0.5, 3.2, 0.6),
+               summary_row(1.0, 1.0, 1.0, "both"), summary_row(0.9, 1.03, 0.99, "both"),
+               summary_row(0.5, 3.0, 0.6, "both")]
+    fig = make_tpf_figure(summary)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        assert sorted(t.get_text() for t in ax.texts) == ["0.5", "0.5", "0.7", "0.8", "0.9", "0.9", "0.95", "1"]
+        boxes = [t.get_window_extent(renderer).padded(1) for t in ax.texts]
+        assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+    assert plot_tpf_quality(tmp_path, summary).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -85,6 +85,32 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("options, message", [
+    (["--max-prompt-tokens", "100000"],
+     "error: max_prompt_tokens (--max-prompt-tokens) 100000 exceeds the {longest} tokens a prompt can have (the "
+     "{context} positions a slot holds, --max-seq-len, less the window 4 and one token to generate); give at most "
+     "{longest}\n"),
+    (["--max-seq-len", "64", "--max-prompt-tokens", "60"], "error: max_prompt_tokens (--max-prompt-tokens) 60 exceeds "
+                                                           "the 59 tokens a prompt can have (the 64 positions"),
+    (["--max-seq-len", "100000"], "error: max_seq_len (--max-seq-len) 100000 exceeds the {context} positions a slot "
+                                  "can hold (the model's max context); give at most {context}\n"),
+    (["--max-batch-size", "0"], "error: max_batch_size (--max-batch-size) must be >= 1, got 0\n"),
+    (["--threads", "-1"], "error: num_threads (--threads) must be in 0..256 (0 lets onnxruntime choose), got -1\n")],
+    ids=["prompt-beyond-context", "prompt-beyond-max-seq-len", "max-seq-len", "max-batch-size", "threads"])
+def test_an_engine_option_out_of_range_is_one_line_naming_the_option(tiny_bundle, monkeypatch, capsys, options,
+                                                                     message):
+    """--max-prompt-tokens past the context was accepted silently (every longer prompt then got the context's 400),
+    while --max-seq-len past it was refused: it is refused as that one is. The engine's and the backend's errors
+    (max_batch_size, num_threads) named their settings, not the options: they name both, as the limits' errors do."""
+    _, bundle = tiny_bundle("llama", 4)
+    context = load_config(bundle).max_context
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr("runtime.serve.make_server", lambda *a: pytest.fail("the options were accepted"))
+    assert main([str(bundle), "--port", "0", *options]) == 2
+    err = capsys.readouterr().err
+    assert message.format(longest=context - 4 - 1, context=context) in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("options, message", [
     (["--tau", "1.5"], "argument --tau: must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
                        "tau decodes the same), got 1.5"),
     (["--tau", "-1"], "argument --tau: must be a number in 0..1"),

@@ -36,6 +36,21 @@ def test_a_null_field_takes_its_default():
     assert ChatRequest.model_validate({"messages": MESSAGES, "stream_options": {"include_usage": None}})
 
 
+def test_the_api_takes_the_temperatures_decode_params_take():
+    """One limit (runtime.decode.params.MAX_TEMPERATURE): runtime.generate accepted --temperature 3, which the
+    server refused."""
+    from runtime.decode.params import MAX_TEMPERATURE, DecodeParams, ParamError
+
+    assert MAX_TEMPERATURE == 2.0  # OpenAI's
+    for temperature in (0.0, MAX_TEMPERATURE):
+        assert ChatRequest.model_validate({"messages": MESSAGES, "temperature": temperature})
+        assert DecodeParams(temperature=temperature).temperature == temperature
+    with pytest.raises(ValidationError, match="less than or equal to 2"):
+        ChatRequest.model_validate({"messages": MESSAGES, "temperature": 2.01})
+    with pytest.raises(ParamError, match=r"temperature must be a number in 0\.\.2"):
+        DecodeParams(temperature=2.01)
+
+
 def test_a_null_unknown_field_is_not_set_and_a_value_is_refused():
     """Clients send null for fields this server does not know (tools, logit_bias; in an assistant
     message echoed back, tool_calls): null means "not set"; a value is still refused."""

@@ -31,7 +31,8 @@ def test_a_fused_bundle_is_served_one_request_at_a_time(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(bundle), "--max-batch-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: max_batch_size 2 exceeds the backend's largest batch 1") and "--graph step" in err
+    assert err.startswith("error: max_batch_size (--max-batch-size) 2 exceeds the backend's largest batch 1")
+    assert "--graph step" in err
 
 
 def test_ray_serve_refuses_more_slots_than_a_fused_bundle_runs_before_serve_starts(tmp_path, monkeypatch):

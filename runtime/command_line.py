@@ -50,16 +50,17 @@ def run_main(main: Callable[[], int | None]) -> int:
     """Run a script's ``main()``, one that parses ``sys.argv`` with :class:`ArgumentParser`, and return the exit
     status: what ``main`` returns (0 for None), or 2 after one ``error: MESSAGE`` line on stderr when it raises an
     input error, one that names a bad input and its fix: :class:`UsageError` (a bad command line, or a value the
-    script refuses through ``parser.error``), ``BundleError`` (a path that is no MARS bundle, or a broken one),
-    ``DataError`` (a missing or malformed data file), ``ParamError`` (a decoding value out of range). Any other
-    exception is a bug or a failed run and keeps its traceback. Used as ``sys.exit(run_main(main))``."""
-    from runtime.bundle import BundleError  # here, not above: the parser itself needs none of the runtime
-    from runtime.decode.params import ParamError
+    script refuses through ``parser.error``), ``BundleError`` (a path that is no MARS bundle, or a broken one) or
+    ``DataError`` (a missing or malformed data file). Any other exception is a bug or a failed run and keeps its
+    traceback. Used as ``sys.exit(run_main(main))``."""
+    # Imported here, and both modules need only the standard library: bench/peers.py runs this in the peer
+    # engines' venvs, where the project and its dependencies are not installed.
+    from runtime.bundle import BundleError
     from runtime.evaluation.tasks import DataError
 
     try:
         status = main()
-    except (UsageError, BundleError, DataError, ParamError) as e:
+    except (UsageError, BundleError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if status is None else status

@@ -46,13 +46,14 @@ def existing_folder(text: str) -> Path:
     return path
 
 
-def run_main(main: Callable[[], int | None]) -> int:
+def run_main(main: Callable[[], object]) -> int:
     """Run a script's ``main()``, one that parses ``sys.argv`` with :class:`ArgumentParser`, and return the exit
-    status: what ``main`` returns (0 for None), or 2 after one ``error: MESSAGE`` line on stderr when it raises an
-    input error, one that names a bad input and its fix: :class:`UsageError` (a bad command line, or a value the
-    script refuses through ``parser.error``), ``BundleError`` (a path that is no MARS bundle, or a broken one) or
-    ``DataError`` (a missing or malformed data file). Any other exception is a bug or a failed run and keeps its
-    traceback. Used as ``sys.exit(run_main(main))``."""
+    status: what ``main`` returns when that is an int, else 0 (None, or a result some main returns); or 2 after
+    one ``error: MESSAGE`` line on stderr when it raises an input error, one that names a bad input and its fix:
+    :class:`UsageError` (a bad command line, or a value the script refuses through ``parser.error``),
+    ``BundleError`` (a path that is no MARS bundle, or a broken one) or ``DataError`` (a missing or malformed data
+    file). Any other exception is a bug or a failed run and keeps its traceback. Used as
+    ``sys.exit(run_main(main))``."""
     # Imported here, and both modules need only the standard library: bench/peers.py runs this in the peer
     # engines' venvs, where the project and its dependencies are not installed.
     from runtime.bundle import BundleError
@@ -63,4 +64,4 @@ def run_main(main: Callable[[], int | None]) -> int:
     except (UsageError, BundleError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0 if status is None else status
+    return status if isinstance(status, int) else 0

@@ -28,7 +28,7 @@ def test_run_main_reports_an_input_error_in_one_line_with_status_2(error, capsys
 
 
 def test_run_main_returns_mains_status_and_keeps_other_errors_traceback():
-    assert run_main(lambda: None) == 0 and run_main(lambda: 3) == 3
+    assert run_main(lambda: None) == 0 and run_main(lambda: 3) == 3 and run_main(lambda: {"rows": []}) == 0
     def broken():
         raise KeyError("a bug")
     with pytest.raises(KeyError):  # not an input error: the traceback stays

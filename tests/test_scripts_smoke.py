@@ -30,6 +30,8 @@ from support import export, fix_window, load_script
 from test_trt import GPU_MISSING
 from tiny_models import make_checkpoint
 
+from runtime.command_line import UsageError
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900  # far above a healthy run (seconds); a smoke test is never a timing
 VERIFY_VARIANTS = ["verify", "verify + lookup", "verify + both"]  # lossless: must equal our AR ids
@@ -265,7 +267,7 @@ BAD_COMMAND_LINES = {  # script -> (a bad command line: a wrong type, an unknown
                                          "argument --max-new-tokens: invalid int value: 'x'"),
     "bench/scaling.py": (["BUNDLE", "--contexts", "big"], "argument --contexts: invalid int value: 'big'"),
     "bench/step_ablation.py": ([], "the following arguments are required: bundle"),
-    "bench/tpf_vs_training.py": (["RUN"], "the following arguments are required: --gsm8k"),
+    "bench/tpf_vs_training.py": (["."], "the following arguments are required: --gsm8k"),
     "bench/train_throughput.py": (["MODEL", "--data", "D", "--precisions", "fp8"],
                                   "argument --precisions: invalid choice: 'fp8'"),
     "samples/demo.py": (["BUNDLE", "--draft", "fast"], "argument --draft: invalid choice: 'fast'"),
@@ -365,6 +367,90 @@ def test_every_script_that_takes_a_bundle_is_tried_on_a_path_that_is_no_bundle()
              for path in (ROOT / folder).rglob("*.py")}
     takes_a_bundle = {name for name, text in files.items() if re.search(r'add_argument\("(--)?bundles?"', text)}
     assert takes_a_bundle == set(NOT_A_BUNDLE)
+
+
+MISSING_INPUTS = {  # case -> (script, a command line naming NONE, a path that does not exist, or MINE, a folder of
+    # the wrong kind; FILE: a JSONL file in MINE; OUT: its output, never made), the start of its one error line)
+    "builder_step builder": ("bench/builder_step.py", ["NONE", "MINE", "--out", "OUT"],
+                             "argument builder: NONE does not exist; give an existing folder"),
+    "confidence_bounds model": ("bench/confidence_bounds.py", ["NONE", "--out", "OUT"],
+                                "cannot load model 'NONE': no such file or directory"),
+    "gpu_check --model": ("bench/gpu_check.py", ["--dry-run", "--model", "NONE", "--out", "OUT/check.json"],
+                          "cannot load model 'NONE': no such file or directory"),
+    "gpu_check --prompts": ("bench/gpu_check.py", ["--dry-run", "--prompts", "NONE", "--out", "OUT/check.json"],
+                            "--prompts NONE is no file"),
+    "peers run --work": ("bench/peers.py", ["run", "--engine", "ours", "--work", "NONE"],
+                         "--work NONE holds no prompts.json: write it first with 'bench/peers.py prompts"),
+    "peers report --work": ("bench/peers.py", ["report", "--work", "MINE", "--out", "OUT"],
+                            "--work MINE holds no prompts.json"),
+    "peers record --log": ("bench/peers.py", ["record", "--engine", "ours", "--status", "failed", "--log", "NONE",
+                                              "--work", "OUT"], "argument --log: NONE does not exist"),
+    "peers_runs run": ("bench/peers_runs.py", ["MINE", "--out", "OUT"], "MINE/peers.json not found"),
+    "tpf_vs_training run": ("bench/tpf_vs_training.py", ["NONE", "--gsm8k", "FILE", "--out", "OUT"],
+                            "argument run_dir: NONE does not exist; give an existing folder"),
+    "tpf_vs_training --gsm8k": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "MINE", "--out", "OUT"],
+                                "argument --gsm8k: MINE is a folder; give a file"),
+    "tpf_vs_training --data": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--data", "NONE", "--out",
+                                                            "OUT"], "--data: data file NONE does not exist"),
+    "tpf_vs_training --append": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--append", "--out", "OUT"],
+                                 "--append: OUT/tpf_vs_training.json not found; run without --append first"),
+    "tpf_vs_training --chat": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--chat", "FILE", "--out", "OUT"],
+                               "--chat: FILE:1: expected an OpenAssistant tree"),
+    "train_throughput model": ("bench/train_throughput.py", ["NONE", "--data", "FILE", "--out", "OUT"],
+                               "cannot load model 'NONE': no such file or directory"),
+    "train_throughput --data": ("bench/train_throughput.py", ["default", "--data", "NONE", "--out", "OUT"],
+                                "--data: data file NONE does not exist"),
+    "random_checkpoint config": ("scripts/random_checkpoint.py", ["NONE", "-o", "OUT"],
+                                 "NONE does not exist; give a Hugging Face config.json or the folder holding it"),
+    "ship_adapter checkpoint": ("scripts/ship_adapter.py", ["MINE", "--out", "OUT", "--block-size", "4", "--command",
+                                                            "c", "--data", "FILE"],
+                                "MINE is no checkpoint of a mars-train --lora run: it holds no trainer_state.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING_INPUTS))
+def test_an_input_path_that_is_not_there_or_of_another_kind_is_one_error_line(case, tmp_path, request):
+    """A model, run, data file, log, curve or work folder that is not there, a folder where a file goes, a data file
+    of another form: one 'error:' line naming it, exit status 2, nothing written (each was a traceback, an 'error:'
+    line with exit status 1, a report listing the model as missing, or a message about a hub id's spelling)."""
+    script, args, message = MISSING_INPUTS[case]
+    if script in NEEDS_SHARED_DATA:
+        request.getfixturevalue("shared_data")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?", "prompt": "Name a color.",
+                                                 "response": "Blue."}) + "\n")
+    places = {"NONE": tmp_path / "none", "MINE": mine, "FILE": mine / "data.jsonl", "OUT": tmp_path / "out"}
+    done = run_in(tmp_path, script, args, places)
+    for name, path in places.items():
+        message = message.replace(name, str(path))
+    assert_one_error_line(done, message)
+    assert os.listdir(tmp_path) == ["mine"] and os.listdir(mine) == ["data.jsonl"]
+
+
+@pytest.mark.parametrize("second, message", [
+    ({"rows": [{"engine": "llamacpp", "variant": "gguf f32", "batch_size": 1, "status": "ok",
+                "decode_tokens_per_second": 9.0}]}, "no row ran in every run; pass runs of the same settings"),
+    ("{not json", "is not JSON ("), ([1, 2], "has no rows; is it the report of bench/peers.py?")],
+    ids=["other-settings", "not-json", "no-rows"])
+def test_peers_runs_that_cannot_be_summed_up_are_one_error_line(tmp_path, second, message):
+    """Runs of other settings (no row in both), or a peers.json that is no report: one 'error:' line, exit status 2
+    (was 1, or a JSONDecodeError / AttributeError traceback), nothing written."""
+    row = {"engine": "ours", "variant": "ar", "batch_size": 1, "status": "ok", "decode_tokens_per_second": 10.0}
+    for name, report in (("one", {"rows": [row]}), ("two", second)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "peers.json").write_text(report if isinstance(report, str) else json.dumps(report))
+    done = run_in(tmp_path, "bench/peers_runs.py", ["one", "two", "--out", "out"], {})
+    assert_one_error_line(done, message if message.startswith("no row") else f"two/peers.json {message}")
+    assert sorted(os.listdir(tmp_path)) == ["one", "two"]
+
+
+def test_random_checkpoint_of_a_model_type_without_a_published_layout_writes_nothing(tmp_path):
+    """The model was saved before its type was found to have no published layout: -o was left half-written."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}))
+    done = run_in(tmp_path, "scripts/random_checkpoint.py", ["config.json", "-o", "out"], {})
+    assert_one_error_line(done, "no published MARS layout for model_type 'gpt2'")
+    assert os.listdir(tmp_path) == ["config.json"]
 
 
 def test_scaling_refuses_a_window_a_fixed_window_graph_cannot_take_before_measuring(smoke_model, tmp_path):
@@ -632,7 +718,7 @@ def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
     assert "rows-ortgenai.json, rows-optimum.json" in capsys.readouterr().err
     for name in ("ours", "transformers"):
         (tmp_path / f"rows-{name}.json").unlink()
-    with pytest.raises(SystemExit, match="no rows .* come from the settings of prompts.json"):
+    with pytest.raises(UsageError, match="no rows .* come from the settings of prompts.json"):
         peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
 
 

@@ -75,7 +75,7 @@ from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
 from profile_step import interleaved_times, load_bundles, make_session, step_call  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, existing_folder, run_main
 from runtime.decode.batch import run_batch, run_prefill
 from scaling import decode_inputs
 
@@ -272,7 +272,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("builder", type=Path, help="folder with the model builder's model.onnx (same weights)")
+    p.add_argument("builder", type=existing_folder, help="folder with the model builder's model.onnx (same weights)")
     p.add_argument("bundles", type=Path, nargs="+", help="bundle directories; ratios are to the first (float32)")
     p.add_argument("--quantize", nargs="*", default=[], choices=sorted(WEIGHT_BITS),
                    help="also time the builder graph quantized as mars-export --int8 / --int4 quantizes")
@@ -304,8 +304,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             result = run(args, Path(tmp))
-        except (bundle.BundleError, ValueError) as e:
-            sys.exit(f"error: {e}")
+        except ValueError as e:  # a bundle or builder graph that does not fit (BundleError among them)
+            p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     print(markdown(result))

@@ -67,7 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from mars_export.confidence_gate import MARGIN_ABSOLUTE, MARGIN_RELATIVE, UNIT, slack  # noqa: E402
-from runtime.command_line import ArgumentParser, run_main  # noqa: E402
+from mars_export.default_model import check_model_spec  # noqa: E402
+from runtime.command_line import ArgumentParser, UsageError, run_main  # noqa: E402
 
 
 def screening_session(weight: np.ndarray):
@@ -168,8 +169,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     model, tokenizer, mask_id = loaded.model.eval(), loaded.tokenizer, loaded.mask_token_id
     weight = np.ascontiguousarray(model.get_output_embeddings().weight.detach().float().numpy().T)  # [K, V]
     if weight.shape[0] % BLOCK:
-        raise SystemExit(f"error: hidden size {weight.shape[0]} is not a multiple of {BLOCK}: "
-                         "the greedy head (and so this measurement) needs one")
+        raise UsageError(f"hidden size {weight.shape[0]} is not a multiple of {BLOCK}: the greedy head (and so this "
+                         "measurement) needs one; give another model")
     session, coefficients = screening_session(weight)
     half = (args.num_prompts + 1) // 2
     items = [x for pair in zip(load_gsm8k(shared_data_file("gsm8k/test.jsonl"), half),
@@ -238,6 +239,10 @@ def main() -> None:
         p.error(shared_data_missing())
     if any(not 0 <= tau < 1 for tau in args.taus) or args.block < 2:
         p.error("each --taus value must be in [0, 1) (at 1 no confidence is tested) and --block at least 2")
+    try:
+        check_model_spec(args.model)
+    except ValueError as e:  # no such file, or a folder that is no checkpoint
+        p.error(str(e))
     rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "model": args.model,

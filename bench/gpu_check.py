@@ -24,7 +24,8 @@ On a machine with an NVIDIA GPU, TensorRT and cuda-python (``pip install -e '.[g
 
 Exit code 0 when the export passed parity and every mismatch is a near-tie (with
 ``--dry-run``: when the CPU part ran); 1 otherwise, the report naming what failed or is
-missing. CI runs ``--dry-run`` on a tiny model; the full run is the device check.
+missing; 2 for a bad command line (a --model or --prompts path that is not there among them): one
+``error:`` line and no report. CI runs ``--dry-run`` on a tiny model; the full run is the device check.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from mars_export.default_model import check_model_spec  # noqa: E402
 from runtime.command_line import ArgumentParser, UsageError  # noqa: E402
 
 # What the full run imports, and where it comes from when missing.
@@ -65,7 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp32", action="store_true", help="also export and check the fp32 graph")
     p.add_argument("--dry-run", action="store_true", help="stop before the first GPU call (runs on a CPU)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # a model or prompts file that is not there is the user's to fix, not a failed check in the report
+        check_model_spec(args.model)
+    except ValueError as e:
+        p.error(str(e))
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        p.error(f"--prompts {args.prompts} is no file; give a JSON file {{\"prompts\": [{{\"text\": ...}}]}} "
+                "or leave it out")
+    return args
 
 
 def load_prompts(path: str | None, num: int | None) -> list[tuple[str, str]]:

@@ -49,7 +49,7 @@ import openai
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
@@ -389,14 +389,8 @@ def run_fleet(args, replicas: int, prompts, solo, tokenizer: Tokenizer) -> LoadR
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(argv)
-    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(args.bundle)
+    args = parse_args(argv)
+    tokenizer = Tokenizer(args.bundle)  # a path that is no bundle: one error line (run_main), nothing written
     prompts = chat_prompts(tokenizer, args.max_prompt_chars)
     print(f"solo runs of {len(prompts)} prompts at tau=1 ...", flush=True)
     solo = solo_runs(args.bundle, prompts, args.max_tokens)
@@ -405,10 +399,12 @@ def main(argv=None) -> int:
     result = {"bundle": args.bundle, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
               "settings": {k: v for k, v in vars(args).items() if k != "out"}} | result
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / ("load_test.json" if args.ray is None else "load_test_ray.json")).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in shown}, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -248,8 +248,8 @@ def main() -> None:
             p.error(str(e))  # a bad argument: one error: line and exit status 2, as for the others
     try:
         result = run(args)
-    except (ValueError, bundle.BundleError) as e:
-        sys.exit(f"error: {e}")
+    except ValueError as e:  # a graph without the weights to time (BundleError among them)
+        p.error(str(e))
     write_results(args.out, args.name, result, result["rows"], partial(plot, result))
     print(markdown(result))
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 # the project is not installed in the peer venvs; runtime/command_line.py needs nothing but argparse
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.command_line import ArgumentParser, run_main  # noqa: E402
+from runtime.command_line import ArgumentParser, UsageError, existing_file, run_main  # noqa: E402
 
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
@@ -511,8 +511,16 @@ def run_engine(args) -> None:
 
 
 def read_settings(work: Path) -> dict:
-    """The run's settings and prompt ids, as ``prompts`` wrote them to DIR/prompts.json."""
-    return json.loads((work / "prompts.json").read_text())
+    """The run's settings and prompt ids, as ``prompts`` wrote them to DIR/prompts.json.
+
+    Raises:
+        UsageError: DIR holds no prompts.json (naming the command that writes it).
+    """
+    path = work / "prompts.json"
+    if not path.is_file():
+        raise UsageError(f"--work {work} holds no prompts.json: write it first with "
+                         f"'bench/peers.py prompts --work {work}' (scripts/bench_peers.sh does)")
+    return json.loads(path.read_text())
 
 
 def run_key(settings: dict) -> dict:
@@ -622,7 +630,8 @@ def report(args) -> None:
     stderr and in the meta's ``left_out``.
 
     Raises:
-        SystemExit: no rows file matches the settings, or the engines consumed different prompt token counts.
+        UsageError: no rows file matches the settings (run the engines first).
+        SystemExit: the engines consumed different prompt token counts (a failed run, exit status 1).
     """
     settings = read_settings(args.work)
     key = run_key(settings)
@@ -638,7 +647,7 @@ def report(args) -> None:
               "rerun those engines (ENGINES=... scripts/bench_peers.sh with the same arguments) to include them",
               file=sys.stderr)
     if not parts:
-        raise SystemExit(f"error: no rows in {args.work} come from the settings of prompts.json; run the engines first")
+        raise UsageError(f"no rows in {args.work} come from the settings of prompts.json; run the engines first")
     rows = [r for p in parts for r in p["rows"]]
     counts = {tuple(r["prompt_tokens"]) for r in rows if r["status"] == OK}
     if len(counts) > 1:
@@ -750,7 +759,7 @@ def main() -> None:
     ps = sub.add_parser("record", help="record a status row for an engine that did not run")
     ps.add_argument("--engine", required=True, choices=ENGINES)
     ps.add_argument("--status", required=True)
-    ps.add_argument("--log", default=None, help="log whose key error line is recorded")
+    ps.add_argument("--log", type=existing_file, default=None, help="log whose key error line is recorded")
     ps.add_argument("--error", default="")
     pq = sub.add_parser("quantize-gguf", help="quantize an F32 GGUF with llama.cpp's quantizer (llamacpp venv)")
     pq.add_argument("--type", required=True, choices=sorted(GGUF_QUANTIZED_TYPES))

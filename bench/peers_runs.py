@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from results_files import write_results  # bench/ is on the path when this file runs as a script
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, UsageError, run_main
 
 OK = "ok"
 # (label, numerator (engine, variant), denominator (engine, variant)): the comparisons of GitHub issue 11.
@@ -50,14 +50,18 @@ def read_run(run_dir: Path) -> dict[tuple[str, str, int], float]:
     """(engine, variant, batch size) -> decode tok/s of the rows of ``run_dir``/peers.json that ran.
 
     Raises:
-        SystemExit: peers.json missing or not a peer benchmark's report.
+        UsageError: peers.json missing or not a peer benchmark's report.
     """
     path = run_dir / "peers.json"
     if not path.is_file():
-        raise SystemExit(f"error: {path} not found; pass folders a scripts/bench_peers.sh run wrote (its OUT)")
-    rows = json.loads(path.read_text()).get("rows")
+        raise UsageError(f"{path} not found; pass folders a scripts/bench_peers.sh run wrote (its OUT)")
+    try:
+        report = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise UsageError(f"{path} is not JSON ({e}); is it the report of bench/peers.py?") from e
+    rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list):
-        raise SystemExit(f"error: {path} has no rows; is it the report of bench/peers.py?")
+        raise UsageError(f"{path} has no rows; is it the report of bench/peers.py?")
     return {(r["engine"], r["variant"], r["batch_size"]): r["decode_tokens_per_second"] for r in rows
             if r.get("status") == OK and r.get("decode_tokens_per_second")}
 
@@ -137,7 +141,7 @@ def main() -> None:
     runs = [read_run(run_dir) for run_dir in args.runs]
     summary = summarize(runs)
     if not summary["speeds"]:
-        sys.exit("error: no row ran in every run; pass runs of the same settings")
+        p.error("no row ran in every run; pass runs of the same settings")
     result = {"runs": [str(r) for r in args.runs], **summary}
     write_results(args.out, args.name, result, csv_rows(result), partial(plot, summary["ratios"]))
     print(markdown(summary, len(runs)))

@@ -285,10 +285,7 @@ def main() -> None:
         p.error("--pasts must be >= 0; --windows, --batches, --steps and --rounds at least 1")
     if not 1 <= args.threads <= 256:
         p.error(f"--threads must be in 1..256, got {args.threads}")
-    try:
-        result = run(args)
-    except bundle.BundleError as e:
-        sys.exit(f"error: {e}")
+    result = run(args)  # a BundleError: one error line (run_main)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     print(markdown(result, args.top))

@@ -61,7 +61,7 @@ from results_files import write_results  # bench/ is on the path when this file 
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, UsageError, run_main
 from runtime.decode.batch import run_batch, run_first_chunks, scratch_past, window_mask
 from runtime.decode.kv_cache import KVCache
 
@@ -396,15 +396,16 @@ def run(args) -> dict:
         raise bundle.BundleError(f"{onnx_path} not found; re-export the bundle with mars-export")
     meta = {"machine": machine_info(), "bundle": str(args.bundle), "config": asdict(config),
             "command": "python bench/scaling.py " + " ".join(sys.argv[1:]), "weights": weight_bytes(onnx_path)}
-    print("weights (bytes):", json.dumps(meta["weights"]), flush=True)
     rng = np.random.default_rng(0)
     backend = OnnxBackend(args.bundle, config, num_threads=args.threads)
     meta["prefill_path"] = "single" if backend.is_window_dynamic else "chunked"
     if args.window is None:  # the engine's plain AR step: 1 token on dynamic-window graphs, else W
         args.window = [1 if meta["prefill_path"] == "single" else config.window]
     elif set(args.window) != {config.window} and meta["prefill_path"] == "chunked":
-        raise SystemExit(f"error: --window {args.window}: this graph's window is fixed at {config.window}")
+        raise UsageError(f"--window {args.window}: this graph's window is fixed at {config.window}; "
+                         f"pass --window {config.window} or leave it out")
     meta["decode_windows"] = args.window
+    print("weights (bytes):", json.dumps(meta["weights"]), flush=True)  # the bundle and --window passed
     rows = decode_sweep(backend, config, args.threads, args.batch_sizes, args.contexts, args, rng)
     rows += prefill_sweep(backend, config, meta["prefill_path"], args, rng)
     if args.also_chunked and meta["prefill_path"] == "single":
@@ -540,10 +541,7 @@ def main() -> None:
     if (not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_batch < 1
             or args.rounds < 1):
         p.error("--threads must be in 1..256 and --repeats, --prefill-repeats, --prefill-batch, --rounds at least 1")
-    try:
-        result = run(args)
-    except bundle.BundleError as e:
-        sys.exit(f"error: {e}")
+    result = run(args)  # a BundleError: one error line (run_main)
     write_results(args.out, args.name, result, result["rows"], partial(plot, result["rows"]))
     print(markdown(result))
 

@@ -296,8 +296,8 @@ def main() -> None:
     args.parts = list(dict.fromkeys(args.parts))
     try:
         result = run(args)
-    except (bundle.BundleError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    except ValueError as e:  # a bundle or graph this script cannot ablate (BundleError among them)
+        p.error(str(e))
     write_results(args.out, args.name, result, result["rows"], lambda path: plot(result, path))
     print(markdown(result))
 

@@ -36,7 +36,7 @@ from peft import PeftModel
 
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 from runtime.evaluation.tasks import DataError, load_chat
@@ -96,19 +96,20 @@ def mean_example_tokens(data: list[str]) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--gsm8k", type=Path, required=True)
-    p.add_argument("--chat", type=Path, default=None, help="OpenAssistant tree JSONL (chat_multiturn)")
+    p.add_argument("run_dir", type=existing_folder, help="the --output folder of a mars-train run")
+    p.add_argument("--gsm8k", type=existing_file, required=True)
+    p.add_argument("--chat", type=existing_file, default=None, help="OpenAssistant tree JSONL (chat_multiturn)")
     p.add_argument("--num-prompts", type=int, default=5, help="prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--tau", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--every", type=int, default=50, help="use checkpoints whose step is a multiple of this (and the last)")
     p.add_argument("--data", action="append", default=[], help="the run's training files (for example tokens seen)")
-    p.add_argument("--init-adapter", type=Path, default=None,
+    p.add_argument("--init-adapter", type=existing_folder, default=None,
                    help="the --lora-init adapter the run continued: measured as the first row instead of the base model")
     p.add_argument("--name", default="tpf_vs_training", help="output file stem")
-    p.add_argument("--compare", type=Path, nargs="*", default=[], help="other curves (JSON) to draw in the plot")
+    p.add_argument("--compare", type=existing_file, nargs="*", default=[],
+                   help="other curves (JSON) to draw in the plot")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--init-steps", type=int, default=0,
                    help="steps the run's --lora-init adapter had already trained; added to each checkpoint's step")
@@ -128,8 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             prompt_sets["chat"] = [item.messages() for item in load_chat(args.chat, args.num_prompts)]
         except DataError as e:
-            raise SystemExit(f"error: --chat: {e}") from e
-    tokens_per_example = mean_example_tokens(args.data) if args.data else None
+            raise UsageError(f"--chat: {e}") from e
+    try:
+        tokens_per_example = mean_example_tokens(args.data) if args.data else None
+    except ValueError as e:  # a missing or malformed training file, as mars-train reads it
+        raise UsageError(f"--data: {e}") from e
     rows = previous_rows(args) if args.append else []
     for step, adapter in checkpoints(args.run_dir, args.every)[1 if args.append else 0:]:
         state = json.loads((adapter / "trainer_state.json").read_text()) if adapter else {"train_batch_size": 0}
@@ -144,14 +148,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def previous_rows(args) -> list[dict]:
-    """The rows of the existing curve; SystemExit if it is missing or was measured differently."""
+    """The rows of the existing curve; UsageError if it is missing or was measured differently."""
     path = args.out / f"{args.name}.json"
     if not path.is_file():
-        raise SystemExit(f"error: --append: {path} not found; run without --append first")
+        raise UsageError(f"--append: {path} not found; run without --append first")
     old = json.loads(path.read_text())
     settings = {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in SETTINGS}
     if {k: old["meta"].get(k) for k in settings} != settings:
-        raise SystemExit(f"error: --append: {path} was measured with {old['meta']}, not {settings}")
+        raise UsageError(f"--append: {path} was measured with {old['meta']}, not {settings}; use those settings "
+                         "or another --name")
     return old["rows"]
 
 

@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from mars_export.default_model import check_model_spec
 from mars_export.training.config import LoraSettings, TrainConfig
 from mars_export.training.data import read_records
 from mars_export.training.trainer import prepare_trainer
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, UsageError, run_main
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.steps, args.rounds, args.num_examples) < 1 or args.warmup < 0:
         p.error("--steps, --rounds and --num-examples must be >= 1 and --warmup >= 0")
+    try:
+        check_model_spec(args.model)
+    except ValueError as e:  # no such file, or a folder that is no checkpoint
+        p.error(str(e))
     return args
 
 
@@ -185,7 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     points = make_points(args)
     with tempfile.TemporaryDirectory(prefix="train-throughput-") as tmp:
-        data = write_subset(args.data, args.num_examples, Path(tmp) / "examples.jsonl")
+        try:
+            data = write_subset(args.data, args.num_examples, Path(tmp) / "examples.jsonl")
+        except ValueError as e:  # a missing or malformed training file
+            raise UsageError(f"--data: {e}") from e
         rounds = [[run_point(pt, args, data, Path(tmp) / f"r{r}-{i}") for i, pt in enumerate(points)]
                   for r in range(args.rounds)]
     rows = summarize(points, rounds)

@@ -3,7 +3,8 @@
 
 A bad command line (a value of the wrong type, an unknown choice or option, a missing argument) is refused as
 every other refusal of these commands is: one ``error: ...`` line and exit status 2, not argparse's usage block
-(``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors.
+(``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
+run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 class UsageError(ValueError):
@@ -25,14 +27,41 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def existing_file(text: str) -> Path:
+    """``type=`` of an argument naming a file to read: its path, or argparse's refusal naming it (one ``error:``
+    line, exit status 2) when there is no such file."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file" if path.is_dir() else
+                                         f"{text} does not exist; give an existing file")
+    return path
+
+
+def existing_folder(text: str) -> Path:
+    """``type=`` of an argument naming a folder to read: its path, or argparse's refusal naming it."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a folder" if path.exists() else
+                                         f"{text} does not exist; give an existing folder")
+    return path
+
+
 def run_main(main: Callable[[], object]) -> int:
-    """Run a script's ``main()``, one that parses ``sys.argv`` with :class:`ArgumentParser` and refuses bad values
-    through its ``error``, and return the exit status: 0 when it returns (what it returns is ignored), 2 after one
-    ``error: MESSAGE`` line on stderr when it raises :class:`UsageError`. For the scripts in ``bench/``, as
-    ``sys.exit(run_main(main))``; the commands with a ``main(argv) -> int`` catch :class:`UsageError` themselves."""
+    """Run a script's ``main()``, one that parses ``sys.argv`` with :class:`ArgumentParser`, and return the exit
+    status: what ``main`` returns when that is an int, else 0 (None, or a result some main returns); or 2 after
+    one ``error: MESSAGE`` line on stderr when it raises an input error, one that names a bad input and its fix:
+    :class:`UsageError` (a bad command line, or a value the script refuses through ``parser.error``),
+    ``BundleError`` (a path that is no MARS bundle, or a broken one) or ``DataError`` (a missing or malformed data
+    file). Any other exception is a bug or a failed run and keeps its traceback. Used as
+    ``sys.exit(run_main(main))``."""
+    # Imported here, and both modules need only the standard library: bench/peers.py runs this in the peer
+    # engines' venvs, where the project and its dependencies are not installed.
+    from runtime.bundle import BundleError
+    from runtime.evaluation.tasks import DataError
+
     try:
-        main()
-    except UsageError as e:
+        status = main()
+    except (UsageError, BundleError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return status if isinstance(status, int) else 0

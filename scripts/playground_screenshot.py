@@ -28,7 +28,8 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.bundle import load_config
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.params import DRAFTS
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -139,11 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96, help="max tokens of each answer (default 96)")
     p.add_argument("--width", type=int, default=1280, help="viewport width in CSS pixels (default 1280)")
     p.add_argument("--timeout", type=float, default=600, help="longest wait for the server or an answer (s)")
-    try:
-        args = p.parse_args(argv)
-    except UsageError as e:  # argparse's refusals: one line, as the errors below
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
+    load_config(args.bundle)  # a path that is no bundle: one error line (run_main), not a server that did not start
     server, url = start_server(args.bundle, args.timeout)
     driver = make_driver(args.width)
     try:
@@ -174,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

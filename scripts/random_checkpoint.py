@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mars_export.model_source import default_checkpoint  # noqa: E402
-from runtime.command_line import ArgumentParser, UsageError  # noqa: E402
+from runtime.command_line import ArgumentParser, existing_folder, run_main  # noqa: E402
 
 # transformers model type -> the authors' model type and class name (dllm/pipelines/a2d/models).
 A2D_LAYOUTS = {"qwen2": ("a2d-qwen2", "A2DQwen2LMHeadModel"), "qwen3": ("a2d-qwen3", "A2DQwen3LMHeadModel"),
@@ -57,6 +57,8 @@ def make_random_checkpoint(config_path: Path, out: Path, tokenizer_dir: Path, se
             or the model type has no published layout.
     """
     config = AutoConfig.from_pretrained(config_path.parent if config_path.name == "config.json" else config_path)
+    if config.model_type not in A2D_LAYOUTS:  # refused before anything is written (write_published_layout's check)
+        raise ValueError(f"no published MARS layout for model_type {config.model_type!r}; known: {sorted(A2D_LAYOUTS)}")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if tokenizer.mask_token is None:
         tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
@@ -79,27 +81,24 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", type=Path, help="a Hugging Face config.json or its directory")
     p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint directory to write (must not exist)")
-    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: the default model's)")
+    p.add_argument("--tokenizer", type=existing_folder, default=None,
+                   help="tokenizer directory (default: the default model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="dtype of the saved weights (default bfloat16, as the published checkpoints)")
-    try:
-        args = p.parse_args(argv)
-    except UsageError as e:  # argparse's refusals: one line, as the errors below
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
+    if not args.config.exists():  # else transformers reads the path as a hub id and names its spelling
+        p.error(f"{args.config} does not exist; give a Hugging Face config.json or the folder holding it")
     if args.output.exists():
-        print(f"error: {args.output} already exists; choose another -o", file=sys.stderr)
-        return 2
+        p.error(f"{args.output} already exists; choose another -o")
     try:
         out = make_random_checkpoint(args.config, args.output, args.tokenizer or default_checkpoint(), args.seed,
                                      getattr(torch, args.dtype))
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        p.error(str(e))
     print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from mars_export.default_model import DEFAULT_BASE_MODEL_NAME
 from mars_export.model_source import default_checkpoint
-from mars_export.training.adapter import write_shipped_adapter
+from mars_export.training.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, write_shipped_adapter
 from mars_export.training.data import load_examples
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.command_line import ArgumentParser, run_main
 
 
 def training_stats(checkpoint: Path, data: list[str], max_length: int) -> dict:
@@ -44,18 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--command", required=True)
     p.add_argument("--data", action="append", required=True)
-    try:
-        args = p.parse_args(argv)
-    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
+    missing = [name for name in ("trainer_state.json", ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)
+               if not (args.checkpoint / name).is_file()]
+    if missing:
+        p.error(f"{args.checkpoint} is no checkpoint of a mars-train --lora run: it holds no {missing[0]}; pass one of "
+                "the run's checkpoint-N folders")
     base_config = json.loads((default_checkpoint() / "config.json").read_text())
-    info = {"mask_token": base_config["mars_mask_token"], "block_size": args.block_size,
-            "command": args.command, **training_stats(args.checkpoint, args.data, args.max_length)}
+    try:
+        stats = training_stats(args.checkpoint, args.data, args.max_length)
+    except ValueError as e:  # a missing or malformed training file, as mars-train reads it
+        p.error(f"--data: {e}")
+    info = {"mask_token": base_config["mars_mask_token"], "block_size": args.block_size, "command": args.command,
+            **stats}
     write_shipped_adapter(args.checkpoint, args.out, info, DEFAULT_BASE_MODEL_NAME)
     print(json.dumps({k: v for k, v in info.items() if k != "loss_curve"}, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

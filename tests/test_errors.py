@@ -111,6 +111,30 @@ def test_damaged_bundle_gives_one_clear_line(bundle, capsys, damage, message):
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
+@pytest.mark.parametrize("make, why", [(lambda p: None, "it does not exist"),
+                                       (lambda p: p.write_text("x"), "it is a file"),
+                                       (lambda p: (p.mkdir(), (p / "notes.txt").write_text("x")),
+                                        "it holds no mars_config.json")], ids=["missing", "file", "folder"])
+def test_the_tokenizer_of_a_path_that_is_no_bundle_says_so(tmp_path, make, why):
+    """A path that is no bundle at all is named as such, as load_config names it (the scripts that read the
+    tokenizer first said 'the bundle lacks its tokenizer; re-export it'); a bundle without tokenizer.json still
+    says that."""
+    from runtime.bundle import BundleError
+    from runtime.text.tokenizer import Tokenizer
+    path = tmp_path / "mine"
+    make(path)
+    with pytest.raises(BundleError, match=f"{path} is not a MARS bundle: {why}; a MARS bundle is the folder"):
+        Tokenizer(path)
+
+
+def test_a_bundle_without_its_tokenizer_says_so(bundle):
+    from runtime.bundle import BundleError
+    from runtime.text.tokenizer import Tokenizer
+    (bundle / "tokenizer.json").unlink()
+    with pytest.raises(BundleError, match="tokenizer.json not found: the bundle lacks its tokenizer"):
+        Tokenizer(bundle)
+
+
 def test_an_unreadable_config_gives_one_clear_line(bundle, capsys, monkeypatch):
     """An OSError reading mars_config.json (no permission: root reads anything, so the read is made to fail) is one
     error line naming the file, not a traceback."""

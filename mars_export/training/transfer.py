@@ -230,9 +230,13 @@ def receive_part(part: Path, store: Path) -> dict:
         The part's ``part.json``.
 
     Raises:
-        ValueError: the part is over :data:`MAX_CARRY_BYTES`, a file is missing, extra or
-            differs, or it belongs to another run than the parts already in ``store``.
+        ValueError: ``part`` is no part directory, is over :data:`MAX_CARRY_BYTES`, a file is missing, extra
+            or differs, or it belongs to another run than the parts already in ``store``.
     """
+    if not (part / PART_FILE).is_file():
+        why = f"it holds no {PART_FILE}" if part.is_dir() else "no such directory"
+        raise ValueError(f"{part} is no part ({why}); pass a part directory that 'scripts/gpu_train.py prepare' "
+                         "wrote")
     check_size(part, MAX_CARRY_BYTES)
     info = json.loads((part / PART_FILE).read_text())
     present = {str(p.relative_to(part)) for p in part.rglob("*") if p.is_file() and "__pycache__" not in p.parts}

@@ -21,7 +21,8 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from runtime.bundle import TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, BundleError
+from runtime.bundle import (CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, BundleError,
+                            load_config)
 
 # What stands for message i's content in a second rendering of a chat, which shows where the contents lie:
 # digits between private-use characters, which no template writes and trimming leaves whole.
@@ -33,13 +34,16 @@ class Tokenizer:
     """Encode, decode and apply the chat template of a bundle directory.
 
     Raises:
-        BundleError: ``tokenizer.json`` is missing or unreadable, or ``tokenizer_config.json`` is no JSON object.
+        BundleError: ``bundle_dir`` is no bundle, ``tokenizer.json`` is missing or unreadable, or
+            ``tokenizer_config.json`` is no JSON object.
     """
 
     def __init__(self, bundle_dir: str | Path):
         bundle_dir = Path(bundle_dir)
         path = bundle_dir / TOKENIZER_FILE
         if not path.is_file():
+            if not (bundle_dir / CONFIG_FILE).is_file():  # no bundle at all (missing, a file, another folder)
+                load_config(bundle_dir)  # raises, saying so and what a bundle is
             raise BundleError(f"{path} not found: the bundle lacks its tokenizer; re-export it with mars-export")
         try:
             self._tokenizer = HFTokenizer.from_file(str(path))

@@ -16,8 +16,8 @@ from pathlib import Path
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.bundle import BundleError, load_config
+from runtime.command_line import ArgumentParser, run_main
 
 
 def graph_ops(path: Path) -> dict:
@@ -38,13 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--json", action="store_true")
-    try:
-        args = p.parse_args(argv)
-    except UsageError as e:  # argparse's refusals: one line, exit status 2, as every command
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    config = load_config(args.bundle)
-    info = graph_ops(Path(args.bundle) / config.onnx_file)
+    args = p.parse_args(argv)
+    config = load_config(args.bundle)  # a path that is no bundle: one error line (run_main)
+    onnx_path = Path(args.bundle) / config.onnx_file
+    if not onnx_path.is_file():
+        raise BundleError(f"{onnx_path} not found; re-export the bundle with mars-export")
+    info = graph_ops(onnx_path)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -56,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -181,6 +181,18 @@ def test_parts_of_a_prepare_without_source_json_are_one_line_asking_to_prepare_a
     assert not (out / "adapter").exists() and not (out / "train_log.json").exists()
 
 
+@pytest.mark.parametrize("make, why", [(lambda path: None, "no such directory"),
+                                       (lambda path: path.mkdir(), "it holds no part.json")], ids=["missing", "folder"])
+def test_receiving_a_path_that_is_no_part_is_one_line(tmp_path, capsys, make, why):
+    """Was a FileNotFoundError traceback (of the size check, or of part.json)."""
+    part, store = tmp_path / "part-1", tmp_path / "store"
+    make(part)
+    assert gpu_train.main(["receive", str(part), "--store", str(store)]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line == f"error: {part} is no part ({why}); pass a part directory that 'scripts/gpu_train.py prepare' wrote"
+    assert not store.exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["prepare", "default", "--prompts", "p.jsonl", "--max-prompts", "many"],
      "argument --max-prompts: invalid int value: 'many'"),

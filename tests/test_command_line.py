@@ -1,0 +1,64 @@
+"""runtime.command_line: run_main's exit status and error line, and the path types of the scripts' parsers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.bundle import BundleError
+from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main
+from runtime.evaluation.tasks import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("error", [UsageError("bad --x"), BundleError("/p is not a MARS bundle"),
+                                   DataError("f.jsonl is no JSON")], ids=["usage", "bundle", "data"])
+def test_run_main_reports_an_input_error_in_one_line_with_status_2(error, capsys):
+    """A bad path or value named on the command line is the user's to fix: one 'error:' line, exit status 2,
+    as a bad command line (a BundleError used to end the scripts in a traceback, status 1)."""
+    def main():
+        raise error
+    assert run_main(main) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: {error}\n"
+
+
+def test_run_main_returns_mains_status_and_keeps_other_errors_traceback():
+    assert run_main(lambda: None) == 0 and run_main(lambda: 3) == 3 and run_main(lambda: {"rows": []}) == 0
+    def broken():
+        raise KeyError("a bug")
+    with pytest.raises(KeyError):  # not an input error: the traceback stays
+        run_main(broken)
+
+
+def test_run_main_needs_nothing_but_the_standard_library():
+    """bench/peers.py runs in the peer engines' venvs, which lack numpy and the project's dependencies: run_main
+    reports a BundleError there too."""
+    code = "\n".join([
+        "import sys",
+        "sys.modules.update(dict.fromkeys(['numpy', 'onnx', 'onnxruntime', 'tokenizers', 'jinja2']))  # absent",
+        "from runtime.bundle import BundleError",
+        "from runtime.command_line import run_main",
+        "def main():",
+        "    raise BundleError('x is not a MARS bundle')",
+        "sys.exit(run_main(main))"])
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "error: x is not a MARS bundle\n")
+
+
+def test_path_types_name_a_missing_path_and_the_wrong_kind(tmp_path):
+    (tmp_path / "f.txt").write_text("x")
+    p = ArgumentParser()
+    p.add_argument("--file", type=existing_file)
+    p.add_argument("--folder", type=existing_folder)
+    assert p.parse_args(["--file", str(tmp_path / "f.txt"), "--folder", str(tmp_path)]).file == tmp_path / "f.txt"
+    for args, message in [(["--file", str(tmp_path / "no")], f"argument --file: {tmp_path / 'no'} does not exist"),
+                          (["--file", str(tmp_path)], f"argument --file: {tmp_path} is a folder; give a file"),
+                          (["--folder", str(tmp_path / "f.txt")], "is a file; give a folder"),
+                          (["--folder", str(tmp_path / "no")], "does not exist; give an existing folder")]:
+        with pytest.raises(UsageError, match=message.replace(".", r"\.")):
+            p.parse_args(args)

@@ -327,9 +327,6 @@ NOT_A_BUNDLE = {  # script -> a command line whose BUNDLE is a path that is no b
 }
 NEEDS_SHARED_DATA = {"bench/c_sample.py", "bench/engine_modes.py", "bench/peers.py", "bench/quantized_step.py",
                      "bench/confidence_bounds.py"}  # checked before the path: a clone without it says that first
-ELSEWHERE = {"samples/demo.py": "samples/demo.py's checks are being reworked on branch wt-h7"}
-
-
 def run_in(tmp_path: Path, script: str, args: list[str], places: dict[str, Path]) -> subprocess.CompletedProcess:
     """``script`` run from ``tmp_path`` with each placeholder of ``args`` (a key of ``places``) made its path."""
     command = [str(places.get(a, a)) for a in args]
@@ -343,8 +340,7 @@ def assert_one_error_line(done: subprocess.CompletedProcess, message: str) -> No
     assert line.startswith(f"error: {message}"), line
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.xfail(reason=ELSEWHERE[s]))
-                                    if s in ELSEWHERE else s for s in sorted(NOT_A_BUNDLE)])
+@pytest.mark.parametrize("script", sorted(NOT_A_BUNDLE))
 @pytest.mark.parametrize("where", ["folder", "missing"])
 def test_a_path_that_is_no_bundle_is_one_error_line_in_every_script(script, where, tmp_path, request):
     """A folder that holds no bundle, or no path at all, where a script takes a bundle: one 'error:' line naming it

@@ -24,7 +24,7 @@ from pathlib import Path
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError, load_config
 from runtime.command_line import ArgumentParser, UsageError
-from runtime.decode.admission import check_max_seq_len, why_no_adaptive_masks
+from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams, ParamError
 from runtime.text.tokenizer import Tokenizer
@@ -54,13 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         backend = OnnxBackend(args.bundle, config)
         if args.adaptive_masks and (why := why_no_adaptive_masks(backend)):
             raise ParamError("adaptive_masks", why)
-        tokenizer = Tokenizer(args.bundle)
-        prompts = encode_prompts(tokenizer, json.loads(PROMPTS.read_text())["prompts"], args.max_new_tokens,
-                                 config.window, check_max_seq_len(None, config.max_context, backend.max_past))
+        decoder, tokenizer = Decoder(backend, config), Tokenizer(args.bundle)
+        prompts = encode_prompts(tokenizer, json.loads(PROMPTS.read_text())["prompts"], args.max_new_tokens, decoder)
     except (BundleError, ValueError) as e:  # UsageError and ParamError too: a bad option, before any decoding
         print(f"error: {e}", file=sys.stderr)
         return 2
-    decoder = Decoder(backend, config)
     print(f"bundle {args.bundle}: {config.source_model}, B={config.block_size}, W={config.window}, "
           f"draft {args.draft}{', adaptive masks' if args.adaptive_masks else ''}")
     speeds = {}
@@ -93,19 +91,20 @@ def prepare_runs(args: argparse.Namespace) -> list[tuple[float, DecodeParams]]:
                                adaptive_masks=args.adaptive_masks)) for tau in args.tau]
 
 
-def encode_prompts(tokenizer: Tokenizer, prompts: list[dict], max_new_tokens: int, window: int,
-                   max_len: int) -> list[tuple[dict, list[int]]]:
-    """Each prompt with its chat-template ids, checked against the positions a slot holds (``max_len``).
+def encode_prompts(tokenizer: Tokenizer, prompts: list[dict], max_new_tokens: int,
+                   decoder: Decoder) -> list[tuple[dict, list[int]]]:
+    """Each prompt with its chat-template ids, checked against the tokens the decoder can generate after it
+    (:meth:`Decoder.room`).
 
     Raises:
-        ParamError: a prompt plus --max-new-tokens plus the window does not fit ``max_len``.
+        ParamError: --max-new-tokens does not fit after the longest prompt.
     """
     encoded = [(prompt, tokenizer.encode_chat([{"role": "user", "content": prompt["text"]}])) for prompt in prompts]
     longest = max(len(ids) for _, ids in encoded)
-    if longest + max_new_tokens + window > max_len:
-        raise ParamError("max_new_tokens", f"--max-new-tokens {max_new_tokens} does not fit: the longest prompt "
-                         f"({longest} tokens) + {max_new_tokens} + the window ({window}) exceeds the {max_len} "
-                         f"positions a slot can hold; give --max-new-tokens {max_len - window - longest} or less")
+    if max_new_tokens > (room := decoder.room(longest)):
+        raise ParamError("max_new_tokens", f"--max-new-tokens {max_new_tokens} does not fit: after the longest "
+                         f"prompt ({longest} tokens) and the window ({decoder.config.window}) a slot holds "
+                         f"{max(room, 0)} more tokens; give --max-new-tokens {room} or less")
     return encoded
 
 

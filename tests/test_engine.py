@@ -376,6 +376,20 @@ def test_request_errors_name_the_problem(tiny):
     assert not engine.has_unfinished()
 
 
+def test_decoder_room_is_where_generate_stops_accepting(tiny_bundle):
+    """Decoder.room(n) is the most new tokens generate takes after an n-token prompt (samples/demo.py refuses with
+    it before any decoding): room is accepted, room + 1 refused."""
+    _, bundle = tiny_bundle("llama", 4)
+    config = load_config(bundle)
+    decoder = Decoder(OnnxBackend(bundle, config, num_threads=1), config)
+    prompt = [1] * 20
+    room = decoder.room(len(prompt))
+    assert room == config.max_context - config.window - len(prompt)
+    with pytest.raises(ValueError, match="positions a slot can hold"):
+        decoder.generate(prompt, DecodeParams(max_new_tokens=room + 1))
+    assert decoder.generate(prompt, DecodeParams(max_new_tokens=room)).num_tokens >= 1
+
+
 def test_max_seq_len_past_the_models_context_is_refused_on_onnxruntime(tiny_bundle):
     """One rule for every backend: onnxruntime (no optimization profile) refuses a slot longer
     than the model's max context instead of silently capping it."""

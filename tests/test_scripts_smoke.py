@@ -915,7 +915,7 @@ def test_demo_with_adaptive_masks_on_a_fixed_window_bundle_stops_with_one_line(t
     (["--tau", "-1"], "tau must be a finite number >= 0, got -1.0"),
     (["--tau", "nan"], "tau must be a finite number >= 0, got nan"),
     (["--tau", "1.0", "-1"], "tau must be a finite number >= 0, got -1.0"),  # not after the tau 1.0 run
-    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit: the longest prompt ("),
+    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit: after the longest prompt ("),
     (["--bundle-is-a-file"], "is not a MARS bundle: it is a file"),
 ], ids=["max-new-tokens-0", "tau-negative", "tau-nan", "second-tau-negative", "beyond-context", "not-a-bundle"])
 def test_demo_refuses_bad_values_with_one_line_before_decoding(tiny_bundle, tmp_path, args, message):

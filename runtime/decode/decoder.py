@@ -46,6 +46,12 @@ class Decoder:
         self.backend = backend
         self.config = config
 
+    def room(self, num_prompt: int) -> int:
+        """Tokens a request can generate after a prompt of ``num_prompt`` tokens: the positions one slot can hold
+        (the model's max context, the backend's largest past) less the window W and the prompt; :meth:`generate`
+        refuses a ``max_new_tokens`` above it."""
+        return check_max_seq_len(None, self.config.max_context, self.backend.max_past) - self.config.window - num_prompt
+
     def generate(self, prompt_ids: list[int], params: DecodeParams) -> GenerationResult:
         """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``.
 

@@ -74,7 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"token_ids": result.token_ids, "text": text, "tau": params.tau, **result.summary()}))
     else:
         print(text)
+    if ended_at_once(result.token_ids, config.eos_token_ids) and not args.chat and tokenizer.chat_template is not None:
+        print("note: the model ended at once (its first token ends generation); an instruct model answers a chat: "
+              "add --chat to wrap the prompt in the bundle's chat template", file=sys.stderr)
     return 0
+
+
+def ended_at_once(token_ids: list[int], eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether generation stopped at its first token: ``token_ids`` (the new ids) is one end token, or none."""
+    return len(token_ids) == 0 or (len(token_ids) == 1 and token_ids[0] in eos_token_ids)
 
 
 if __name__ == "__main__":

@@ -340,3 +340,18 @@ def test_step_inputs_that_do_not_fit_name_the_problem(bundle):
     kept[0][1].flags.writeable = False  # the very arrays bound last, made read-only: still refused
     with pytest.raises(ValueError, match="C-contiguous, writeable arrays"):
         backend.step(ids, positions, mask, kept)
+
+
+def test_a_raw_prompt_the_model_ends_at_once_gets_a_note_naming_chat(bundle, capsys):
+    # the tiny model's first greedy token made its end token: it stops at once, as an instruct model does on raw text
+    first = json.loads(run_generate(bundle, capsys, "--json")[1])["token_ids"][0]
+    set_config(bundle, eos_token_ids=[first])
+    code, _, err = run_generate(bundle, capsys)
+    assert code == 0 and len(err) == 1 and err[0].startswith("note: the model ended at once") and "add --chat" in err[0]
+    code, _, err = run_generate(bundle, capsys, "--chat")  # asked for the chat: no note, whatever it answers
+    assert code == 0 and not any(line.startswith("note:") for line in err)
+
+
+def test_a_raw_prompt_that_gets_an_answer_gets_no_note(bundle, capsys):
+    code, out, err = run_generate(bundle, capsys)
+    assert code == 0 and out.strip() and not any(line.startswith("note:") for line in err)

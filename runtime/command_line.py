@@ -5,13 +5,15 @@ A bad command line (a value of the wrong type, an unknown choice or option, a mi
 every other refusal of these commands is: one ``error: ...`` line and exit status 2, not argparse's usage block
 (``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
+An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -44,6 +46,21 @@ def existing_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder" if path.exists() else
                                          f"{text} does not exist; give an existing folder")
     return path
+
+
+@contextmanager
+def naming_options(options: dict[str, str]) -> Iterator[None]:
+    """Within it, a :class:`~runtime.decode.admission.SettingError` of a setting in ``options`` (setting -> the
+    option that sets it) is raised again naming the option after the setting, as the server's limits name theirs:
+    ``max_batch_size (--max-batch-size) must be >= 1, got 0``. The rule and its words stay the engine's or the
+    backend's; any other error passes unchanged."""
+    from runtime.decode.admission import SettingError  # here: run_main's callers need only the standard library
+    try:
+        yield
+    except SettingError as e:
+        if e.setting not in options:
+            raise
+        raise e.naming(options[e.setting]) from e
 
 
 def run_main(main: Callable[[], object]) -> int:

@@ -16,14 +16,14 @@ import logging
 import os
 import socket
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
-from runtime.command_line import ArgumentParser
+from runtime.command_line import ArgumentParser, naming_options
+from runtime.decode.admission import SettingError
 from runtime.decode.engine import EngineConfig
 from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, check_limits_fit, make_app
@@ -39,7 +39,8 @@ API_KEY_ENV = "MARS_API_KEY"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 256  # max_tokens of a request that sets none, unless --max-tokens-limit is lower
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM / Ctrl-C, how long open requests may still run before they are aborted
-# EngineConfig / OnnxBackend setting -> the option that sets it (named in their errors, :func:`naming_options`).
+# EngineConfig / OnnxBackend setting -> the option that sets it (named in their errors:
+# :func:`runtime.command_line.naming_options`).
 ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len", "num_threads": "--threads"}
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (uvicorn.config.STARTUP_FAILURE, 0.31+)
 
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the browser playground at /")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-batch-size", type=int, default=None,
+    g.add_argument("--max-batch-size", type=_make_engine_int("max_batch_size"), default=None,
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
                         "engine's largest batch when smaller). One long request grows every slot to its length, so "
                         "start-up refuses slots x --max-seq-len whose KV cache cannot fit the free memory (RAM; a "
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--scheme", default="continuous", choices=SCHEMES,
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")
-    g.add_argument("--max-seq-len", type=int, default=None,
+    g.add_argument("--max-seq-len", type=_make_engine_int("max_seq_len"), default=None,
                    help="tokens per slot (default: the model's context, or a TensorRT engine's profile); checked "
                         "with --max-batch-size against the free memory at start-up")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
@@ -132,6 +133,23 @@ def _tau(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
                                          f"tau decodes the same), got {text}")
     return tau
+
+
+def _make_engine_int(setting: str):
+    """``type=`` of the option that sets the :class:`EngineConfig` integer ``setting``: refused at parsing, before
+    any bundle loads, by EngineConfig's own rule and in its words (``argument --max-batch-size: must be >= 1, got
+    0``); the limits that need the bundle (its context, a TensorRT profile) are the engine's, once it loads."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        try:
+            EngineConfig(**{setting: value})
+        except SettingError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+        return value
+    return parse
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -206,20 +224,6 @@ def configure_logging(log_level: str) -> None:
     logging.getLogger().setLevel(log_level.upper())
 
 
-@contextmanager
-def naming_options():
-    """Re-raise a ValueError of the engine's or the backend's settings that begins with the setting's name
-    (``max_batch_size must be >= 1``) with the option that sets it after the name, as the limits' errors name theirs
-    (``max_batch_size (--max-batch-size) must be >= 1``); the rule and its words stay the engine's."""
-    try:
-        yield
-    except ValueError as e:
-        name, _, rest = str(e).partition(" ")
-        if type(e) is not ValueError or name not in ENGINE_FLAGS:
-            raise
-        raise ValueError(f"{name} ({ENGINE_FLAGS[name]}) {rest}") from e
-
-
 def resolve_max_batch_size(requested: int | None, backend_limit: int | None = None) -> int:
     """The server's KV slots: ``--max-batch-size`` when given, else :data:`DEFAULT_MAX_BATCH`
     within the backend's largest batch (a TensorRT engine's profile; None: no limit)."""
@@ -273,7 +277,7 @@ def build_app(args: argparse.Namespace, make_thread=EngineThread) -> FastAPI:
     """
     from runtime.backends.loading import load_backend  # here: without onnxruntime, one error line
     policy, limits = server_settings(args)
-    with naming_options():
+    with naming_options(ENGINE_FLAGS):
         backend, config, bundle_dir = load_backend(args.path, args.provider, args.threads)
         # The limits come from the engine: a setting past its profile is refused (Engine), the default fits it.
         max_batch_size = resolve_max_batch_size(args.max_batch_size, backend.max_batch)

@@ -1,4 +1,5 @@
-"""runtime.command_line: run_main's exit status and error line, and the path types of the scripts' parsers."""
+"""runtime.command_line: run_main's exit status and error line, the path types of the scripts' parsers, and the
+options named in a setting's error."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from runtime.bundle import BundleError
-from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, naming_options,
+                                  run_main)
+from runtime.decode.admission import SettingError
 from runtime.evaluation.tasks import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,3 +65,17 @@ def test_path_types_name_a_missing_path_and_the_wrong_kind(tmp_path):
                           (["--folder", str(tmp_path / "no")], "does not exist; give an existing folder")]:
         with pytest.raises(UsageError, match=message.replace(".", r"\.")):
             p.parse_args(args)
+
+
+def test_naming_options_names_the_option_of_the_settings_field():
+    """The option comes from the error's ``setting`` field, not from its words: a plain ValueError whose message
+    begins with a setting's name passes unchanged (it used to be rewritten), and so does a setting no option sets."""
+    options = {"max_batch_size": "--max-batch-size"}
+    with pytest.raises(SettingError) as caught, naming_options(options):
+        raise SettingError("max_batch_size", "must be >= 1, got 0")
+    assert str(caught.value) == "max_batch_size (--max-batch-size) must be >= 1, got 0"
+    assert (caught.value.setting, caught.value.option) == ("max_batch_size", "--max-batch-size")
+    for error in (ValueError("max_batch_size must be >= 1, got 0"), SettingError("prefill_chunk", "must be >= 0")):
+        with pytest.raises(ValueError) as caught, naming_options(options):
+            raise error
+        assert caught.value is error

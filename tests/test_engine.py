@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from mars_export.parity import chat_prompt_ids
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, step_feeds
+from runtime.decode.admission import SettingError, check_max_batch_size, check_max_seq_len
 from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams
@@ -403,13 +404,35 @@ def test_max_seq_len_past_the_models_context_is_refused_on_onnxruntime(tiny_bund
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
-    ({"scheme": "static"}, "unknown batch scheme"),
-    ({"max_seq_len": 1}, "max_seq_len must be >= 2"),
+    ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+    ({"scheme": "static"}, "scheme 'static' is not a batch scheme; choose one of"),
+    ({"max_seq_len": 1}, "max_seq_len must be >= 2, got 1"),
+    ({"prefill_chunk": -1}, "prefill_chunk must be >= 0"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    """Each refusal names its setting in a field (``setting``), not only in its words: a command line maps the
+    field to its option (runtime.command_line.naming_options) rather than parsing the message."""
+    with pytest.raises(SettingError, match=message) as caught:
         EngineConfig(**kwargs)
+    assert caught.value.setting == next(iter(kwargs)) and isinstance(caught.value, ValueError)
+
+
+def test_backend_limits_name_their_setting():
+    """The engine's checks against the backend (a TensorRT profile, a fused bundle, the context) carry the setting
+    as EngineConfig's own checks do."""
+    with pytest.raises(SettingError, match="max_batch_size 3 exceeds the backend's largest batch 2") as caught:
+        check_max_batch_size(3, 2)
+    assert caught.value.setting == "max_batch_size"
+    with pytest.raises(SettingError, match="max_seq_len 100 exceeds the 64 positions a slot can hold") as caught:
+        check_max_seq_len(100, 512, 64)
+    assert caught.value.setting == "max_seq_len"
+
+
+def test_onnx_backend_names_num_threads(tiny_bundle):
+    _, bundle = tiny_bundle("llama", 4)
+    with pytest.raises(SettingError, match=r"num_threads must be in 0\.\.256") as caught:
+        OnnxBackend(bundle, load_config(bundle), num_threads=-1)
+    assert caught.value.setting == "num_threads"
 
 
 class ProfileBackend:

@@ -173,7 +173,7 @@ def test_bad_tau(bundle, capsys, tau, message):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--threads", "-1"], "num_threads must be in 0..256"),
+    (["--threads", "-1"], "num_threads (--threads) must be in 0..256"),  # the option too, as the server names it
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),

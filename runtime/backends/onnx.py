@@ -22,6 +22,7 @@ from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.backends.kv_binding import KVBinding
 from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
+from runtime.decode.admission import SettingError
 from runtime.decode.kv_cache import KVCache
 
 ort = import_onnxruntime()  # without the [cpu] or [gpu] extra: OnnxRuntimeMissing, naming the extra
@@ -55,7 +56,8 @@ class OnnxBackend:
     Raises:
         BundleError: the ONNX file is missing, corrupt or truncated, or its I/O names do
             not match the config.
-        ValueError: unknown or unavailable provider, or num_threads outside 0..256.
+        ValueError: unknown or unavailable provider; a :class:`~runtime.decode.admission.SettingError`
+            (``num_threads``) for num_threads outside 0..256.
     """
 
     def __init__(self, bundle_dir: str | Path, config: BundleConfig, provider: str = "cpu", num_threads: int = 0,
@@ -64,7 +66,8 @@ class OnnxBackend:
         if not path.is_file():
             raise BundleError(f"{path} not found; re-export the bundle with mars-export")
         if not 0 <= num_threads <= MAX_THREADS:
-            raise ValueError(f"num_threads must be in 0..{MAX_THREADS} (0 lets onnxruntime choose), got {num_threads}")
+            raise SettingError("num_threads", f"must be in 0..{MAX_THREADS} (0 lets onnxruntime choose), got "
+                                              f"{num_threads}")
         if config.graph == "fused" and provider != "cpu":
             raise ValueError(f"a fused bundle runs on the cpu provider only, not {provider}; "
                              "export with --graph step for CUDA or TensorRT")

@@ -2,15 +2,38 @@
 :class:`runtime.decode.engine.Engine` checks before it takes them (which waiting request takes a free
 slot is the scheduler's, :mod:`runtime.decode.scheduler`).
 
-The one home of: the vocabulary check on a prompt (:func:`check_prompt_ids`), the batch size a backend
-can run (:func:`check_max_batch_size`), the positions a slot can hold (:func:`check_max_seq_len`), and
-where adaptive masks can act (:func:`why_no_adaptive_masks`).
+The one home of: the error that names a bad engine or backend setting (:class:`SettingError`), the vocabulary
+check on a prompt (:func:`check_prompt_ids`), the batch size a backend can run (:func:`check_max_batch_size`), the
+positions a slot can hold (:func:`check_max_seq_len`), and where adaptive masks can act
+(:func:`why_no_adaptive_masks`).
 """
 
 from __future__ import annotations
 
 from runtime.decode.params import ParamError
 from runtime.decode.scheduler import can_narrow_steps
+
+
+class SettingError(ValueError):
+    """An engine or backend setting out of range; ``setting`` names it (``max_batch_size``, ``max_seq_len``,
+    ``num_threads``, ...), as :class:`~runtime.decode.params.ParamError`'s ``field`` names a request's.
+
+    The message is the setting's name, then ``detail`` (what is wrong and what is allowed):
+    ``max_batch_size must be >= 1, got 0``. A command line names its option too (:meth:`naming`).
+
+    Attributes:
+        setting: the setting's name (the keyword of :class:`~runtime.decode.engine.EngineConfig` or of the backend).
+        detail: the message after the name.
+        option: the command-line option that sets it, named in the message after the setting; None where none is.
+    """
+
+    def __init__(self, setting: str, detail: str, option: str | None = None):
+        super().__init__(f"{setting} {detail}" if option is None else f"{setting} ({option}) {detail}")
+        self.setting, self.detail, self.option = setting, detail, option
+
+    def naming(self, option: str) -> SettingError:
+        """The same error naming ``option`` after the setting: ``max_batch_size (--max-batch-size) must be >= 1``."""
+        return SettingError(self.setting, self.detail, option)
 
 
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
@@ -27,12 +50,13 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 
 def check_max_batch_size(max_batch_size: int, backend_max_batch: int | None) -> None:
-    """Raise ValueError if ``max_batch_size`` exceeds the backend's largest batch (None: no limit),
-    naming the fix: a TensorRT engine's optimization profile, or a fused bundle's 1."""
+    """Raise :class:`SettingError` (``max_batch_size``) if ``max_batch_size`` exceeds the backend's largest batch
+    (None: no limit), naming the fix: a TensorRT engine's optimization profile, or a fused bundle's 1."""
     if backend_max_batch is not None and max_batch_size > backend_max_batch:
-        raise ValueError(f"max_batch_size {max_batch_size} exceeds the backend's largest batch {backend_max_batch} "
-                         "(a TensorRT engine's optimization profile, or 1 for a fused bundle); lower it, or rebuild "
-                         "the engine / export with --graph step")
+        raise SettingError("max_batch_size", f"{max_batch_size} exceeds the backend's largest batch "
+                                             f"{backend_max_batch} (a TensorRT engine's optimization profile, or 1 for "
+                                             "a fused bundle); lower it, or rebuild the engine / export with --graph "
+                                             "step")
 
 
 def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) -> int:
@@ -41,14 +65,14 @@ def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) 
     cache capacity, so the capacity never exceeds the backend's ``max_past``.
 
     Raises:
-        ValueError: ``max_seq_len`` above that limit (never silently capped).
+        SettingError: (``max_seq_len``) above that limit (never silently capped).
     """
     limit = min(max_context, max_past)
     if max_seq_len is not None and max_seq_len > limit:
         bound = ("the backend's largest past, its optimization profile; rebuild the engine for more"
                  if max_past < max_context else "the model's max context")
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds the {limit} positions a slot can hold ({bound}); "
-                         f"give at most {limit}")
+        raise SettingError("max_seq_len", f"{max_seq_len} exceeds the {limit} positions a slot can hold "
+                                          f"({bound}); give at most {limit}")
     return limit if max_seq_len is None else max_seq_len
 
 

@@ -45,7 +45,8 @@ import numpy as np
 
 from runtime.bundle import BundleConfig
 from runtime.decode.acceptance import Accepted, ProvenRejection, accept, max_accept
-from runtime.decode.admission import check_max_batch_size, check_max_seq_len, check_prompt_ids, why_no_adaptive_masks
+from runtime.decode.admission import (SettingError, check_max_batch_size, check_max_seq_len, check_prompt_ids,
+                                      why_no_adaptive_masks)
 from runtime.decode.batch import run_batch, run_first_chunks, run_prefill
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.mask_backoff import tokens_from_masks
@@ -70,7 +71,7 @@ class EngineConfig:
             also compute the chunk's logits, ``prefill_chunk x V`` floats.
 
     Raises:
-        ValueError: a value out of range.
+        SettingError: a value out of range (``setting`` names it).
     """
 
     max_batch_size: int = 8
@@ -80,13 +81,14 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+            raise SettingError("max_batch_size", f"must be >= 1, got {self.max_batch_size}")
         if self.scheme not in SCHEMES:
-            raise ValueError(f"unknown batch scheme {self.scheme!r}; choose one of {SCHEMES}")
+            raise SettingError("scheme", f"{self.scheme!r} is not a batch scheme; choose one of {SCHEMES}")
         if self.prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0 = prefill through the step window), got {self.prefill_chunk}")
+            raise SettingError("prefill_chunk", f"must be >= 0 (0 = prefill through the step window), got "
+                                                f"{self.prefill_chunk}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+            raise SettingError("max_seq_len", f"must be >= 2, got {self.max_seq_len}")
 
 
 class CannotGrowCache(MemoryError):
@@ -148,7 +150,7 @@ class Engine:
             refused with it); None where they act (:func:`runtime.decode.admission.why_no_adaptive_masks`).
 
     Raises:
-        ValueError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
+        SettingError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
             not None: a TensorRT optimization profile, or a fused bundle's 1), or ``max_seq_len`` exceeds the model's
             max context or the backend's largest past (:func:`runtime.decode.admission.check_max_seq_len`, every
             backend).

@@ -121,6 +121,7 @@ def test_fleet_options_reject_bad_counts():
                                             # block and 'python -m runtime.serve_ray: error: ...' before
                                             (["--replicas", "two"], "argument --replicas: invalid int value: 'two'"),
                                             (["--port", "80x"], "argument --port: must be a port number"),
+                                            (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1"),
                                             (["--bogus"], "unrecognized arguments: --bogus")])
 def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, capsys, options, named):
     _, bundle = tiny_bundle("llama", 4)

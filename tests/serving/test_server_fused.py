@@ -43,5 +43,7 @@ def test_ray_serve_refuses_more_slots_than_a_fused_bundle_runs_before_serve_star
     ckpt = make_checkpoint("llama", tmp_path / "ckpt")
     bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
     monkeypatch.setattr(serve, "start", lambda **kwargs: pytest.fail("Serve started"))
-    with pytest.raises(ValueError, match="largest batch 1 .*--graph step"):
+    # the option named as python -m runtime.serve names it (it said max_batch_size alone)
+    with pytest.raises(ValueError, match=r"^max_batch_size \(--max-batch-size\) 2 exceeds the backend's largest "
+                                         "batch 1 .*--graph step"):
         ray_deploy.deploy([str(bundle), "--max-batch-size", "2"], ray_deploy.FleetOptions())

@@ -36,7 +36,8 @@ from peft import PeftModel
 
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
-from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, run_main,
+                                  tau_value)
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 from runtime.evaluation.tasks import DataError, load_chat
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", type=existing_file, default=None, help="OpenAssistant tree JSONL (chat_multiturn)")
     p.add_argument("--num-prompts", type=int, default=5, help="prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--tau", type=float, default=0.9)
+    p.add_argument("--tau", type=tau_value, default=0.9)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--every", type=int, default=50, help="use checkpoints whose step is a multiple of this (and the last)")
     p.add_argument("--data", action="append", default=[], help="the run's training files (for example tokens seen)")

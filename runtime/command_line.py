@@ -5,6 +5,7 @@ A bad command line (a value of the wrong type, an unknown choice or option, a mi
 every other refusal of these commands is: one ``error: ...`` line and exit status 2, not argparse's usage block
 (``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
+A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau.
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def existing_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder" if path.exists() else
                                          f"{text} does not exist; give an existing folder")
     return path
+
+
+def tau_value(text: str) -> float:
+    """``type=`` of a ``--tau``/``--taus`` argument: the number, or argparse's refusal in the words of the one rule
+    on tau (:func:`runtime.decode.params.check_tau`), before anything is loaded."""
+    from runtime.decode.params import ParamError, check_tau  # imported here: the module loads numpy
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = text  # no number: check_tau refuses it, naming it as given
+    try:
+        return check_tau(value)
+    except ParamError as e:
+        hint = "; separate taus by spaces (--taus 0.9 0.8)" if "," in text else ""
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
 
 
 def run_main(main: Callable[[], object]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from runtime.bundle import BundleError
-from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main
+from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main, tau_value
 from runtime.evaluation.tasks import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,3 +63,17 @@ def test_path_types_name_a_missing_path_and_the_wrong_kind(tmp_path):
                           (["--folder", str(tmp_path / "no")], "does not exist; give an existing folder")]:
         with pytest.raises(UsageError, match=message.replace(".", r"\.")):
             p.parse_args(args)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0.9,abc", "tau must be a finite number >= 0, got 0.9,abc; tau >= 1 means one token per step (greedy AR); "
+                "separate taus by spaces (--taus 0.9 0.8)"),
+    *((text, f"tau must be a finite number >= 0, got {text}") for text in ("-0.5", "nan", "inf"))])
+def test_tau_value_refuses_in_the_words_of_the_one_rule_on_tau(text, message):
+    """The scripts' --tau/--taus took any float (a comma list was 'invalid float value', a negative or nan tau ran
+    until the decoder refused it, or not at all): tau_value applies check_tau, the runtime's one rule."""
+    p = ArgumentParser()
+    p.add_argument("--taus", type=tau_value, nargs="+")
+    assert p.parse_args(["--taus", "0", "0.9", "1", "1.5"]).taus == [0.0, 0.9, 1.0, 1.5]
+    with pytest.raises(UsageError, match=re.escape(f"argument --taus: {message}")):
+        p.parse_args(["--taus", "0.9", text])

@@ -296,6 +296,38 @@ def test_a_bad_command_line_is_one_error_line_in_every_script(script, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+BAD_TAUS = {  # script -> a command line whose TAUS is a bad --taus (--tau) value, refused before anything loads
+    "bench/confidence_bounds.py": ["--taus", "TAUS"],
+    "bench/engine_modes.py": ["BUNDLE", "--taus", "TAUS"],
+    "bench/peers.py": ["prompts", "--work", "OUT", "--taus", "TAUS"],
+    "bench/runtime_vs_transformers.py": ["BUNDLE", "--taus", "TAUS"],
+    "bench/tpf_vs_training.py": [".", "--gsm8k", "FILE", "--tau", "TAUS"],
+    "samples/demo.py": ["BUNDLE", "--tau", "TAUS"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(BAD_TAUS))
+@pytest.mark.parametrize("taus, message", [("0.9,abc", "got 0.9,abc; tau >= 1 means one token per step (greedy AR)"),
+                                           ("-1", "got -1.0;")], ids=["comma-list", "negative"])
+def test_a_bad_tau_is_one_error_line_in_the_words_of_the_one_rule(script, taus, message, tmp_path):
+    """'--taus 0.9,abc' said 'invalid float value' and a negative tau ran until the decoder refused it (or, in
+    tpf_vs_training.py, until a model had loaded): every script that takes taus parses them with
+    runtime.command_line.tau_value, the runtime's one rule on tau (check_tau)."""
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
+    places = {"TAUS": taus, "OUT": tmp_path / "out", "FILE": tmp_path / "data.jsonl", "BUNDLE": tmp_path / "none"}
+    done = run_in(tmp_path, script, BAD_TAUS[script], places)
+    option = "--tau" if "--tau" in BAD_TAUS[script] else "--taus"
+    assert_one_error_line(done, f"argument {option}: tau must be a finite number >= 0, {message}")
+    assert os.listdir(tmp_path) == ["data.jsonl"]
+
+
+def test_every_script_that_takes_taus_is_tried_on_a_bad_tau():
+    files = {str(path.relative_to(ROOT)): path.read_text() for folder in ("bench", "samples")
+             for path in (ROOT / folder).rglob("*.py")}
+    assert {name for name, text in files.items() if '"--taus"' in text} | {"bench/tpf_vs_training.py",
+                                                                         "samples/demo.py"} == set(BAD_TAUS)
+
+
 def test_no_command_builds_argparses_own_parser_and_every_script_has_a_bad_command_line_above():
     """No module or script builds argparse.ArgumentParser itself (its refusals print the usage block), and every
     script that builds a parser is in BAD_COMMAND_LINES (a new one too)."""

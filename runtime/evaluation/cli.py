@@ -28,9 +28,9 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.command_line import ArgumentParser, UsageError, tau_value
 from runtime.decode.admission import why_no_adaptive_masks
-from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
+from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation import tasks
 from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
 from runtime.evaluation.plot import plot_tpf_quality
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=50, metavar="N", help="first N records of each file (default 50)")
     p.add_argument("--from-end", action="store_true", help="take the last N records of each file instead")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    p.add_argument("--taus", type=float, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
+    p.add_argument("--taus", type=tau_value, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
                    help="thresholds (default 1.0 0.95 0.9 0.8 0.7 0.6 0.5); 1.0 is added if none is >= 1")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None, metavar="B",
                    help="run-time block sizes, each <= the bundle's B (default: 4 and 8 where the bundle allows)")
@@ -85,11 +85,6 @@ def check_args(args: argparse.Namespace) -> None:
     """
     if args.gsm8k is None and args.humaneval is None and args.chat is None:
         raise UsageError("give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE")
-    for tau in args.taus:
-        try:
-            check_tau(tau)
-        except ParamError as e:
-            raise UsageError(f"every tau must be a number >= 0, got {tau} (tau >= 1 is greedy AR)") from e
     bounds = [("--num-prompts", args.num_prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
               ("--threads", args.threads, 0), *(("--block-sizes", b, 1) for b in args.block_sizes or [])]
     for name, value, low in bounds:

@@ -98,8 +98,9 @@ def test_end_to_end_outputs_are_consistent(bundle, data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--taus", "1.0", "-0.1"], "every tau must be a number >= 0"),
-    (["--taus", "nan"], "every tau must be a number >= 0"),
+    (["--taus", "1.0", "-0.1"], "argument --taus: tau must be a finite number >= 0, got -0.1"),
+    (["--taus", "nan"], "argument --taus: tau must be a finite number >= 0, got nan"),
+    (["--taus", "0.9,0.8"], "got 0.9,0.8; tau >= 1 means one token per step (greedy AR); separate taus by spaces"),
     (["--block-sizes", "8"], "none of the block sizes [8] fits a bundle exported with B = 4"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--max-new-tokens", "600"], "exceeds the model's max context"),

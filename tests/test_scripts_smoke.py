@@ -422,6 +422,11 @@ MISSING_INPUTS = {  # case -> (script, a command line naming NONE, a path that d
                                                             "OUT"], "--data: data file NONE does not exist"),
     "tpf_vs_training --append": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--append", "--out", "OUT"],
                                  "--append: OUT/tpf_vs_training.json not found; run without --append first"),
+    "tpf_vs_training --gsm8k no JSON": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "TEXT", "--out", "OUT"],
+                                        "--gsm8k: TEXT:2: not a JSON-lines file (Expecting value: line 1 column 1"),
+    "tpf_vs_training --gsm8k no question": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "TEXT", "--num-prompts",
+                                                                         "1", "--out", "OUT"],
+                                            "--gsm8k: TEXT:1: a GSM8K record needs a string field 'question'"),
     "tpf_vs_training --chat": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--chat", "FILE", "--out", "OUT"],
                                "--chat: FILE:1: expected an OpenAssistant tree"),
     "train_throughput model": ("bench/train_throughput.py", ["NONE", "--data", "FILE", "--out", "OUT"],
@@ -448,12 +453,14 @@ def test_an_input_path_that_is_not_there_or_of_another_kind_is_one_error_line(ca
     mine.mkdir()
     (mine / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?", "prompt": "Name a color.",
                                                  "response": "Blue."}) + "\n")
-    places = {"NONE": tmp_path / "none", "MINE": mine, "FILE": mine / "data.jsonl", "OUT": tmp_path / "out"}
+    (mine / "text.jsonl").write_text('{"prompt": "Name a color."}\nnot JSON\n')
+    places = {"NONE": tmp_path / "none", "MINE": mine, "FILE": mine / "data.jsonl", "TEXT": mine / "text.jsonl",
+              "OUT": tmp_path / "out"}
     done = run_in(tmp_path, script, args, places)
     for name, path in places.items():
         message = message.replace(name, str(path))
     assert_one_error_line(done, message)
-    assert os.listdir(tmp_path) == ["mine"] and os.listdir(mine) == ["data.jsonl"]
+    assert os.listdir(tmp_path) == ["mine"] and sorted(os.listdir(mine)) == ["data.jsonl", "text.jsonl"]
 
 
 @pytest.mark.parametrize("second, message", [

@@ -11,6 +11,8 @@ A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,8 +71,8 @@ def run_main(main: Callable[[], object]) -> int:
     one ``error: MESSAGE`` line on stderr when it raises an input error, one that names a bad input and its fix:
     :class:`UsageError` (a bad command line, or a value the script refuses through ``parser.error``),
     ``BundleError`` (a path that is no MARS bundle, or a broken one) or ``DataError`` (a missing or malformed data
-    file). Any other exception is a bug or a failed run and keeps its traceback. Used as
-    ``sys.exit(run_main(main))``."""
+    file). A closed stdout (``| head``) ends it quietly with status 1. Any other exception is a bug or a failed run
+    and keeps its traceback. Used as ``sys.exit(run_main(main))``."""
     # Imported here, and both modules need only the standard library: bench/peers.py runs this in the peer
     # engines' venvs, where the project and its dependencies are not installed.
     from runtime.bundle import BundleError
@@ -78,7 +80,15 @@ def run_main(main: Callable[[], object]) -> int:
 
     try:
         status = main()
+        sys.stdout.flush()  # a closed stdout shows here, where it is caught, not in the flush at exit
     except (UsageError, BundleError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            raise  # another pipe broke (a subprocess's, a socket): a failed run
+        # stdout's reader has gone (``| head``): stop quietly, as the Python docs' 'Note on SIGPIPE' does, with
+        # stdout pointed at devnull so the flush at exit raises nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return status if isinstance(status, int) else 0

@@ -13,7 +13,7 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser
+from runtime.command_line import ArgumentParser, run_main
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -78,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))  # run_main: a closed stdout (| head) ends it quietly

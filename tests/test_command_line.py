@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -77,3 +78,20 @@ def test_tau_value_refuses_in_the_words_of_the_one_rule_on_tau(text, message):
     assert p.parse_args(["--taus", "0", "0.9", "1", "1.5"]).taus == [0.0, 0.9, 1.0, 1.5]
     with pytest.raises(UsageError, match=re.escape(f"argument --taus: {message}")):
         p.parse_args(["--taus", "0.9", text])
+
+
+MEMORY = [sys.executable, "-m", "runtime.memory", "samples/jetson/configs/qwen2.5-7b-instruct", "--batch",
+          *map(str, range(1, 200)), "--context", "512", "1024", "2048"]  # a report longer than a pipe's buffer
+PRINTS = [sys.executable, "-c", "import sys\nfrom runtime.command_line import run_main\n"
+          "sys.exit(run_main(lambda: print('line\\n' * 100000)))"]
+
+
+@pytest.mark.parametrize("command", [MEMORY, PRINTS], ids=["memory", "run_main"])
+def test_a_closed_stdout_ends_a_command_quietly(command):
+    """'python -m runtime.memory ... | head -1' ended in a BrokenPipeError traceback: run_main, which the runtime's
+    commands and the scripts run through, stops quietly with status 1 (the Python docs' 'Note on SIGPIPE')."""
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone, as head's after its first line
+    done = subprocess.run(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(writer)
+    assert (done.returncode, done.stderr) == (1, "")

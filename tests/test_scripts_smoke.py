@@ -972,6 +972,38 @@ def test_demo_refuses_bad_values_with_one_line_before_decoding(tiny_bundle, tmp_
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+FAKE_BINARIES = {  # case -> (a shell script standing in for mars_c, exit status, lines c_sample.py prints)
+    "missing": (None, 2, ["error: argument --binary: BINARY is no file; build mars_c first (see samples/c/README.md)"]),
+    "fails": ("for i in $(seq 1 30); do echo \"onnxruntime log line $i\" >&2; done\n"
+              "echo 'mars_c: error at model.c:42: out of memory' >&2\nexit 1\n", 1,
+              ["error: --binary c=BINARY failed on the 64-token prompt:",
+               *(f"onnxruntime log line {i}" for i in range(22, 31)), "mars_c: error at model.c:42: out of memory"]),
+    "is-no-mars_c": ("exit 0\n", 1, ["error: --binary c=BINARY failed on the 64-token prompt:",
+                                     "BINARY printed no token ids and counts line as mars_c does; is it a mars_c "
+                                     "build? (see samples/c/README.md)"]),
+}
+
+
+@pytest.mark.usefixtures("shared_data")
+@pytest.mark.parametrize("case", sorted(FAKE_BINARIES))
+def test_c_sample_names_a_binary_that_is_not_built_or_fails_without_a_traceback(smoke_model, tmp_path, case):
+    """A binary that is not there is a bad command line (one line naming how to build it, exit status 2); one that
+    fails during the run stops it with exit status 1 and the end of its stderr (all of it was printed, and a program
+    that printed nothing, not being mars_c, ended in an IndexError traceback). Nothing is written either way."""
+    script, status, lines = FAKE_BINARIES[case]
+    binary = tmp_path / "mars_c"
+    if script is not None:
+        binary.write_text("#!/bin/sh\n" + script)
+        binary.chmod(0o755)
+    done = subprocess.run([sys.executable, "bench/c_sample.py", str(smoke_model[1]), "--binary", f"c={binary}",
+                           "--prompt-lengths", "64", "--max-new-tokens", "4", "--repeats", "1", "--threads", "1",
+                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert (done.returncode, done.stdout) == (status, ""), done.stderr[-2000:]
+    assert done.stderr.splitlines() == [line.replace("BINARY", str(binary)) for line in lines]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.usefixtures("shared_data")
 def test_engine_modes_refuses_adaptive_masks_on_the_block_scheme(smoke_model, tmp_path):
     """The block scheme runs every step W wide: --adaptive-masks with it (both schemes are the default) stops

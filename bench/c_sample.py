@@ -13,8 +13,9 @@ engine with adaptive masks (``mars_c --adaptive-masks``, ``DecodeParams.adaptive
 graph takes only W-wide steps, where they cannot act, stops before any run. Writes
 ``{name}.json`` (rows and a summary of medians, each engine against the first), ``{name}.csv``
 and ``{name}.png`` (prompt tokens/s of the prefill against prompt length); prints the summary
-as a markdown table. Bad arguments stop before anything runs, a failing binary with its own
-message, each as one ``error:`` line and nothing written.
+as a markdown table. Bad arguments (a binary that is missing or not built among them) stop before anything
+runs with one ``error:`` line, exit status 2; a binary that fails during the run stops it with exit status 1
+and the end of its stderr. Either way nothing is written.
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ def run(args) -> dict:
                         result.token_ids, result.prefill_seconds, result.num_prefill_forwards, result.num_forwards,
                         summary["decode_tokens_per_second"])
                 else:
-                    out_ids, counts = wrapper.run_binary(binary, args.bundle, ids, args.tau, args.max_new_tokens,
-                                                         num_threads=args.threads, timeout=600,
-                                                         adaptive_masks=args.adaptive_masks)
+                    try:
+                        out_ids, counts = wrapper.run_binary(binary, args.bundle, ids, args.tau, args.max_new_tokens,
+                                                             num_threads=args.threads, timeout=600,
+                                                             adaptive_masks=args.adaptive_masks)
+                    except wrapper.MarsCError as e:
+                        raise wrapper.MarsCError(f"--binary {name}={binary} failed on the {length}-token prompt:\n"
+                                                 f"{e}") from e
                     prefill_s, forwards, decode_forwards, decode_tps = (
                         counts["prefill_seconds"], counts["num_prefill_forwards"], counts["num_forwards"],
                         counts["decode_tokens_per_second"])
@@ -205,7 +210,7 @@ def usage_problem(args) -> str | None:
     return None
 
 
-def main() -> None:
+def main() -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path)
     p.add_argument("--binary", type=parse_binary, action="append", required=True, metavar="NAME=PATH",
@@ -226,10 +231,12 @@ def main() -> None:
         p.error(problem)
     try:
         result = run(args)
-    except (BundleError, ValueError, wrapper.MarsCError) as e:  # a binary's or the tokenizer's own message
-        sys.exit(f"error: {e}")
+    except (BundleError, ValueError, wrapper.MarsCError) as e:  # a binary's (its stderr's end) or the tokenizer's
+        print(f"error: {e}", file=sys.stderr)
+        return 1  # a failed run, not a bad command line; nothing written
     write_results(args.out, args.name, result, result["rows"], partial(plot, result))
     print(markdown(result["summary"]))
+    return 0
 
 
 if __name__ == "__main__":

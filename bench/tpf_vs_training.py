@@ -36,10 +36,11 @@ from peft import PeftModel
 
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
-from runtime.command_line import ArgumentParser, UsageError, existing_file, existing_folder, run_main
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, run_main,
+                                  tau_value)
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
-from runtime.evaluation.tasks import DataError, load_chat
+from runtime.evaluation.tasks import DataError, load_chat, read_jsonl
 
 Messages = list[dict[str, str]]
 SETTINGS = ("tau", "block_size", "num_prompts", "max_new_tokens", "chat")
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", type=existing_file, default=None, help="OpenAssistant tree JSONL (chat_multiturn)")
     p.add_argument("--num-prompts", type=int, default=5, help="prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--tau", type=float, default=0.9)
+    p.add_argument("--tau", type=tau_value, default=0.9)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--every", type=int, default=50, help="use checkpoints whose step is a multiple of this (and the last)")
     p.add_argument("--data", action="append", default=[], help="the run's training files (for example tokens seen)")
@@ -123,8 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    prompt_sets = {"gsm8k": [[{"role": "user", "content": json.loads(line)["question"]}]
-                             for line in args.gsm8k.open()][:args.num_prompts]}
+    prompt_sets = {"gsm8k": [[{"role": "user", "content": question}] for question in gsm8k_questions(args)]}
     if args.chat is not None:
         try:
             prompt_sets["chat"] = [item.messages() for item in load_chat(args.chat, args.num_prompts)]
@@ -145,6 +145,19 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         write(args, rows)  # after every row: a long run stopped early keeps what it measured
+
+
+def gsm8k_questions(args) -> list[str]:
+    """The first ``--num-prompts`` questions of ``--gsm8k`` (the bare question: no instruction, unlike mars-eval);
+    UsageError naming the file and line of a line that is no JSON object with a string 'question'."""
+    try:
+        records = read_jsonl(args.gsm8k, args.num_prompts)
+    except DataError as e:
+        raise UsageError(f"--gsm8k: {e}") from e
+    for number, _, record in records:
+        if not isinstance(record.get("question"), str):
+            raise UsageError(f"--gsm8k: {args.gsm8k}:{number}: a GSM8K record needs a string field 'question'")
+    return [record["question"] for _, _, record in records]
 
 
 def previous_rows(args) -> list[dict]:

@@ -6,11 +6,14 @@ every other refusal of these commands is: one ``error: ...`` line and exit statu
 (``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
 An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
+A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -63,14 +66,30 @@ def naming_options(options: dict[str, str]) -> Iterator[None]:
         raise e.naming(options[e.setting]) from e
 
 
+def tau_value(text: str) -> float:
+    """``type=`` of a ``--tau``/``--taus`` argument: the number, or argparse's refusal in the words of the one rule
+    on tau (:func:`runtime.decode.params.check_tau`), before anything is loaded."""
+    from runtime.decode.params import ParamError, check_tau  # imported here: the module loads numpy
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = text  # no number: check_tau refuses it, naming it as given
+    try:
+        return check_tau(value)
+    except ParamError as e:
+        hint = "; separate taus by spaces (--taus 0.9 0.8)" if "," in text else ""
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+
 def run_main(main: Callable[[], object]) -> int:
     """Run a script's ``main()``, one that parses ``sys.argv`` with :class:`ArgumentParser`, and return the exit
     status: what ``main`` returns when that is an int, else 0 (None, or a result some main returns); or 2 after
     one ``error: MESSAGE`` line on stderr when it raises an input error, one that names a bad input and its fix:
     :class:`UsageError` (a bad command line, or a value the script refuses through ``parser.error``),
     ``BundleError`` (a path that is no MARS bundle, or a broken one) or ``DataError`` (a missing or malformed data
-    file). Any other exception is a bug or a failed run and keeps its traceback. Used as
-    ``sys.exit(run_main(main))``."""
+    file). A closed stdout (``| head``) ends it quietly with status 1. Any other exception is a bug or a failed run
+    and keeps its traceback. Used as ``sys.exit(run_main(main))``."""
     # Imported here, and both modules need only the standard library: bench/peers.py runs this in the peer
     # engines' venvs, where the project and its dependencies are not installed.
     from runtime.bundle import BundleError
@@ -78,7 +97,15 @@ def run_main(main: Callable[[], object]) -> int:
 
     try:
         status = main()
+        sys.stdout.flush()  # a closed stdout shows here, where it is caught, not in the flush at exit
     except (UsageError, BundleError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            raise  # another pipe broke (a subprocess's, a socket): a failed run
+        # stdout's reader has gone (``| head``): stop quietly, as the Python docs' 'Note on SIGPIPE' does, with
+        # stdout pointed at devnull so the flush at exit raises nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return status if isinstance(status, int) else 0

@@ -13,7 +13,7 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, naming_options
+from runtime.command_line import ArgumentParser, naming_options, run_main
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -89,4 +89,4 @@ def ended_at_once(token_ids: list[int], eos_token_ids: tuple[int, ...]) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))  # run_main: a closed stdout (| head) ends it quietly

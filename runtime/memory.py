@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.command_line import ArgumentParser
+from runtime.command_line import ArgumentParser, run_main
 from runtime.context import max_context_of
 from runtime.hf_config import count_parameters, kv_heads_and_head_dim, read_config_json
 
@@ -315,4 +315,4 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))  # run_main: a closed stdout (| head) ends it quietly

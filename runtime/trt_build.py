@@ -31,7 +31,7 @@ from pathlib import Path
 
 from runtime import bundle
 from runtime.bundle import BundleConfig, BundleError, load_config
-from runtime.command_line import ArgumentParser
+from runtime.command_line import ArgumentParser, run_main
 
 # None for max_context / opt_context: min(model context, MAX_CONTEXT_CAP) and min(max_context, OPT_CONTEXT_CAP)
 MAX_CONTEXT_CAP = 4096
@@ -246,4 +246,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))  # run_main: a closed stdout (| head) ends it quietly

@@ -3,6 +3,8 @@ options named in a setting's error."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 
 from runtime.bundle import BundleError
 from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, naming_options,
-                                  run_main)
+                                  run_main, tau_value)
 from runtime.decode.admission import SettingError
 from runtime.evaluation.tasks import DataError
 
@@ -79,3 +81,34 @@ def test_naming_options_names_the_option_of_the_settings_field():
         with pytest.raises(ValueError) as caught, naming_options(options):
             raise error
         assert caught.value is error
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0.9,abc", "tau must be a finite number >= 0, got 0.9,abc; tau >= 1 means one token per step (greedy AR); "
+                "separate taus by spaces (--taus 0.9 0.8)"),
+    *((text, f"tau must be a finite number >= 0, got {text}") for text in ("-0.5", "nan", "inf"))])
+def test_tau_value_refuses_in_the_words_of_the_one_rule_on_tau(text, message):
+    """The scripts' --tau/--taus took any float (a comma list was 'invalid float value', a negative or nan tau ran
+    until the decoder refused it, or not at all): tau_value applies check_tau, the runtime's one rule."""
+    p = ArgumentParser()
+    p.add_argument("--taus", type=tau_value, nargs="+")
+    assert p.parse_args(["--taus", "0", "0.9", "1", "1.5"]).taus == [0.0, 0.9, 1.0, 1.5]
+    with pytest.raises(UsageError, match=re.escape(f"argument --taus: {message}")):
+        p.parse_args(["--taus", "0.9", text])
+
+
+MEMORY = [sys.executable, "-m", "runtime.memory", "samples/jetson/configs/qwen2.5-7b-instruct", "--batch",
+          *map(str, range(1, 200)), "--context", "512", "1024", "2048"]  # a report longer than a pipe's buffer
+PRINTS = [sys.executable, "-c", "import sys\nfrom runtime.command_line import run_main\n"
+          "sys.exit(run_main(lambda: print('line\\n' * 100000)))"]
+
+
+@pytest.mark.parametrize("command", [MEMORY, PRINTS], ids=["memory", "run_main"])
+def test_a_closed_stdout_ends_a_command_quietly(command):
+    """'python -m runtime.memory ... | head -1' ended in a BrokenPipeError traceback: run_main, which the runtime's
+    commands and the scripts run through, stops quietly with status 1 (the Python docs' 'Note on SIGPIPE')."""
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone, as head's after its first line
+    done = subprocess.run(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(writer)
+    assert (done.returncode, done.stderr) == (1, "")

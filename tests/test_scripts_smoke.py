@@ -296,6 +296,38 @@ def test_a_bad_command_line_is_one_error_line_in_every_script(script, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+BAD_TAUS = {  # script -> a command line whose TAUS is a bad --taus (--tau) value, refused before anything loads
+    "bench/confidence_bounds.py": ["--taus", "TAUS"],
+    "bench/engine_modes.py": ["BUNDLE", "--taus", "TAUS"],
+    "bench/peers.py": ["prompts", "--work", "OUT", "--taus", "TAUS"],
+    "bench/runtime_vs_transformers.py": ["BUNDLE", "--taus", "TAUS"],
+    "bench/tpf_vs_training.py": [".", "--gsm8k", "FILE", "--tau", "TAUS"],
+    "samples/demo.py": ["BUNDLE", "--tau", "TAUS"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(BAD_TAUS))
+@pytest.mark.parametrize("taus, message", [("0.9,abc", "got 0.9,abc; tau >= 1 means one token per step (greedy AR)"),
+                                           ("-1", "got -1.0;")], ids=["comma-list", "negative"])
+def test_a_bad_tau_is_one_error_line_in_the_words_of_the_one_rule(script, taus, message, tmp_path):
+    """'--taus 0.9,abc' said 'invalid float value' and a negative tau ran until the decoder refused it (or, in
+    tpf_vs_training.py, until a model had loaded): every script that takes taus parses them with
+    runtime.command_line.tau_value, the runtime's one rule on tau (check_tau)."""
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
+    places = {"TAUS": taus, "OUT": tmp_path / "out", "FILE": tmp_path / "data.jsonl", "BUNDLE": tmp_path / "none"}
+    done = run_in(tmp_path, script, BAD_TAUS[script], places)
+    option = "--tau" if "--tau" in BAD_TAUS[script] else "--taus"
+    assert_one_error_line(done, f"argument {option}: tau must be a finite number >= 0, {message}")
+    assert os.listdir(tmp_path) == ["data.jsonl"]
+
+
+def test_every_script_that_takes_taus_is_tried_on_a_bad_tau():
+    files = {str(path.relative_to(ROOT)): path.read_text() for folder in ("bench", "samples")
+             for path in (ROOT / folder).rglob("*.py")}
+    assert {name for name, text in files.items() if '"--taus"' in text} | {"bench/tpf_vs_training.py",
+                                                                         "samples/demo.py"} == set(BAD_TAUS)
+
+
 def test_no_command_builds_argparses_own_parser_and_every_script_has_a_bad_command_line_above():
     """No module or script builds argparse.ArgumentParser itself (its refusals print the usage block), and every
     script that builds a parser is in BAD_COMMAND_LINES (a new one too)."""
@@ -390,6 +422,11 @@ MISSING_INPUTS = {  # case -> (script, a command line naming NONE, a path that d
                                                             "OUT"], "--data: data file NONE does not exist"),
     "tpf_vs_training --append": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--append", "--out", "OUT"],
                                  "--append: OUT/tpf_vs_training.json not found; run without --append first"),
+    "tpf_vs_training --gsm8k no JSON": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "TEXT", "--out", "OUT"],
+                                        "--gsm8k: TEXT:2: not a JSON-lines file (Expecting value: line 1 column 1"),
+    "tpf_vs_training --gsm8k no question": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "TEXT", "--num-prompts",
+                                                                         "1", "--out", "OUT"],
+                                            "--gsm8k: TEXT:1: a GSM8K record needs a string field 'question'"),
     "tpf_vs_training --chat": ("bench/tpf_vs_training.py", ["MINE", "--gsm8k", "FILE", "--chat", "FILE", "--out", "OUT"],
                                "--chat: FILE:1: expected an OpenAssistant tree"),
     "train_throughput model": ("bench/train_throughput.py", ["NONE", "--data", "FILE", "--out", "OUT"],
@@ -416,12 +453,14 @@ def test_an_input_path_that_is_not_there_or_of_another_kind_is_one_error_line(ca
     mine.mkdir()
     (mine / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?", "prompt": "Name a color.",
                                                  "response": "Blue."}) + "\n")
-    places = {"NONE": tmp_path / "none", "MINE": mine, "FILE": mine / "data.jsonl", "OUT": tmp_path / "out"}
+    (mine / "text.jsonl").write_text('{"prompt": "Name a color."}\nnot JSON\n')
+    places = {"NONE": tmp_path / "none", "MINE": mine, "FILE": mine / "data.jsonl", "TEXT": mine / "text.jsonl",
+              "OUT": tmp_path / "out"}
     done = run_in(tmp_path, script, args, places)
     for name, path in places.items():
         message = message.replace(name, str(path))
     assert_one_error_line(done, message)
-    assert os.listdir(tmp_path) == ["mine"] and os.listdir(mine) == ["data.jsonl"]
+    assert os.listdir(tmp_path) == ["mine"] and sorted(os.listdir(mine)) == ["data.jsonl", "text.jsonl"]
 
 
 @pytest.mark.parametrize("second, message", [
@@ -931,6 +970,38 @@ def test_demo_refuses_bad_values_with_one_line_before_decoding(tiny_bundle, tmp_
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+FAKE_BINARIES = {  # case -> (a shell script standing in for mars_c, exit status, lines c_sample.py prints)
+    "missing": (None, 2, ["error: argument --binary: BINARY is no file; build mars_c first (see samples/c/README.md)"]),
+    "fails": ("for i in $(seq 1 30); do echo \"onnxruntime log line $i\" >&2; done\n"
+              "echo 'mars_c: error at model.c:42: out of memory' >&2\nexit 1\n", 1,
+              ["error: --binary c=BINARY failed on the 64-token prompt:",
+               *(f"onnxruntime log line {i}" for i in range(22, 31)), "mars_c: error at model.c:42: out of memory"]),
+    "is-no-mars_c": ("exit 0\n", 1, ["error: --binary c=BINARY failed on the 64-token prompt:",
+                                     "BINARY printed no token ids and counts line as mars_c does; is it a mars_c "
+                                     "build? (see samples/c/README.md)"]),
+}
+
+
+@pytest.mark.usefixtures("shared_data")
+@pytest.mark.parametrize("case", sorted(FAKE_BINARIES))
+def test_c_sample_names_a_binary_that_is_not_built_or_fails_without_a_traceback(smoke_model, tmp_path, case):
+    """A binary that is not there is a bad command line (one line naming how to build it, exit status 2); one that
+    fails during the run stops it with exit status 1 and the end of its stderr (all of it was printed, and a program
+    that printed nothing, not being mars_c, ended in an IndexError traceback). Nothing is written either way."""
+    script, status, lines = FAKE_BINARIES[case]
+    binary = tmp_path / "mars_c"
+    if script is not None:
+        binary.write_text("#!/bin/sh\n" + script)
+        binary.chmod(0o755)
+    done = subprocess.run([sys.executable, "bench/c_sample.py", str(smoke_model[1]), "--binary", f"c={binary}",
+                           "--prompt-lengths", "64", "--max-new-tokens", "4", "--repeats", "1", "--threads", "1",
+                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert (done.returncode, done.stdout) == (status, ""), done.stderr[-2000:]
+    assert done.stderr.splitlines() == [line.replace("BINARY", str(binary)) for line in lines]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.usefixtures("shared_data")

@@ -98,6 +98,8 @@ class TrainConfig:
         check_revision(self.model, self.revision)
         if not self.data:
             raise ValueError("give at least one --data FILE")
+        if not self.output:  # a path would read it as the current directory
+            raise ValueError("--output is empty: give the directory to write the checkpoints and the final model to")
         checks = {"--block-size": self.block_size, "--batch-size": self.batch_size,
                   "--grad-accum": self.grad_accum, "--logging-steps": self.logging_steps}
         for name, value in checks.items():

@@ -5,15 +5,15 @@ Usage::
     mars-eval BUNDLE [BUNDLE ...] [--gsm8k FILE] [--humaneval FILE] [--chat FILE]
               [--num-prompts N] [--from-end] [--max-new-tokens N] [--taus T ...]
               [--block-sizes B ...] [--draft masks|lookup|both] [--adaptive-masks] [--metric M]
-              [--exec-timeout S] [--provider cpu|cuda|tensorrt] [--threads N] [--out DIR]
+              [--exec-timeout S] [--provider cpu|cuda|tensorrt] [--threads N] [--out DIR] [--force]
 
 Runs the torch-free runtime on the first (``--from-end``: last) N prompts of each file,
 for every bundle, block size B and tau, and writes ``results.json`` (settings, per-prompt
-records, summary), ``summary.csv`` and ``tpf_quality.png`` into ``--out``, then prints the
-summary table. Reported per (bundle, B, tau, draft source, adaptive masks): TPF, decode
-tokens/s and speed-up over AR, agreement with the bundle's own greedy AR output, GSM8K
-accuracy and HumanEval pass@1 (greedy, one sample); chat prompts (OpenAssistant trees) count
-in TPF and agreement only. ``--adaptive-masks`` runs every setting that feeds masks a second
+records, summary), ``summary.csv`` and ``tpf_quality.png`` into ``--out`` (one that holds them
+already is refused unless ``--force`` is given), then prints the summary table. Reported per
+(bundle, B, tau, draft source, adaptive masks): TPF, decode tokens/s and speed-up over AR,
+agreement with the bundle's own greedy AR output, GSM8K accuracy and HumanEval pass@1 (greedy,
+one sample); chat prompts (OpenAssistant trees) count in TPF and agreement only. ``--adaptive-masks`` runs every setting that feeds masks a second
 time with adaptive masks (``runtime.decode.mask_backoff``), right after it; a bundle whose graph
 has a fixed window (exported before 2026-11-30) cannot run them and stops the run before it starts.
 """
@@ -28,13 +28,13 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.command_line import ArgumentParser, UsageError, tau_value
 from runtime.decode.admission import why_no_adaptive_masks
-from runtime.decode.params import DRAFTS, DecodeParams, ParamError, check_tau
+from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation import tasks
 from runtime.evaluation.execution import DEFAULT_TIMEOUT, check_completion, verify_harness
-from runtime.evaluation.plot import plot_tpf_quality
-from runtime.evaluation.report import format_table, write_csv, write_json
+from runtime.evaluation.plot import PLOT_FILE, plot_tpf_quality
+from runtime.evaluation.report import RESULTS_FILE, SUMMARY_FILE, format_table, write_csv, write_json
 from runtime.evaluation.runner import DEFAULT_TAUS, encode_prompts, plan_block_sizes, plan_taus, run_bundle
 from runtime.evaluation.scoring import score_all
 from runtime.evaluation.summary import summarize
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=50, metavar="N", help="first N records of each file (default 50)")
     p.add_argument("--from-end", action="store_true", help="take the last N records of each file instead")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    p.add_argument("--taus", type=float, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
+    p.add_argument("--taus", type=tau_value, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
                    help="thresholds (default 1.0 0.95 0.9 0.8 0.7 0.6 0.5); 1.0 is added if none is >= 1")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None, metavar="B",
                    help="run-time block sizes, each <= the bundle's B (default: 4 and 8 where the bundle allows)")
@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
     p.add_argument("--out", default="mars-eval-results", metavar="DIR",
                    help="output directory (default ./mars-eval-results)")
+    p.add_argument("--force", action="store_true",
+                   help=f"replace the {RESULTS_FILE}, {SUMMARY_FILE} and {PLOT_FILE} of an earlier run in --out "
+                   "(default: refuse, before anything is loaded)")
     return p.parse_args(argv)
 
 
@@ -85,11 +88,6 @@ def check_args(args: argparse.Namespace) -> None:
     """
     if args.gsm8k is None and args.humaneval is None and args.chat is None:
         raise UsageError("give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE")
-    for tau in args.taus:
-        try:
-            check_tau(tau)
-        except ParamError as e:
-            raise UsageError(f"every tau must be a number >= 0, got {tau} (tau >= 1 is greedy AR)") from e
     bounds = [("--num-prompts", args.num_prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
               ("--threads", args.threads, 0), *(("--block-sizes", b, 1) for b in args.block_sizes or [])]
     for name, value, low in bounds:
@@ -102,12 +100,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("a bundle directory is given twice")
     if args.out == "":  # a path would read it as the current directory
         raise UsageError("--out is empty: give the directory to write the results to (default ./mars-eval-results)")
-    check_out_dir(Path(args.out))
+    check_out_dir(Path(args.out), args.force)
 
 
-def check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, force: bool = False) -> None:
     """Refuse an ``--out`` that is a file or lies under one (the results could not be written there), in the words
-    mars-export and mars-train use for their outputs.
+    mars-export and mars-train use for their outputs, and (unless ``force``) one that holds the results of an
+    earlier run, which this run would replace.
 
     Raises:
         UsageError: naming the file and the fix.
@@ -118,6 +117,10 @@ def check_out_dir(out: Path) -> None:
     if above is not None and not above.is_dir():
         raise UsageError(f"--out {out} lies under {above}, which is a file, not a directory, so no results can be "
                          "written there; choose another --out")
+    earlier = [name for name in (RESULTS_FILE, SUMMARY_FILE, PLOT_FILE) if (out / name).exists()]
+    if earlier and not force:
+        raise UsageError(f"--out {out} already holds {', '.join(earlier)} of an earlier run; choose another --out "
+                         "or pass --force to replace them")
 
 
 def load_items(args: argparse.Namespace) -> list[tasks.EvalItem]:

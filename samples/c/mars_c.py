@@ -24,8 +24,12 @@ from runtime.command_line import ArgumentParser, UsageError
 DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
 
 
+STDERR_TAIL_LINES = 10  # of a failed binary's stderr, in MarsCError's message
+
+
 class MarsCError(RuntimeError):
-    """The binary exited with an error; the message is its own (``mars_c: error at FILE:LINE: ...``)."""
+    """The binary exited with an error; the message is its own (``mars_c: error at FILE:LINE: ...``), the end of its
+    stderr, or says that it ran too long or printed what mars_c does not."""
 
 
 def binary_problem(binary: str | Path) -> str | None:
@@ -68,11 +72,19 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
         command += ["--block-size", str(block_size)]
     if adaptive_masks:
         command.append("--adaptive-masks")
-    proc = subprocess.run(command, input=" ".join(map(str, prompt_ids)), capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run(command, input=" ".join(map(str, prompt_ids)), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise MarsCError(f"{binary} ran past {timeout:g} s and was stopped") from e
+    lines = proc.stderr.strip().splitlines()
     if proc.returncode != 0:
-        raise MarsCError(proc.stderr.strip() or f"{binary} exited with status {proc.returncode}")
-    return [int(t) for t in proc.stdout.split()], json.loads(proc.stderr.strip().splitlines()[-1])
+        raise MarsCError("\n".join(lines[-STDERR_TAIL_LINES:]) or f"{binary} exited with status {proc.returncode}")
+    try:
+        return [int(t) for t in proc.stdout.split()], json.loads(lines[-1])
+    except (IndexError, ValueError) as e:  # no counts line, or no ids: not what mars_c prints
+        raise MarsCError(f"{binary} printed no token ids and counts line as mars_c does; is it a mars_c build? "
+                         "(see samples/c/README.md)") from e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -98,8 +98,9 @@ def test_end_to_end_outputs_are_consistent(bundle, data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--taus", "1.0", "-0.1"], "every tau must be a number >= 0"),
-    (["--taus", "nan"], "every tau must be a number >= 0"),
+    (["--taus", "1.0", "-0.1"], "argument --taus: tau must be a finite number >= 0, got -0.1"),
+    (["--taus", "nan"], "argument --taus: tau must be a finite number >= 0, got nan"),
+    (["--taus", "0.9,0.8"], "got 0.9,0.8; tau >= 1 means one token per step (greedy AR); separate taus by spaces"),
     (["--block-sizes", "8"], "none of the block sizes [8] fits a bundle exported with B = 4"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--max-new-tokens", "600"], "exceeds the model's max context"),
@@ -286,3 +287,22 @@ def test_adaptive_masks_on_a_fixed_window_bundle_stop_before_any_decoding(bundle
     assert len(err) == 1 and err[0].startswith(f"error: --adaptive-masks on {old}: adaptive masks cannot act")
     assert "re-export the bundle with mars-export" in err[0]
     assert decoded == [] and not (tmp_path / "out").exists()
+
+
+def test_an_out_with_earlier_results_is_refused_unless_force(bundle, data, tmp_path, capsys, monkeypatch):
+    """mars-eval --out DIR silently replaced the results of an earlier run in DIR. It refuses, before anything is
+    loaded, naming the files and --force, and keeps them; other files in DIR are no obstacle."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "summary.csv").write_text("earlier")
+    (out / "tpf_quality.png").write_text("earlier")
+    with monkeypatch.context() as m:
+        m.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
+        assert main(eval_args(bundle, data, out)) == 2
+    assert capsys.readouterr().err == (f"error: --out {out} already holds summary.csv, tpf_quality.png of an earlier "
+                                       "run; choose another --out or pass --force to replace them\n")
+    assert (out / "summary.csv").read_text() == "earlier" and not (out / "results.json").exists()
+    assert main(eval_args(bundle, data, out, "--force")) == 0
+    assert (out / "summary.csv").read_text() != "earlier" and (out / "results.json").is_file()
+    assert (out / "notes.txt").read_text() == "mine"

@@ -83,6 +83,14 @@ def test_naming_options_names_the_option_of_the_settings_field():
         assert caught.value is error
 
 
+def test_the_decode_package_summary_names_the_home_of_setting_errors():
+    """runtime/decode/__init__.py summarises each module: admission's line named its checks, not SettingError,
+    which every engine and backend setting error is (the one home a reader looks for)."""
+    import runtime.decode
+    line = next(line for line in runtime.decode.__doc__.splitlines() if line.strip().startswith("admission"))
+    assert "SettingError" in line
+
+
 @pytest.mark.parametrize("text, message", [
     ("0.9,abc", "tau must be a finite number >= 0, got 0.9,abc; tau >= 1 means one token per step (greedy AR); "
                 "separate taus by spaces (--taus 0.9 0.8)"),

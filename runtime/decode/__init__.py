@@ -9,7 +9,8 @@
     kv_cache    the slot KV cache
     batch       the step graph's input arrays (window mask, positions)
     reads       what a step reads: each row's read positions; ids, the confidence gate or logits
-    admission   what the engine admits: prompt ids, batch size, slot length, where adaptive masks act
+    admission   what the engine admits: prompt ids, batch size, slot length, where adaptive masks act; SettingError
+                (a bad engine or backend setting, named by its field)
     engine      Engine.step: schedule, run, accept, commit
     decoder     Decoder: one prompt through the engine
 """

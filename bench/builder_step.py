@@ -75,7 +75,7 @@ from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
 from profile_step import interleaved_times, load_bundles, make_session, step_call  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
-from runtime.command_line import ArgumentParser, existing_folder, run_main
+from runtime.command_line import ArgumentParser, existing_folder, run_main, threads_value
 from runtime.decode.batch import run_batch, run_prefill
 from scaling import decode_inputs
 
@@ -281,7 +281,8 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=2048, help="the builder graph's KV buffer length S")
     p.add_argument("--steps", type=int, default=20, help="steps per timing sample")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
+    p.add_argument("--threads", type=threads_value, default=len(os.sched_getaffinity(0)),
+                   help="onnxruntime intra-op threads")
     p.add_argument("--identity-tokens", type=int, default=8,
                    help="tokens of the identity-by-chunking check (default 8; 0 skips it)")
     p.add_argument("--identity-prompt", type=int, default=32, help="prompt ids before them (default 32)")

@@ -33,9 +33,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from results_files import write_results  # noqa: E402 (bench/ is on the path as a script)
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
-from runtime.backends.onnx import MAX_THREADS, OnnxBackend  # noqa: E402
+from runtime.backends.onnx import OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
-from runtime.command_line import ArgumentParser, run_main  # noqa: E402
+from runtime.command_line import ArgumentParser, run_main, threads_value  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
 from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
@@ -180,8 +180,6 @@ def usage_problem(args) -> str | None:
         return f"--binary names must differ, got {names}"
     if min(args.prompt_lengths) < 2 or args.repeats < 1 or args.max_new_tokens < 1:
         return "--prompt-lengths must be >= 2, --repeats and --max-new-tokens >= 1"
-    if not 0 <= args.threads <= MAX_THREADS:
-        return f"--threads must be in 0..{MAX_THREADS} (0: onnxruntime's choice), got {args.threads}"
     try:
         DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens)
     except ValueError as e:
@@ -222,7 +220,7 @@ def main() -> int:
     p.add_argument("--adaptive-masks", action="store_true",
                    help="feed mask tokens only while they gain tokens, in every engine (runtime.decode.mask_backoff)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (0: its choice)")
+    p.add_argument("--threads", type=threads_value, default=2, help="onnxruntime intra-op threads (0: its choice)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--name", default="c_sample", help="stem of the output files (default c_sample)")
     args = p.parse_args()

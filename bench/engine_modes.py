@@ -36,7 +36,7 @@ from support import shared_data_file, shared_data_missing
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, run_main, tau_value
+from runtime.command_line import ArgumentParser, run_main, tau_value, threads_value
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError
@@ -133,7 +133,7 @@ def main() -> None:
                    help="per-request block sizes for threshold and verify mode (default: the bundle's B)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=threads_value, default=2)
     p.add_argument("--adaptive-masks", action="store_true",
                    help="run each setting that feeds masks also with adaptive masks (runtime.decode.mask_backoff)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

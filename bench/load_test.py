@@ -49,7 +49,7 @@ import openai
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, run_main, threads_value
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of the fixed phase")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2, help="onnxruntime threads of the server")
+    p.add_argument("--threads", type=threads_value, default=2, help="onnxruntime threads of the server")
     p.add_argument("--tau-min", type=float, default=0.5)
     p.add_argument("--queue-high", type=int, default=16)
     p.add_argument("--ramp", type=int, nargs="*", default=[1, 16, 32, 16, 1], help="clients per ramp step")

@@ -48,7 +48,7 @@ from mars_export import quantize
 from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleConfig, load_config
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, run_main, threads_value
 from runtime.decode.batch import window_mask
 from runtime.text.tokenizer import Tokenizer
 
@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--past", type=int, default=128, help="cached positions of the timed step (default 128)")
     p.add_argument("--windows", type=int, nargs="+", default=None, help="timed step windows (default: the bundle's W)")
     p.add_argument("--repeats", type=int, default=30, help="timed steps per graph (default 30)")
-    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
+    p.add_argument("--threads", type=threads_value, default=2, help="onnxruntime intra-op threads (default 2)")
     p.add_argument("--graphs", nargs="+", default=[], metavar="NAME=PATH[@LEVEL]",
                    help="also compare these quantized graphs of the same model; @LEVEL sets their accuracy_level")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="step time: wall clock or process CPU time")

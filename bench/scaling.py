@@ -61,7 +61,7 @@ from results_files import write_results  # bench/ is on the path when this file 
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
-from runtime.command_line import ArgumentParser, UsageError, run_main
+from runtime.command_line import ArgumentParser, UsageError, run_main, threads_value
 from runtime.decode.batch import run_batch, run_first_chunks, scratch_past, window_mask
 from runtime.decode.kv_cache import KVCache
 
@@ -519,7 +519,8 @@ def main() -> None:
                    help="decode windows W, one or more (default: 1 on dynamic-window graphs, the AR step; else the "
                         "bundle's W)")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 256, 512, 1024], help="prefill T")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime and STREAM threads")
+    p.add_argument("--threads", type=threads_value, default=len(os.sched_getaffinity(0)),
+                   help="onnxruntime and STREAM threads")
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per point (at most)")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point")
     p.add_argument("--max-seconds", type=float, default=6.0, help="stop timing a point after this (min 3 steps)")

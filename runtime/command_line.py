@@ -6,7 +6,8 @@ every other refusal of these commands is: one ``error: ...`` line and exit statu
 (``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
 An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
-A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau.
+A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau, and a ``--threads``
+value with :func:`threads_value`, the backend's rule on its onnxruntime threads.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def tau_value(text: str) -> float:
     except ParamError as e:
         hint = "; separate taus by spaces (--taus 0.9 0.8)" if "," in text else ""
         raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+
+def threads_value(text: str) -> int:
+    """``type=`` of a ``--threads`` argument (an onnxruntime backend's intra-op threads): the number, or argparse's
+    refusal in the words of the backend's rule (:func:`runtime.decode.admission.check_num_threads`: ``argument
+    --threads: must be in 0..256 (0 lets onnxruntime choose), got 300``), before anything is loaded."""
+    from runtime.decode.admission import SettingError, check_num_threads  # imported here: the module loads numpy
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    try:
+        return check_num_threads(value)
+    except SettingError as e:
+        raise argparse.ArgumentTypeError(e.detail) from None
 
 
 def run_main(main: Callable[[], object]) -> int:

@@ -13,7 +13,7 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, naming_options, run_main
+from runtime.command_line import ArgumentParser, naming_options, run_main, threads_value
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's choice)")
+    p.add_argument("--threads", type=threads_value, default=0, help="intra-op threads (0: onnxruntime's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p.parse_args(argv)
 

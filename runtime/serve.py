@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
-from runtime.command_line import ArgumentParser, naming_options
+from runtime.command_line import ArgumentParser, naming_options, threads_value
 from runtime.decode.admission import SettingError
 from runtime.decode.engine import EngineConfig
 from runtime.decode.scheduler import SCHEMES
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per slot (default: the model's context, or a TensorRT engine's profile); checked "
                         "with --max-batch-size against the free memory at start-up")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
-    g.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
+    g.add_argument("--threads", type=threads_value, default=0, help="onnxruntime intra-op threads (0: its choice)")
     g = p.add_argument_group("tau and the load policy")
     g.add_argument("--tau", type=_tau, default=1.0,
                    help="base default tau for requests without tau, 0..1 (default 1.0)")

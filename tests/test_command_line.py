@@ -13,7 +13,7 @@ import pytest
 
 from runtime.bundle import BundleError
 from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, naming_options,
-                                  run_main, tau_value)
+                                  run_main, tau_value, threads_value)
 from runtime.decode.admission import SettingError
 from runtime.evaluation.tasks import DataError
 
@@ -103,6 +103,19 @@ def test_tau_value_refuses_in_the_words_of_the_one_rule_on_tau(text, message):
     assert p.parse_args(["--taus", "0", "0.9", "1", "1.5"]).taus == [0.0, 0.9, 1.0, 1.5]
     with pytest.raises(UsageError, match=re.escape(f"argument --taus: {message}")):
         p.parse_args(["--taus", "0.9", text])
+
+
+def test_threads_value_refuses_in_the_words_of_the_backends_rule():
+    """--threads took any int: 300 or -1 ran until OnnxBackend refused it, after the bundle (and mars-eval's items)
+    loaded. threads_value applies the backend's rule (check_num_threads) as the command line is parsed."""
+    p = ArgumentParser()
+    p.add_argument("--threads", type=threads_value)
+    assert [p.parse_args(["--threads", t]).threads for t in ("0", "1", "256")] == [0, 1, 256]
+    for text, message in [("300", "must be in 0..256 (0 lets onnxruntime choose), got 300"),
+                          ("-1", "must be in 0..256 (0 lets onnxruntime choose), got -1"),
+                          ("two", "invalid int value: 'two'")]:
+        with pytest.raises(UsageError, match=re.escape(f"argument --threads: {message}")):
+            p.parse_args(["--threads", text])
 
 
 MEMORY = [sys.executable, "-m", "runtime.memory", "samples/jetson/configs/qwen2.5-7b-instruct", "--batch",

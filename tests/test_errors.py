@@ -173,7 +173,9 @@ def test_bad_tau(bundle, capsys, tau, message):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--threads", "-1"], "num_threads (--threads) must be in 0..256"),  # the option too, as the server names it
+    # the backend's rule on threads, applied as the command line is parsed (runtime.command_line.threads_value)
+    (["--threads", "-1"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got -1"),
+    (["--threads", "300"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got 300"),
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),

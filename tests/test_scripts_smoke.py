@@ -328,6 +328,39 @@ def test_every_script_that_takes_taus_is_tried_on_a_bad_tau():
                                                                          "samples/demo.py"} == set(BAD_TAUS)
 
 
+BAD_THREADS = {  # script -> a command line whose THREADS is a bad --threads value, refused before anything loads
+    "bench/builder_step.py": [".", "BUNDLE", "--threads", "THREADS"],
+    "bench/c_sample.py": ["BUNDLE", "--binary", f"c={sys.executable}", "--threads", "THREADS"],
+    "bench/engine_modes.py": ["BUNDLE", "--threads", "THREADS"],
+    "bench/load_test.py": ["BUNDLE", "--threads", "THREADS"],
+    "bench/quantized_step.py": ["BUNDLE", "--threads", "THREADS"],
+    "bench/scaling.py": ["BUNDLE", "--threads", "THREADS"],
+    "samples/c/mars_c.py": ["BUNDLE", "--prompt", "hi", "--threads", "THREADS"],
+}
+# --threads that is no OnnxBackend's: onnxruntime sessions built by hand (their own 1..256 check, or none), torch's
+# threads, every peer engine's threads
+OTHER_THREADS = {"bench/gqa_attention.py", "bench/matmul_kernels.py", "bench/peers.py", "bench/profile_step.py",
+                 "bench/step_ablation.py", "bench/train_throughput.py"}
+
+
+@pytest.mark.parametrize("script", sorted(BAD_THREADS))
+@pytest.mark.parametrize("threads", ["300", "-1"])
+def test_bad_threads_are_one_error_line_in_the_words_of_the_backends_rule(script, threads, tmp_path):
+    """--threads took any int (bench/c_sample.py had its own copy of the backend's rule): 300 or -1 ran until
+    OnnxBackend refused it, or the server did. Every script whose --threads sets an OnnxBackend's threads parses it
+    with runtime.command_line.threads_value, the backend's rule (check_num_threads)."""
+    places = {"THREADS": threads, "BUNDLE": tmp_path / "none"}
+    done = run_in(tmp_path, script, BAD_THREADS[script], places)
+    assert_one_error_line(done, f"argument --threads: must be in 0..256 (0 lets onnxruntime choose), got {threads}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_script_that_takes_threads_is_tried_on_bad_threads():
+    files = {str(path.relative_to(ROOT)): path.read_text() for folder in ("bench", "samples", "scripts")
+             for path in (ROOT / folder).rglob("*.py")}
+    assert {name for name, text in files.items() if '"--threads"' in text} - OTHER_THREADS == set(BAD_THREADS)
+
+
 def test_no_command_builds_argparses_own_parser_and_every_script_has_a_bad_command_line_above():
     """No module or script builds argparse.ArgumentParser itself (its refusals print the usage block), and every
     script that builds a parser is in BAD_COMMAND_LINES (a new one too)."""

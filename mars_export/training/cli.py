@@ -18,7 +18,7 @@ import logging
 import sys
 
 from runtime.backends.providers import OnnxRuntimeMissing
-from runtime.command_line import ArgumentParser
+from runtime.command_line import ArgumentParser, threads_value
 from mars_export.default_model import MODEL_SPECS_HELP
 from mars_export.training.config import LR_SCHEDULERS, PRECISIONS, LoraSettings, TrainConfig
 
@@ -81,7 +81,8 @@ def make_distill_parser() -> ArgumentParser:
                    help="token cap; longer answers are cut there, kept and marked \"cut\": true (default 512)")
     p.add_argument("--batch-size", type=int, default=8, help="requests decoding at once (default 8)")
     p.add_argument("--max-prompts", type=int, default=None, help="answer only the first N prompts")
-    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (default 0: its choice)")
+    p.add_argument("--threads", type=threads_value, default=0,
+                   help="onnxruntime intra-op threads (default 0: its choice)")
     p.add_argument("--mask-token", default=None)
     return p
 

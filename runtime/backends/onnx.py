@@ -22,13 +22,12 @@ from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.backends.kv_binding import KVBinding
 from runtime.backends.providers import INSTALL, PROVIDERS, import_onnxruntime
 from runtime.bundle import BundleConfig, BundleError
-from runtime.decode.admission import SettingError
+from runtime.decode.admission import check_num_threads
 from runtime.decode.kv_cache import KVCache
 
 ort = import_onnxruntime()  # without the [cpu] or [gpu] extra: OnnxRuntimeMissing, naming the extra
 ort_state = ort.capi.onnxruntime_pybind11_state
 
-MAX_THREADS = 256
 _LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.InvalidArgument, ort_state.Fail,
                 ort_state.NoSuchFile, ort_state.RuntimeException)
 
@@ -57,7 +56,8 @@ class OnnxBackend:
         BundleError: the ONNX file is missing, corrupt or truncated, or its I/O names do
             not match the config.
         ValueError: unknown or unavailable provider; a :class:`~runtime.decode.admission.SettingError`
-            (``num_threads``) for num_threads outside 0..256.
+            (``num_threads``) for num_threads outside 0..MAX_THREADS
+            (:func:`~runtime.decode.admission.check_num_threads`).
     """
 
     def __init__(self, bundle_dir: str | Path, config: BundleConfig, provider: str = "cpu", num_threads: int = 0,
@@ -65,9 +65,7 @@ class OnnxBackend:
         path = Path(bundle_dir) / config.onnx_file
         if not path.is_file():
             raise BundleError(f"{path} not found; re-export the bundle with mars-export")
-        if not 0 <= num_threads <= MAX_THREADS:
-            raise SettingError("num_threads", f"must be in 0..{MAX_THREADS} (0 lets onnxruntime choose), got "
-                                              f"{num_threads}")
+        check_num_threads(num_threads)
         if config.graph == "fused" and provider != "cpu":
             raise ValueError(f"a fused bundle runs on the cpu provider only, not {provider}; "
                              "export with --graph step for CUDA or TensorRT")

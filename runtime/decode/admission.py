@@ -4,14 +4,16 @@ slot is the scheduler's, :mod:`runtime.decode.scheduler`).
 
 The one home of: the error that names a bad engine or backend setting (:class:`SettingError`), the vocabulary
 check on a prompt (:func:`check_prompt_ids`), the batch size a backend can run (:func:`check_max_batch_size`), the
-positions a slot can hold (:func:`check_max_seq_len`), and where adaptive masks can act
-(:func:`why_no_adaptive_masks`).
+intra-op threads an onnxruntime backend takes (:func:`check_num_threads`), the positions a slot can hold
+(:func:`check_max_seq_len`), and where adaptive masks can act (:func:`why_no_adaptive_masks`).
 """
 
 from __future__ import annotations
 
 from runtime.decode.params import ParamError
 from runtime.decode.scheduler import can_narrow_steps
+
+MAX_THREADS = 256  # most onnxruntime intra-op threads a backend takes (--threads)
 
 
 class SettingError(ValueError):
@@ -47,6 +49,20 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_num_threads(num_threads: int) -> int:
+    """Return ``num_threads``, the onnxruntime intra-op threads of a backend, if it is in 0..MAX_THREADS (0 lets
+    onnxruntime choose): :class:`~runtime.backends.onnx.OnnxBackend`'s rule, which a ``--threads`` option applies
+    as it parses (:func:`runtime.command_line.threads_value`), before onnxruntime loads.
+
+    Raises:
+        SettingError: (``num_threads``) outside 0..MAX_THREADS.
+    """
+    if not 0 <= num_threads <= MAX_THREADS:
+        raise SettingError("num_threads", f"must be in 0..{MAX_THREADS} (0 lets onnxruntime choose), got "
+                                          f"{num_threads}")
+    return num_threads
 
 
 def check_max_batch_size(max_batch_size: int, backend_max_batch: int | None) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, UsageError, tau_value
+from runtime.command_line import ArgumentParser, UsageError, tau_value, threads_value
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation import tasks
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exec-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds each HumanEval test program may run (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
-    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: its choice)")
+    p.add_argument("--threads", type=threads_value, default=0, help="onnxruntime intra-op threads (0: its choice)")
     p.add_argument("--out", default="mars-eval-results", metavar="DIR",
                    help="output directory (default ./mars-eval-results)")
     p.add_argument("--force", action="store_true",
@@ -89,7 +89,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.gsm8k is None and args.humaneval is None and args.chat is None:
         raise UsageError("give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE")
     bounds = [("--num-prompts", args.num_prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-              ("--threads", args.threads, 0), *(("--block-sizes", b, 1) for b in args.block_sizes or [])]
+              *(("--block-sizes", b, 1) for b in args.block_sizes or [])]
     for name, value, low in bounds:
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.command_line import ArgumentParser, UsageError, threads_value
 
 DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
 
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
     p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's choice)")
+    p.add_argument("--threads", type=threads_value, default=0, help="intra-op threads (0: onnxruntime's choice)")
     p.add_argument("--adaptive-masks", action="store_true",
                    help="feed mask tokens only while they pay: after a step whose masks gained no token, back off "
                         "1, 2 .. 16 steps without masks (runtime.decode.mask_backoff)")

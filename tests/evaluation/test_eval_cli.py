@@ -113,6 +113,18 @@ def test_bad_values_give_one_error_line(bundle, data, tmp_path, capsys, extra, m
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
+@pytest.mark.parametrize("threads", ["300", "-1"])
+def test_threads_out_of_the_backends_range_is_refused_before_anything_loads(bundle, data, tmp_path, capsys,
+                                                                            monkeypatch, threads):
+    """mars-eval had its own --threads >= 0 rule and no upper limit (300 ran until OnnxBackend refused it, after the
+    items loaded): --threads is parsed by the backend's rule (runtime.decode.admission.check_num_threads)."""
+    monkeypatch.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
+    monkeypatch.setattr("runtime.evaluation.cli.load_items", lambda *a: pytest.fail("the items were loaded"))
+    assert main(eval_args(bundle, data, tmp_path / "out", "--threads", threads)) == 2
+    assert capsys.readouterr().err == ("error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), "
+                                       f"got {threads}\n")
+
+
 def test_bad_files_give_one_error_line(bundle, data, tmp_path, capsys):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "no answer field"}\n')

@@ -93,7 +93,7 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
                                                            "the 59 tokens a prompt can have (the 64 positions"),
     (["--max-seq-len", "100000"], "error: max_seq_len (--max-seq-len) 100000 exceeds the {context} positions a slot "
                                   "can hold (the model's max context); give at most {context}\n"),
-    (["--threads", "-1"], "error: num_threads (--threads) must be in 0..256 (0 lets onnxruntime choose), got -1\n")],
+    (["--threads", "-1"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got -1\n")],
     ids=["prompt-beyond-context", "prompt-beyond-max-seq-len", "max-seq-len", "threads"])
 def test_an_engine_option_out_of_range_is_one_line_naming_the_option(tiny_bundle, monkeypatch, capsys, options,
                                                                      message):

@@ -35,7 +35,7 @@ from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from runtime.backends.onnx import OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
-from runtime.command_line import ArgumentParser, run_main, threads_value  # noqa: E402
+from runtime.command_line import ArgumentParser, run_main, tau_value, threads_value  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
 from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
@@ -216,7 +216,7 @@ def main() -> int:
     p.add_argument("--python", action="store_true", help="also run the Python runtime (Decoder on OnnxBackend)")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[64, 512], help="prompt tokens")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--tau", type=float, default=1.0)
+    p.add_argument("--tau", type=tau_value, default=1.0)
     p.add_argument("--adaptive-masks", action="store_true",
                    help="feed mask tokens only while they gain tokens, in every engine (runtime.decode.mask_backoff)")
     p.add_argument("--repeats", type=int, default=5)

@@ -52,6 +52,7 @@ from runtime.bundle import load_config
 from runtime.command_line import ArgumentParser, run_main, threads_value
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
+from runtime.serving.load_policy import LoadPolicy
 from runtime.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--threads", type=threads_value, default=2, help="onnxruntime threads of the server")
-    p.add_argument("--tau-min", type=float, default=0.5)
+    p.add_argument("--tau-min", type=load_policy_floor, default=0.5,
+                   help="the server's --tau-min: the load policy's lowest default tau, 0..1 (default 0.5)")
     p.add_argument("--queue-high", type=int, default=16)
     p.add_argument("--ramp", type=int, nargs="*", default=[1, 16, 32, 16, 1], help="clients per ramp step")
     p.add_argument("--ramp-step", type=float, default=10.0, help="seconds per ramp step")
@@ -81,6 +83,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the fixed phase against Ray Serve with each of these replica counts (e.g. 1 2)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
+
+
+def load_policy_floor(text: str) -> float:
+    """``type=`` of ``--tau-min``, the server's load-policy floor: the number, or argparse's refusal by the load
+    policy's rule (:class:`~runtime.serving.load_policy.LoadPolicy`, with the server's default tau_max 1, as this
+    bench starts it) before anything loads."""
+    try:
+        tau_min = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    try:
+        LoadPolicy(tau_min=tau_min)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (tau_max: the server's --tau-max); give a --tau-min in "
+                                         f"0..{LoadPolicy.tau_max:g}") from None
+    return tau_min
 
 
 def chat_prompts(tokenizer: Tokenizer, max_chars: int | None) -> list[tuple[str, list[int]]]:

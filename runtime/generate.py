@@ -13,7 +13,7 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, naming_options, run_main, threads_value
+from runtime.command_line import ArgumentParser, naming_options, run_main, tau_value, threads_value
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("bundle", help="bundle directory written by mars-export")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
+    p.add_argument("--tau", type=tau_value, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
     p.add_argument("--mode", default="threshold", choices=MODES,
                    help="threshold (MARS), ar (one token per step) or verify (lossless drafts); default threshold")
     p.add_argument("--draft", default="masks", choices=DRAFTS,

@@ -29,7 +29,7 @@ from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, run_main
+from runtime.command_line import ArgumentParser, run_main, tau_value
 from runtime.decode.params import DRAFTS
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("bundle", help="bundle directory to serve")
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
     p.add_argument("--prompt", default=PROMPT, help="the compare prompt (default: a GSM8K question)")
-    p.add_argument("--tau-a", type=float, default=1.0, help="tau of the left answer (default 1.0)")
-    p.add_argument("--tau-b", type=float, default=0.9, help="tau of the right answer (default 0.9)")
+    p.add_argument("--tau-a", type=tau_value, default=1.0, help="tau of the left answer (default 1.0)")
+    p.add_argument("--tau-b", type=tau_value, default=0.9, help="tau of the right answer (default 0.9)")
     p.add_argument("--draft", choices=DRAFTS, default="both",
                    help="the page's draft source (default both)")
     p.add_argument("--max-tokens", type=int, default=96, help="max tokens of each answer (default 96)")

@@ -167,9 +167,11 @@ def test_an_onnxruntime_without_8_bit_matmulnbits_is_named_with_the_version_to_i
 
 
 @pytest.mark.parametrize("tau, message", [("-0.5", "tau must be a finite number >= 0"), ("nan", "tau must be a finite number >= 0"), ("inf", "tau must be a finite number >= 0")])
-def test_bad_tau(bundle, capsys, tau, message):
+def test_bad_tau(bundle, capsys, monkeypatch, tau, message):
+    """--tau was a plain float, refused by DecodeParams after parsing: it is parsed by tau_value (check_tau)."""
+    monkeypatch.setattr("runtime.generate.load_config", lambda *a: pytest.fail("the bundle was loaded"))
     code, _, err = run_generate(bundle, capsys, "--tau", tau)
-    assert code == 2 and len(err) == 1 and message in err[0]
+    assert code == 2 and len(err) == 1 and f"error: argument --tau: {message}" in err[0]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -181,7 +183,7 @@ def test_bad_tau(bundle, capsys, tau, message):
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
     (["--temperature", "2.5"], "temperature must be a number in 0..2 (0 = greedy), got 2.5"),  # the server's limit
     # a bad command line: argparse's usage block and 'python -m runtime.generate: error: ...' before
-    (["--tau", "abc"], "error: argument --tau: invalid float value: 'abc'"),
+    (["--tau", "abc"], "error: argument --tau: tau must be a finite number >= 0, got abc"),  # check_tau's words
     (["--mode", "fast"], "error: argument --mode: invalid choice: 'fast'"),
     (["--bogus"], "error: unrecognized arguments: --bogus"),
 ])

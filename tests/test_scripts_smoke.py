@@ -271,7 +271,8 @@ BAD_COMMAND_LINES = {  # script -> (a bad command line: a wrong type, an unknown
     "bench/train_throughput.py": (["MODEL", "--data", "D", "--precisions", "fp8"],
                                   "argument --precisions: invalid choice: 'fp8'"),
     "samples/demo.py": (["BUNDLE", "--draft", "fast"], "argument --draft: invalid choice: 'fast'"),
-    "samples/c/mars_c.py": (["BUNDLE", "--prompt", "hi", "--tau", "high"], "argument --tau: invalid float value: 'high'"),
+    "samples/c/mars_c.py": (["BUNDLE", "--prompt", "hi", "--max-new-tokens", "many"],
+                            "argument --max-new-tokens: invalid int value: 'many'"),
     "samples/jetson/list_ops.py": ([], "the following arguments are required: bundle"),
     "scripts/gpu_train.py": (["receive"], "the following arguments are required: part"),
     "scripts/playground_screenshot.py": (["BUNDLE", "-o", "x.png", "--width", "wide"],
@@ -296,13 +297,16 @@ def test_a_bad_command_line_is_one_error_line_in_every_script(script, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-BAD_TAUS = {  # script -> a command line whose TAUS is a bad --taus (--tau) value, refused before anything loads
+BAD_TAUS = {  # script -> a command line whose TAUS is a bad value of its tau option, refused before anything loads
+    "bench/c_sample.py": ["BUNDLE", "--binary", f"c={sys.executable}", "--tau", "TAUS"],
     "bench/confidence_bounds.py": ["--taus", "TAUS"],
     "bench/engine_modes.py": ["BUNDLE", "--taus", "TAUS"],
     "bench/peers.py": ["prompts", "--work", "OUT", "--taus", "TAUS"],
     "bench/runtime_vs_transformers.py": ["BUNDLE", "--taus", "TAUS"],
     "bench/tpf_vs_training.py": [".", "--gsm8k", "FILE", "--tau", "TAUS"],
+    "samples/c/mars_c.py": ["BUNDLE", "--prompt", "hi", "--tau", "TAUS"],
     "samples/demo.py": ["BUNDLE", "--tau", "TAUS"],
+    "scripts/playground_screenshot.py": ["BUNDLE", "-o", "OUT", "--tau-b", "TAUS"],
 }
 
 
@@ -316,16 +320,30 @@ def test_a_bad_tau_is_one_error_line_in_the_words_of_the_one_rule(script, taus, 
     (tmp_path / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
     places = {"TAUS": taus, "OUT": tmp_path / "out", "FILE": tmp_path / "data.jsonl", "BUNDLE": tmp_path / "none"}
     done = run_in(tmp_path, script, BAD_TAUS[script], places)
-    option = "--tau" if "--tau" in BAD_TAUS[script] else "--taus"
+    option = BAD_TAUS[script][BAD_TAUS[script].index("TAUS") - 1]
     assert_one_error_line(done, f"argument {option}: tau must be a finite number >= 0, {message}")
     assert os.listdir(tmp_path) == ["data.jsonl"]
 
 
 def test_every_script_that_takes_taus_is_tried_on_a_bad_tau():
-    files = {str(path.relative_to(ROOT)): path.read_text() for folder in ("bench", "samples")
+    """Every script with a --tau, --taus, --tau-a or --tau-b option; bench/load_test.py's --tau-min is the server's
+    load-policy floor, tried below."""
+    files = {str(path.relative_to(ROOT)): path.read_text() for folder in ("bench", "samples", "scripts")
              for path in (ROOT / folder).rglob("*.py")}
-    assert {name for name, text in files.items() if '"--taus"' in text} | {"bench/tpf_vs_training.py",
-                                                                         "samples/demo.py"} == set(BAD_TAUS)
+    assert {name for name, text in files.items() if '"--tau' in text} - {"bench/load_test.py"} == set(BAD_TAUS)
+
+
+@pytest.mark.parametrize("tau_min, message", [
+    ("1.5", "need finite 0 <= tau_min <= tau_max, got tau_min=1.5, tau_max=1.0 (tau_max: the server's --tau-max); "
+            "give a --tau-min in 0..1"),
+    ("nan", "need finite 0 <= tau_min <= tau_max, got tau_min=nan"),
+    ("low", "invalid float value: 'low'")])
+def test_load_tests_tau_min_is_refused_by_the_load_policys_rule(tau_min, message, tmp_path):
+    """bench/load_test.py's --tau-min took any float and passed it to the server it starts, which refused it only
+    after the solo reference runs had loaded the bundle: it is the load policy's floor, parsed by its rule."""
+    done = run_in(tmp_path, "bench/load_test.py", ["BUNDLE", "--tau-min", tau_min], {"BUNDLE": tmp_path / "none"})
+    assert_one_error_line(done, f"argument --tau-min: {message}")
+    assert os.listdir(tmp_path) == []
 
 
 BAD_THREADS = {  # script -> a command line whose THREADS is a bad --threads value, refused before anything loads

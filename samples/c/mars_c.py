@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.command_line import ArgumentParser, UsageError, threads_value
+from runtime.command_line import ArgumentParser, UsageError, tau_value, threads_value
 
 DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
 
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("bundle", help="bundle directory written by mars-export")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--tau", type=float, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
+    p.add_argument("--tau", type=tau_value, default=1.0, help="confidence threshold; >= 1 is greedy AR (default 1.0)")
     p.add_argument("--block-size", type=int, default=None, help="most tokens per step (default: the bundle's B)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--threads", type=threads_value, default=0, help="intra-op threads (0: onnxruntime's choice)")

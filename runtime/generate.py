@@ -13,14 +13,12 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, naming_options, run_main, tau_value, threads_value
+from runtime.command_line import ArgumentParser, run_main, tau_value, threads_value
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.decode.params import DRAFTS, MODES
 from runtime.text.tokenizer import Tokenizer
-
-BACKEND_FLAGS = {"num_threads": "--threads"}  # OnnxBackend setting -> the option that sets it (named in its errors)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         config = load_config(args.bundle)
         tokenizer = Tokenizer(args.bundle)
-        with naming_options(BACKEND_FLAGS):
-            decoder = Decoder(OnnxBackend(args.bundle, config, args.provider, args.threads), config)
+        decoder = Decoder(OnnxBackend(args.bundle, config, args.provider, args.threads), config)
         prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
                       else tokenizer.encode(args.prompt))
         result = decoder.generate(prompt_ids, params)

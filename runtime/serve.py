@@ -39,9 +39,9 @@ API_KEY_ENV = "MARS_API_KEY"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 256  # max_tokens of a request that sets none, unless --max-tokens-limit is lower
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM / Ctrl-C, how long open requests may still run before they are aborted
-# EngineConfig / OnnxBackend setting -> the option that sets it (named in their errors:
-# :func:`runtime.command_line.naming_options`).
-ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len", "num_threads": "--threads"}
+# EngineConfig setting -> the option that sets it, named in its errors that reach past parsing (a TensorRT engine's
+# limits; :func:`runtime.command_line.naming_options`). --threads is refused at parsing (threads_value).
+ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len"}
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (uvicorn.config.STARTUP_FAILURE, 0.31+)
 
 

@@ -92,7 +92,8 @@ def prepare_prompts(args) -> None:
                for it in items[:args.num_prompts]]
     settings = {"bundle": str(args.bundle), "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
                 "threads": args.threads or os.cpu_count(), "taus": args.taus, "eos_ids": list(config.eos_token_ids),
-                "pad_id": config.pad_token_id, "source_model": config.source_model, "prompts": prompts}
+                "pad_id": config.pad_token_id, "source_model": config.source_model,
+                "llamacpp_n_batch": args.llamacpp_n_batch, "prompts": prompts}
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "prompts.json").write_text(json.dumps(settings))
     print(f"{len(prompts)} prompts, {sum(len(p['ids']) for p in prompts)} prompt tokens -> {args.work / 'prompts.json'}")
@@ -401,6 +402,11 @@ def unused_token_id(settings: dict) -> int:
 # 210 Q4_1 linear weights and a Q8_0 tied head (llama.cpp falls back from Q6_K: 576 columns are no multiple of
 # 256). Not the same bits: this file quantizes the merged MARS weights, ours keeps the GGUF's blocks and the
 # LoRA adapter as a float32 side path.
+# llama.cpp's n_batch: the most prompt tokens one forward takes (llama-cpp-python's default). --llamacpp-n-batch 1
+# prefills one token a forward, which decode tokens/s does not see: llama-cpp-python 0.3.36 built with
+# GGML_NATIVE on an Intel CPU with AMX repacks Q8_0 / Q4_0 weights for AMX, and that path crashes (SIGSEGV)
+# on a forward of 2 or more tokens (seen 2026-12-06; one token a forward runs).
+LLAMACPP_N_BATCH = 512
 LLAMACPP_VARIANTS = (("gguf f32", "f32", False), ("gguf q8_0", "q8_0", False), ("gguf q4_0", "q4_0", False),
                      ("gguf q4_1", "q4_1", False), ("gguf f32 + prompt lookup", "f32", True))
 
@@ -432,7 +438,7 @@ def llamacpp_generate(path: str, draft, settings: dict):
     from llama_cpp import Llama
 
     longest = max(len(p["ids"]) for p in settings["prompts"])
-    llm = Llama(model_path=path, n_ctx=longest + settings["max_new_tokens"] + 64, n_batch=512,
+    llm = Llama(model_path=path, n_ctx=longest + settings["max_new_tokens"] + 64, n_batch=llamacpp_n_batch(settings),
                 n_threads=settings["threads"], n_threads_batch=settings["threads"], verbose=False,
                 draft_model=draft() if draft else None)
     evals, plain_eval, eos = [], llm.eval, settings["eos_ids"]
@@ -458,6 +464,12 @@ def llamacpp_generate(path: str, draft, settings: dict):
         return Chunk([cut_at_eos(out, eos, max_new)], seconds, first - start, len(evals) - num_prompt_evals + 1,
                      [consumed])
     return generate
+
+
+def llamacpp_n_batch(settings: dict) -> int:
+    """llama.cpp's ``n_batch`` (most prompt tokens per forward) of this run: prompts.json's ``llamacpp_n_batch``,
+    :data:`LLAMACPP_N_BATCH` in files written before it was a setting."""
+    return settings.get("llamacpp_n_batch", LLAMACPP_N_BATCH)
 
 
 GGUF_QUANTIZED_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}  # --type: llama_ftype
@@ -526,7 +538,8 @@ def read_settings(work: Path) -> dict:
 def run_key(settings: dict) -> dict:
     """What rows must share to be compared: the settings and the prompts' ids."""
     keys = ("bundle", "max_new_tokens", "batch_sizes", "threads", "taus")
-    return {**{k: settings[k] for k in keys}, "prompt_ids": [p["id"] for p in settings["prompts"]]}
+    return {**{k: settings[k] for k in keys}, "llamacpp_n_batch": llamacpp_n_batch(settings),
+            "prompt_ids": [p["id"] for p in settings["prompts"]]}
 
 
 def record_status(args) -> None:
@@ -657,7 +670,8 @@ def report(args) -> None:
     meta = {"machine": machine_info(), "engines": {p["engine"]: p["info"] for p in parts}, "left_out": stale,
             "setup_steps": read_setup_steps(args.work / "setup.tsv"),
             "prompts": [{"id": p["id"], "num_tokens": len(p["ids"])} for p in settings["prompts"]],
-            **{k: settings[k] for k in ("bundle", "source_model", "max_new_tokens", "batch_sizes", "threads")}}
+            **{k: settings[k] for k in ("bundle", "source_model", "max_new_tokens", "batch_sizes", "threads")},
+            "llamacpp_n_batch": llamacpp_n_batch(settings)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peers.json").write_text(json.dumps({"meta": meta, "rows": rows, "like_for_like": pairs}, indent=1))
     write_csv(args.out / "peers.csv", rows)
@@ -750,6 +764,9 @@ def main() -> None:
     pp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     pp.add_argument("--threads", type=int, default=0, help="threads of every engine (default: all cores)")
     pp.add_argument("--taus", type=tau_value, nargs="+", default=[0.95, 0.9, 0.8, 0.7])
+    pp.add_argument("--llamacpp-n-batch", type=int, default=LLAMACPP_N_BATCH,
+                    help=f"llama.cpp's most prompt tokens per forward (default {LLAMACPP_N_BATCH}; 1 works around "
+                         "llama.cpp's AMX crash on multi-token forwards, see LLAMACPP_N_BATCH)")
     pr = sub.add_parser("run", help="run one engine, write its rows")
     pr.add_argument("--engine", required=True, choices=ENGINES)
     pr.add_argument("--model", default=None, help="engine's model: bundle, checkpoint dir, GenAI dir or GGUF stem")
@@ -774,8 +791,9 @@ def main() -> None:
     args = p.parse_args()
     if args.command in ("run", "record") and args.tag is not None and not re.fullmatch(r"[a-z0-9]+", args.tag):
         p.error(f"--tag must be lowercase letters and digits, got {args.tag!r}")
-    if args.command == "prompts" and (args.num_prompts < 1 or min(args.batch_sizes) < 1 or args.max_new_tokens < 1):
-        p.error("--num-prompts, --batch-sizes and --max-new-tokens must be >= 1")
+    if args.command == "prompts" and (args.num_prompts < 1 or min(args.batch_sizes) < 1 or args.max_new_tokens < 1
+                                      or args.llamacpp_n_batch < 1):
+        p.error("--num-prompts, --batch-sizes, --max-new-tokens and --llamacpp-n-batch must be >= 1")
     if args.command == "prompts":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from support import shared_data_missing

@@ -5,6 +5,7 @@
 # GGUFs of the same checkpoint. Writes bench/results/peers.{json,csv,png} and prints a Markdown table.
 #
 #   scripts/bench_peers.sh [--num-prompts 8] [--max-new-tokens 128] [--batch-sizes 1 4] [--threads N]
+#                          [--llamacpp-n-batch 1]   (Intel AMX CPUs: see LLAMACPP_N_BATCH in bench/peers.py)
 #
 # The arguments go to `bench/peers.py prompts` (see its --help). Environment:
 #   PEER_ENVS  venvs, converted models and logs, outside the repository

@@ -651,11 +651,13 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     stale.parent.mkdir(parents=True)
     stale.write_text("{}")
     printed = run("bash", "scripts/bench_peers.sh", "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1",
-                  "2", "--threads", "1", "--taus", "0.9",
+                  "2", "--threads", "1", "--taus", "0.9", "--llamacpp-n-batch", "1",
                   env={"ENGINES": "ours", "QUANTIZED": "int8", "FUSED": "float32 int8 int4", "BUNDLE": str(bundle),
                        "PEER_ENVS": str(tmp_path / "peers"), "OUT": str(out), "ROUNDS": "2"})
     assert "== round 1 of 2: ours" in printed and "== round 2 of 2: ours" in printed
-    rounds = [assert_results(out / f"round{i}", "peers")["rows"] for i in (1, 2)]
+    reports = [assert_results(out / f"round{i}", "peers") for i in (1, 2)]
+    assert [report["meta"]["llamacpp_n_batch"] for report in reports] == [1, 1]
+    rounds = [report["rows"] for report in reports]
     assert not stale.exists() and (tmp_path / "peers" / "logs" / "ours.run.round2.log").is_file()
     for rows in rounds:
         fused = ["ar", "threshold tau=0.9", "threshold tau=0.9 + both", *VERIFY_VARIANTS]
@@ -806,6 +808,24 @@ def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
         (tmp_path / f"rows-{name}.json").unlink()
     with pytest.raises(UsageError, match="no rows .* come from the settings of prompts.json"):
         peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))
+
+
+def test_bench_peers_llamacpp_n_batch_is_a_setting_rows_must_share():
+    """--llamacpp-n-batch (1: the workaround for llama.cpp's AMX crash) changes how llama.cpp prefills, so rows made
+    with another value are another run's; a prompts.json from before the setting counts as llama.cpp's default."""
+    peers = load_script(ROOT / "bench" / "peers.py")
+    settings = {"bundle": "b", "max_new_tokens": 4, "batch_sizes": [1], "threads": 1, "taus": [0.9],
+                "prompts": [{"id": "gsm8k-0", "ids": [5, 6, 7]}]}
+    assert peers.run_key(settings) == peers.run_key({**settings, "llamacpp_n_batch": 512})
+    assert peers.run_key(settings) != peers.run_key({**settings, "llamacpp_n_batch": 1})
+
+
+def test_bench_peers_prompts_refuse_a_llamacpp_n_batch_below_one(tmp_path):
+    done = subprocess.run([sys.executable, "bench/peers.py", "prompts", "--work", str(tmp_path), "--llamacpp-n-batch",
+                           "0"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: --num-prompts, --batch-sizes, --max-new-tokens and --llamacpp-n-batch must be >= 1"]
+    assert not (tmp_path / "prompts.json").exists()
 
 
 def test_bench_peers_quantize_gguf_needs_the_f32_file(tmp_path):

@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 
 from runtime.bundle import BundleConfig
-from runtime.decode.admission import check_max_batch_size, check_max_seq_len
+from runtime.decode.admission import check_max_batch_size, check_max_seq_len, min_seq_len
 from runtime.decode.engine import CannotGrowCache, Engine, EngineConfig
 from runtime.decode.kv_cache import MIN_CAPACITY, KVCache
 from runtime.memory import GIB, KV_BYTES, kv_cache_bytes
@@ -82,7 +82,7 @@ def check_fits(num_slots: int, max_len: int, per_position: int, available: int, 
     fit, where the cache's worst case (:func:`worst_case_bytes`) exceeds ``available`` bytes (read from ``where``).
 
     Args:
-        min_len: the shortest ``--max-seq-len`` that serves anything (W + 2).
+        min_len: the shortest ``--max-seq-len`` that serves anything (:func:`~runtime.decode.admission.min_seq_len`).
     """
     need = worst_case_bytes(num_slots, max_len, per_position)
     if need <= available:
@@ -178,11 +178,12 @@ def make_engine(backend, config: BundleConfig, engine_config: EngineConfig,
             memory available, or the first buffers failing to allocate (one line naming the options).
     """
     check_max_batch_size(engine_config.max_batch_size, backend.max_batch)  # their errors first, as Engine's
-    max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past)
+    max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past, config.window)
     per_position = bytes_per_position(config, getattr(backend, "kv_copies", 1))
     available = available or memory_available(backend)
     if available is not None:
-        check_fits(engine_config.max_batch_size, max_len, per_position, *available, min_len=config.window + 2)
+        check_fits(engine_config.max_batch_size, max_len, per_position, *available,
+                   min_len=min_seq_len(config.window))
     try:
         return Engine(backend, config, engine_config)
     except MemoryError as e:  # numpy's message is a shape: say what it is and what to change

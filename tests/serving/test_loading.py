@@ -93,8 +93,14 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
                                                            "the 59 tokens a prompt can have (the 64 positions"),
     (["--max-seq-len", "100000"], "error: max_seq_len (--max-seq-len) 100000 exceeds the {context} positions a slot "
                                   "can hold (the model's max context); give at most {context}\n"),
-    (["--threads", "-1"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got -1\n")],
-    ids=["prompt-beyond-context", "prompt-beyond-max-seq-len", "max-seq-len", "threads"])
+    (["--threads", "-1"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got -1\n"),
+    (["--max-seq-len", "5"], "error: max_seq_len (--max-seq-len) 5 leaves no room for a request: a slot holds a prompt "
+                             "of at least 1 token, 1 token to generate and the window of a decode step (4); give at "
+                             "least 6\n"),
+    (["--max-seq-len", "2"], "error: max_seq_len (--max-seq-len) 2 leaves no room for a request"),
+    (["--max-seq-len", "5", "--max-prompt-tokens", "3"], "error: max_seq_len (--max-seq-len) 5 leaves no room")],
+    ids=["prompt-beyond-context", "prompt-beyond-max-seq-len", "max-seq-len", "threads", "max-seq-len-below-window",
+         "max-seq-len-2", "max-seq-len-before-max-prompt-tokens"])
 def test_an_engine_option_out_of_range_is_one_line_naming_the_option(tiny_bundle, monkeypatch, capsys, options,
                                                                      message):
     """--max-prompt-tokens past the context was accepted silently (every longer prompt then got the context's 400),

@@ -78,6 +78,10 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--max-tokens-limit", "64", "--default-max-tokens", "128"]) == 2
     err = capsys.readouterr().err
     assert "--default-max-tokens" in err and "--max-tokens-limit" in err and err.count("\n") == 1
+    for queues in (["--queue-low", "5", "--queue-high", "2"], ["--queue-low", "-1"]):  # named in the policy's words
+        assert main([str(tmp_path), *queues]) == 2
+        err = capsys.readouterr().err
+        assert "need 0 <= queue_low (--queue-low) < queue_high (--queue-high), got " in err and err.count("\n") == 1
     for flag in ("--max-body-bytes", "--max-prompt-tokens", "--max-tokens-limit", "--default-max-tokens"):
         assert main([str(tmp_path), flag, "0"]) == 2  # each limit's error names the option to change
         err = capsys.readouterr().err

@@ -230,9 +230,17 @@ def test_a_whitespace_api_key_is_refused_in_one_line(tmp_path, monkeypatch, caps
                                        "key, or leave it empty or unset to serve without one\n")
 
 
-def test_generate_cli_names_a_negative_seed(tmp_path, capsys):
-    assert generate.main([str(tmp_path), "--prompt", "hi", "--seed", "-1"]) == 2
-    assert capsys.readouterr().err == "error: seed must be an integer >= 0 (or none: fresh entropy), got -1\n"
+@pytest.mark.parametrize("options, message", [
+    (["--seed", "-1"], "seed (--seed) must be an integer >= 0 (or none: fresh entropy), got -1"),
+    (["--max-new-tokens", "0"], "max_new_tokens (--max-new-tokens) must be >= 1, got 0"),
+    (["--top-p", "0"], "top_p (--top-p) must be in (0, 1], got 0.0"),
+    (["--top-k", "-1"], "top_k (--top-k) must be >= 0 (0 = off), got -1"),
+    (["--block-size", "0"], "block_size (--block-size) must be >= 1, got 0")])
+def test_generate_cli_names_the_option_of_a_bad_decode_parameter(tmp_path, capsys, options, message):
+    """The decode parameters' errors named the request field (``max_new_tokens must be >= 1``): they name the
+    option too, before the bundle loads (tmp_path is none)."""
+    assert generate.main([str(tmp_path), "--prompt", "hi", *options]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
 
 
 @pytest.mark.parametrize("content", ["{bad", "[1, 2]", "\xff"])

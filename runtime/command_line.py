@@ -5,7 +5,8 @@ A bad command line (a value of the wrong type, an unknown choice or option, a mi
 every other refusal of these commands is: one ``error: ...`` line and exit status 2, not argparse's usage block
 (``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
-An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
+An engine's or backend's setting, or a request's parameter, out of range names the option that sets it
+(:func:`naming_options`).
 A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau, and a ``--threads``
 value with :func:`threads_value`, the backend's rule on its onnxruntime threads.
 """
@@ -55,16 +56,20 @@ def existing_folder(text: str) -> Path:
 @contextmanager
 def naming_options(options: dict[str, str]) -> Iterator[None]:
     """Within it, a :class:`~runtime.decode.admission.SettingError` of a setting in ``options`` (setting -> the
-    option that sets it) is raised again naming the option after the setting, as the server's limits name theirs:
-    ``max_batch_size (--max-batch-size) must be >= 1, got 0``. The rule and its words stay the engine's or the
-    backend's; any other error passes unchanged."""
-    from runtime.decode.admission import SettingError  # here: run_main's callers need only the standard library
+    option that sets it), or a :class:`~runtime.decode.params.ParamError` of a request field in it (field -> the
+    option), is raised again naming the option after the setting, as the server's limits name theirs:
+    ``max_batch_size (--max-batch-size) must be >= 1, got 0``. The rule and its words stay the engine's, the
+    backend's or the request's; any other error passes unchanged."""
+    # here: run_main's callers need only the standard library
+    from runtime.decode.admission import SettingError
+    from runtime.decode.params import ParamError
     try:
         yield
-    except SettingError as e:
-        if e.setting not in options:
+    except (SettingError, ParamError) as e:
+        name = e.setting if isinstance(e, SettingError) else e.field
+        if name not in options:
             raise
-        raise e.naming(options[e.setting]) from e
+        raise e.naming(options[name]) from e
 
 
 def tau_value(text: str) -> float:

@@ -13,12 +13,17 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, run_main, tau_value, threads_value
+from runtime.command_line import ArgumentParser, naming_options, run_main, tau_value, threads_value
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.decode.params import DRAFTS, MODES
 from runtime.text.tokenizer import Tokenizer
+
+# DecodeParams field -> the option that sets it, named in its errors (runtime.command_line.naming_options); --tau,
+# --mode, --draft and --metric are refused at parsing.
+PARAM_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size", "temperature": "--temperature",
+               "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,15 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)  # argparse's refusals: UsageError, a ValueError
         from runtime.backends.onnx import OnnxBackend  # here: without onnxruntime, one error line
-        params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, adaptive_masks=args.adaptive_masks,
-                              metric=args.metric, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        with naming_options(PARAM_FLAGS):
+            params = DecodeParams(tau=args.tau, mode=args.mode, draft=args.draft, adaptive_masks=args.adaptive_masks,
+                                  metric=args.metric, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         config = load_config(args.bundle)
         tokenizer = Tokenizer(args.bundle)
         decoder = Decoder(OnnxBackend(args.bundle, config, args.provider, args.threads), config)
         prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
                       else tokenizer.encode(args.prompt))
-        result = decoder.generate(prompt_ids, params)
+        with naming_options(PARAM_FLAGS):  # the engine's checks: block_size, max_new_tokens within the context
+            result = decoder.generate(prompt_ids, params)
     except (BundleError, ValueError, OnnxRuntimeMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

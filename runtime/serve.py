@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")
     g.add_argument("--max-seq-len", type=_make_engine_int("max_seq_len"), default=None,
-                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile); checked "
+                   help="tokens per slot (default: the model's context, or a TensorRT engine's profile; at least the "
+                        "bundle's window + 2: a 1-token prompt, 1 token to generate and a decode step); checked "
                         "with --max-batch-size against the free memory at start-up")
     g.add_argument("--provider", default="cpu", choices=sorted(PROVIDERS), help="onnxruntime execution provider")
     g.add_argument("--threads", type=threads_value, default=0, help="onnxruntime intra-op threads (0: its choice)")

@@ -36,7 +36,9 @@ import threading
 
 from runtime import serve as single
 from runtime.backends.providers import OnnxRuntimeMissing, import_onnxruntime
-from runtime.command_line import ArgumentParser
+from runtime.command_line import ArgumentParser, naming_options
+from runtime.decode.engine import EngineConfig
+from runtime.serving import kv_memory
 from runtime.serving.ray_deploy import Deployed, FleetOptions
 from runtime.serving.ray_launch import STOP_MARGIN_S, launch, stop
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ``--address`` Serve's proxy may bind on another machine of the cluster)."""
     try:
         ray_args, serve_argv = parse_args(argv)  # argparse's refusals: UsageError, a ValueError
-        fleet = prepare_fleet(ray_args, serve_argv)
+        fleet = prepare_fleet(ray_args, serve_argv, is_local=ray_args.address is None)
         deployed = launch(serve_argv, fleet, ray_args.address)
     except single.CannotListen as e:  # a Ray of our own: --port in use here, found before Ray starts
         return print_error(e, single.STARTUP_FAILURE)
@@ -97,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prepare_fleet(ray_args: argparse.Namespace, serve_argv: list[str]) -> FleetOptions:
+def prepare_fleet(ray_args: argparse.Namespace, serve_argv: list[str], is_local: bool) -> FleetOptions:
     """The fleet's options, once every option is checked and onnxruntime imports: all before Ray starts.
 
+    Args:
+        is_local: the replicas run on this machine (a Ray of our own): their KV cache is checked against its memory.
+
     Raises:
+        BundleError: the path is no bundle.
         ValueError: a bad option value (each replica builds the server settings again; a bad one stops here).
         OnnxRuntimeMissing: installed without the [cpu] or [gpu] extra.
     """
@@ -109,7 +115,32 @@ def prepare_fleet(ray_args: argparse.Namespace, serve_argv: list[str]) -> FleetO
     single.resolve_host(serve_args.host)
     fleet = fleet_options(ray_args, serve_args)
     import_onnxruntime()
+    check_engine_settings(serve_args, is_local)
     return fleet
+
+
+def check_engine_settings(args: argparse.Namespace, is_local: bool) -> None:
+    """The engine options against the bundle's ``mars_config.json`` alone, with no session (each replica checks
+    them again once its backend loads, as ``python -m runtime.serve`` does), so that a bad one is one error line
+    here, not every replica's traceback once Ray has started: ``--max-batch-size`` and ``--max-seq-len`` against
+    the model's limits (a TensorRT engine's profile is read as a replica loads it), and, where the replicas run on
+    this machine on onnxruntime, one replica's KV cache against this machine's free memory (a TensorRT engine's
+    lives in GPU memory, checked as a replica loads it).
+
+    Raises:
+        BundleError: the path is no bundle.
+        ValueError: a setting out of range, or a KV cache past the memory, naming the options (as the server).
+    """
+    from runtime.backends.loading import locate_bundle  # here: they import onnxruntime
+    from runtime.backends.onnx import onnx_limits
+
+    config, _, plan = locate_bundle(args.path)
+    max_batch, max_past = (None, config.max_context) if plan else onnx_limits(config)
+    available = kv_memory.host_memory_available() if is_local and plan is None else None
+    batch = single.resolve_max_batch_size(args.max_batch_size, max_batch)
+    with naming_options(single.ENGINE_FLAGS):
+        kv_memory.check_engine_fits(config, EngineConfig(batch, args.scheme, args.max_seq_len), max_batch, max_past,
+                                    1, available)
 
 
 def print_error(error: Exception, status: int) -> int:

@@ -15,6 +15,7 @@ from runtime.bundle import BundleError
 from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, naming_options,
                                   run_main, tau_value, threads_value)
 from runtime.decode.admission import SettingError
+from runtime.decode.params import ParamError
 from runtime.evaluation.tasks import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,22 @@ def test_naming_options_names_the_option_of_the_settings_field():
         with pytest.raises(ValueError) as caught, naming_options(options):
             raise error
         assert caught.value is error
+
+
+def test_naming_options_names_the_option_of_a_request_field():
+    """A request parameter's error (ParamError, by its ``field``) names the option as a setting's does: after the
+    field where the message begins with it, else before the message; a field no option sets passes unchanged."""
+    options = {"top_p": "--top-p", "mode": "--mode"}
+    with pytest.raises(ParamError) as caught, naming_options(options):
+        raise ParamError("top_p", "top_p must be in (0, 1], got 0")
+    assert str(caught.value) == "top_p (--top-p) must be in (0, 1], got 0" and caught.value.field == "top_p"
+    with pytest.raises(ParamError) as caught, naming_options(options):
+        raise ParamError("mode", "verify mode is greedy only")
+    assert str(caught.value) == "--mode: verify mode is greedy only"
+    error = ParamError("seed", "seed must be an integer >= 0")
+    with pytest.raises(ParamError) as caught, naming_options(options):
+        raise error
+    assert caught.value is error
 
 
 def test_the_decode_package_summary_names_the_home_of_setting_errors():

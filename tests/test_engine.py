@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from mars_export.parity import chat_prompt_ids
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config, step_feeds
-from runtime.decode.admission import SettingError, check_max_batch_size, check_max_seq_len
+from runtime.decode.admission import SettingError, check_max_batch_size, check_max_seq_len, min_seq_len
 from runtime.decode.decoder import Decoder
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams
@@ -424,8 +424,29 @@ def test_backend_limits_name_their_setting():
         check_max_batch_size(3, 2)
     assert caught.value.setting == "max_batch_size"
     with pytest.raises(SettingError, match="max_seq_len 100 exceeds the 64 positions a slot can hold") as caught:
-        check_max_seq_len(100, 512, 64)
+        check_max_seq_len(100, 512, 64, 4)
     assert caught.value.setting == "max_seq_len"
+    with pytest.raises(SettingError, match="max_seq_len 5 leaves no room for a request: .*; give at least 6") as caught:
+        check_max_seq_len(5, 512, 64, 4)
+    assert caught.value.setting == "max_seq_len" and check_max_seq_len(6, 512, 64, 4) == 6
+
+
+def test_the_fewest_positions_serve_a_one_token_request_and_one_fewer_is_refused(tiny_bundle):
+    """--max-seq-len 2..5 on a W = 4 bundle made an engine whose every request was refused (the server's 400: 'this
+    server accepts at most -3' tokens). A slot below min_seq_len(W) (a 1-token prompt, 1 token to generate and the
+    W positions of a step) is refused as the engine is made, naming the least value; that value serves a request.
+    The Decoder sizes its one slot to the request, at least that, so an empty prompt is still refused as one."""
+    _, bundle = tiny_bundle("llama", 4)
+    config = load_config(bundle)
+    backend = OnnxBackend(bundle, config, num_threads=1)
+    least = min_seq_len(config.window)
+    engine = Engine(backend, config, EngineConfig(max_batch_size=1, max_seq_len=least))
+    assert engine.room(1) == 1
+    assert engine.generate([[1]], DecodeParams(max_new_tokens=1))[0].num_tokens == 1
+    with pytest.raises(SettingError, match=f"max_seq_len {least - 1} leaves no room .* give at least {least}"):
+        Engine(backend, config, EngineConfig(max_batch_size=1, max_seq_len=least - 1))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        Decoder(backend, config).generate([], DecodeParams(max_new_tokens=1))
 
 
 def test_onnx_backend_names_num_threads(tiny_bundle):

@@ -181,7 +181,7 @@ def test_bad_tau(bundle, capsys, monkeypatch, tau, message):
     (["--prompt", "bad \udcff bytes"], "the prompt is not valid UTF-8"),
     (["--mode", "ar", "--draft", "lookup"], "draft 'lookup' needs mode 'verify' or 'threshold'"),
     (["--draft", "both", "--temperature", "0.7"], "draft 'both' is greedy only"),
-    (["--temperature", "2.5"], "temperature must be a number in 0..2 (0 = greedy), got 2.5"),  # the server's limit
+    (["--temperature", "2.5"], "temperature (--temperature) must be a number in 0..2 (0 = greedy)"),  # the server's
     # a bad command line: argparse's usage block and 'python -m runtime.generate: error: ...' before
     (["--tau", "abc"], "error: argument --tau: tau must be a finite number >= 0, got abc"),  # check_tau's words
     (["--mode", "fast"], "error: argument --mode: invalid choice: 'fast'"),

@@ -30,6 +30,23 @@ def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) 
         BundleError: PATH is not a bundle, not one of its model files, or the files are bad.
         ValueError: bad provider or thread count, or TensorRT is not available for a plan.
     """
+    config, bundle_dir, plan = locate_bundle(path)
+    if plan is not None:
+        return _trt_backend(plan, config), config, bundle_dir
+    return OnnxBackend(bundle_dir, config, provider, num_threads), config, bundle_dir
+
+
+def locate_bundle(path: str | Path) -> tuple[BundleConfig, Path, Path | None]:
+    """The bundle PATH names, read from its ``mars_config.json`` alone (no session opened: :func:`load_backend`
+    opens one; ``python -m runtime.serve_ray`` checks the options against the config before Ray starts).
+
+    Returns:
+        (bundle config, bundle directory, the TensorRT engine PATH names or None for onnxruntime); a plan's config
+        names that engine.
+
+    Raises:
+        BundleError: PATH is not a bundle, not one of its model files, or its config is bad.
+    """
     path = Path(path)
     paths = "give a bundle directory, its .onnx file or its engine.plan"
     if not path.exists():
@@ -45,12 +62,11 @@ def load_backend(path: str | Path, provider: str = "cpu", num_threads: int = 0) 
         if path.is_file() and path.name != config.onnx_file:
             raise BundleError(f"{path} is not this bundle's step graph ({config.onnx_file} in "
                               f"{bundle_dir / 'mars_config.json'}); give the bundle directory instead")
-        return OnnxBackend(bundle_dir, config, provider, num_threads), config, bundle_dir
+        return config, bundle_dir, None
     if path.suffix == ".plan":
         if path.name not in {config.engine_file, ENGINE_FILE}:
             raise BundleError(f"{path} is not this bundle's TensorRT engine ({config.engine_file or ENGINE_FILE})")
-        config = replace(config, engine_file=path.name)  # the engine the user named
-        return _trt_backend(path, config), config, bundle_dir
+        return replace(config, engine_file=path.name), bundle_dir, path  # the engine the user named
     raise BundleError(f"{path} is neither a bundle directory, an .onnx file nor an engine.plan")
 
 

@@ -32,6 +32,13 @@ _LOAD_ERRORS = (ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.Inv
                 ort_state.NoSuchFile, ort_state.RuntimeException)
 
 
+def onnx_limits(config: BundleConfig) -> tuple[int | None, int]:
+    """(largest batch, largest past) of an :class:`OnnxBackend` over a bundle of ``config``: a fused graph runs
+    batch 1 (:mod:`runtime.backends.fused`), a step graph any (None); either, any past up to the model's max
+    context. Read from the config alone, so ``python -m runtime.serve_ray`` checks them before any replica loads."""
+    return (1 if config.graph == "fused" else None), config.max_context
+
+
 class OnnxBackend:
     """An onnxruntime session over a bundle's step graph.
 
@@ -97,8 +104,7 @@ class OnnxBackend:
                                                                 else bundle.CONFIDENCE_TAU in defaults)
         # what a step asked for confidence_tau without the gate is told (bundle.why_no_confidence_gate)
         self.why_no_gate = None if self.takes_confidence_gate else bundle.why_no_confidence_gate(config, provider)
-        self.max_batch: int | None = 1 if self.fused else None
-        self.max_past = config.max_context
+        self.max_batch, self.max_past = onnx_limits(config)
         self.kv = KVBinding(self.session, ort)
         self.vocab_size = config.vocab_size
 

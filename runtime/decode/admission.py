@@ -4,8 +4,9 @@ slot is the scheduler's, :mod:`runtime.decode.scheduler`).
 
 The one home of: the error that names a bad engine or backend setting (:class:`SettingError`), the vocabulary
 check on a prompt (:func:`check_prompt_ids`), the batch size a backend can run (:func:`check_max_batch_size`), the
-intra-op threads an onnxruntime backend takes (:func:`check_num_threads`), the positions a slot can hold
-(:func:`check_max_seq_len`), and where adaptive masks can act (:func:`why_no_adaptive_masks`).
+intra-op threads an onnxruntime backend takes (:func:`check_num_threads`), the positions a slot can hold, at
+most and at least (:func:`check_max_seq_len`, :func:`min_seq_len`), and where adaptive masks can act
+(:func:`why_no_adaptive_masks`).
 """
 
 from __future__ import annotations
@@ -75,13 +76,20 @@ def check_max_batch_size(max_batch_size: int, backend_max_batch: int | None) -> 
                                              "step")
 
 
-def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) -> int:
+def min_seq_len(window: int) -> int:
+    """The fewest positions a slot serves a request with: a prompt of 1 token, 1 token to generate, and the W
+    positions every decode step reserves past them (:meth:`runtime.decode.engine.Engine.room` is S - W - prompt)."""
+    return 1 + 1 + window
+
+
+def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int, window: int) -> int:
     """The positions a slot holds: ``max_seq_len``, or when None the most any slot may hold,
     min(the model's max context, the backend's largest past). The past fed is the whole
     cache capacity, so the capacity never exceeds the backend's ``max_past``.
 
     Raises:
-        SettingError: (``max_seq_len``) above that limit (never silently capped).
+        SettingError: (``max_seq_len``) above that limit (never silently capped), or below
+            :func:`min_seq_len` of the window W (a slot that could serve no request).
     """
     limit = min(max_context, max_past)
     if max_seq_len is not None and max_seq_len > limit:
@@ -89,6 +97,11 @@ def check_max_seq_len(max_seq_len: int | None, max_context: int, max_past: int) 
                  if max_past < max_context else "the model's max context")
         raise SettingError("max_seq_len", f"{max_seq_len} exceeds the {limit} positions a slot can hold "
                                           f"({bound}); give at most {limit}")
+    least = min_seq_len(window)
+    if max_seq_len is not None and max_seq_len < least:
+        raise SettingError("max_seq_len", f"{max_seq_len} leaves no room for a request: a slot holds a prompt of at "
+                                          f"least 1 token, 1 token to generate and the window of a decode step "
+                                          f"({window}); give at least {least}")
     return limit if max_seq_len is None else max_seq_len
 
 

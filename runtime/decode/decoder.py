@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 
 from runtime.bundle import BundleConfig
-from runtime.decode.admission import check_max_seq_len
+from runtime.decode.admission import check_max_seq_len, min_seq_len
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DecodeParams, GenerationResult
 
@@ -50,7 +50,8 @@ class Decoder:
         """Tokens a request can generate after a prompt of ``num_prompt`` tokens: the positions one slot can hold
         (the model's max context, the backend's largest past) less the window W and the prompt; :meth:`generate`
         refuses a ``max_new_tokens`` above it."""
-        return check_max_seq_len(None, self.config.max_context, self.backend.max_past) - self.config.window - num_prompt
+        limit = check_max_seq_len(None, self.config.max_context, self.backend.max_past, self.config.window)
+        return limit - self.config.window - num_prompt
 
     def generate(self, prompt_ids: list[int], params: DecodeParams) -> GenerationResult:
         """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``.
@@ -67,8 +68,9 @@ class Decoder:
         start = time.perf_counter()
         # The slot holds what this request can reach (as the C sample's cache), so the capacity S, the past every
         # step reads, doubles up to that and never past it (the model's max context would allow up to twice it).
-        limit = check_max_seq_len(None, self.config.max_context, self.backend.max_past)
-        needed = len(prompt_ids) + params.max_new_tokens + self.config.window
+        limit = check_max_seq_len(None, self.config.max_context, self.backend.max_past, self.config.window)
+        # at least the fewest positions a slot takes, so that an empty prompt is refused as one (add_request)
+        needed = max(len(prompt_ids) + params.max_new_tokens + self.config.window, min_seq_len(self.config.window))
         engine = Engine(self.backend, self.config, EngineConfig(max_batch_size=1, max_seq_len=min(needed, limit)))
         result = engine.generate([prompt_ids], params)[0]
         result.seconds = time.perf_counter() - start

@@ -64,7 +64,8 @@ class EngineConfig:
     Attributes:
         max_batch_size: KV slots, i.e. the most sequences decoding at once (>= 1).
         scheme: ``continuous`` or ``block`` (see the module docstring).
-        max_seq_len: positions per slot (prompt + generated + W); None = the bundle's max context.
+        max_seq_len: positions per slot (prompt + generated + W); None = the bundle's max context. At least
+            2 here; the engine refuses fewer than W + 2 (:func:`runtime.decode.admission.min_seq_len`).
         prefill_chunk: prompt tokens per prefill forward when the backend's graph has a
             dynamic window axis (``backend.is_window_dynamic``); 0 prefills through the
             W-token step instead. Graphs without the ``num_logits`` input (exports before 2026-12-02)
@@ -152,14 +153,14 @@ class Engine:
     Raises:
         SettingError: ``max_batch_size`` exceeds a bounded backend's largest batch (``max_batch``
             not None: a TensorRT optimization profile, or a fused bundle's 1), or ``max_seq_len`` exceeds the model's
-            max context or the backend's largest past (:func:`runtime.decode.admission.check_max_seq_len`, every
-            backend).
+            max context or the backend's largest past, or is below the fewest positions that serve a request
+            (:func:`runtime.decode.admission.check_max_seq_len`, every backend).
     """
 
     def __init__(self, backend, config: BundleConfig, engine_config: EngineConfig = EngineConfig()):
         self.backend, self.config, self.engine_config = backend, config, engine_config
         check_max_batch_size(engine_config.max_batch_size, backend.max_batch)
-        max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past)
+        max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past, config.window)
         make_cache = getattr(backend, "make_cache", KVCache)  # a GPU backend keeps the cache in device memory
         self.cache = make_cache(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                                 np.dtype(config.dtype), engine_config.max_batch_size)

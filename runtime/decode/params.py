@@ -23,12 +23,21 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range, 0..2, which the server's API keeps; the
 class ParamError(ValueError):
     """A request value out of range; ``field`` names it (``tau``, ``prompt``, ``max_new_tokens``, ...).
 
-    The message says what is allowed; the HTTP layer reports ``field`` as the error's ``param``.
+    The message says what is allowed; the HTTP layer reports ``field`` as the error's ``param``, a command line
+    names its option too (:meth:`naming`).
     """
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+    def naming(self, option: str) -> ParamError:
+        """The same error naming ``option``, the command-line option that sets the field: after the field where the
+        message begins with it (``top_p (--top-p) must be in (0, 1], got 0``), else before the message."""
+        message = str(self)
+        if message.startswith(f"{self.field} "):
+            return ParamError(self.field, f"{self.field} ({option}){message[len(self.field):]}")
+        return ParamError(self.field, f"{option}: {message}")
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,11 @@ passes with little to spare may still run short.
 
 Start-up (:func:`make_engine`): a worst case past the memory available stops the server with one
 line naming ``--max-batch-size`` and ``--max-seq-len`` and the largest values that fit; so does a
-first allocation that fails anyway (the memory figure unknown or gone meanwhile). At run time an
-engine step whose cache cannot grow (:class:`~runtime.decode.engine.CannotGrowCache`) fails the
-requests that needed it with :class:`KVCacheOutOfMemory` (HTTP 507); the others go on.
+first allocation that fails anyway (the memory figure unknown or gone meanwhile). ``python -m
+runtime.serve_ray`` runs the same checks (:func:`check_engine_fits`) on the bundle's config before Ray
+starts, for one replica on this machine. At run time an engine step whose cache cannot grow
+(:class:`~runtime.decode.engine.CannotGrowCache`) fails the requests that needed it with
+:class:`KVCacheOutOfMemory` (HTTP 507); the others go on.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import os
 from pathlib import Path
 
 from runtime.bundle import BundleConfig
-from runtime.decode.admission import check_max_batch_size, check_max_seq_len
+from runtime.decode.admission import check_max_batch_size, check_max_seq_len, min_seq_len
 from runtime.decode.engine import CannotGrowCache, Engine, EngineConfig
 from runtime.decode.kv_cache import MIN_CAPACITY, KVCache
 from runtime.memory import GIB, KV_BYTES, kv_cache_bytes
@@ -82,7 +84,7 @@ def check_fits(num_slots: int, max_len: int, per_position: int, available: int, 
     fit, where the cache's worst case (:func:`worst_case_bytes`) exceeds ``available`` bytes (read from ``where``).
 
     Args:
-        min_len: the shortest ``--max-seq-len`` that serves anything (W + 2).
+        min_len: the shortest ``--max-seq-len`` that serves anything (:func:`~runtime.decode.admission.min_seq_len`).
     """
     need = worst_case_bytes(num_slots, max_len, per_position)
     if need <= available:
@@ -166,6 +168,29 @@ def _read_field(path: Path, name: str) -> int | None:
     return None
 
 
+def check_engine_fits(config: BundleConfig, engine_config: EngineConfig, max_batch: int | None, max_past: int,
+                      copies: int, available: tuple[int, str] | None) -> int:
+    """The positions a slot holds, once ``engine_config`` passes the engine's limits (as :class:`Engine` checks them)
+    and its KV cache's worst case fits ``available``: :func:`make_engine`'s checks, on a backend's figures or on
+    what a bundle's config alone gives (``python -m runtime.serve_ray``, before any replica loads the bundle).
+
+    Args:
+        max_batch, max_past: the backend's largest batch (None: no limit) and past.
+        copies: the cache's copies (2 on a TensorRT engine, :mod:`runtime.memory`).
+        available: (bytes, where from) of the memory the cache lives in; None: unknown, not checked.
+
+    Raises:
+        SettingError: a setting past the backend's or the model's limits (:mod:`runtime.decode.admission`).
+        ValueError: the worst case past ``available`` (one line naming the options and what fits).
+    """
+    check_max_batch_size(engine_config.max_batch_size, max_batch)  # their errors first, as Engine's
+    max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, max_past, config.window)
+    if available is not None:
+        check_fits(engine_config.max_batch_size, max_len, bytes_per_position(config, copies), *available,
+                   min_len=min_seq_len(config.window))
+    return max_len
+
+
 def make_engine(backend, config: BundleConfig, engine_config: EngineConfig,
                 available: tuple[int, str] | None = None) -> Engine:
     """The server's engine, once its KV cache's worst case fits the memory it lives in (module docstring).
@@ -177,16 +202,14 @@ def make_engine(backend, config: BundleConfig, engine_config: EngineConfig,
         ValueError: as :class:`Engine` (a setting past the backend's or model's limits); the worst case past the
             memory available, or the first buffers failing to allocate (one line naming the options).
     """
-    check_max_batch_size(engine_config.max_batch_size, backend.max_batch)  # their errors first, as Engine's
-    max_len = check_max_seq_len(engine_config.max_seq_len, config.max_context, backend.max_past)
-    per_position = bytes_per_position(config, getattr(backend, "kv_copies", 1))
-    available = available or memory_available(backend)
-    if available is not None:
-        check_fits(engine_config.max_batch_size, max_len, per_position, *available, min_len=config.window + 2)
+    copies = getattr(backend, "kv_copies", 1)
+    max_len = check_engine_fits(config, engine_config, backend.max_batch, backend.max_past, copies,
+                                available or memory_available(backend))
     try:
         return Engine(backend, config, engine_config)
     except MemoryError as e:  # numpy's message is a shape: say what it is and what to change
         slots, first = engine_config.max_batch_size, min(MIN_CAPACITY, max_len)
+        per_position = bytes_per_position(config, copies)
         raise ValueError(f"the KV cache's first buffers, {slots} slots (--max-batch-size) x {first} positions x "
                          f"{per_position:,} bytes = {_size(slots * first * per_position)}, cannot be "
                          f"allocated ({type(e).__name__}); lower --max-batch-size") from None

@@ -38,8 +38,8 @@ class LoadPolicy:
             raise ValueError(f"need finite 0 <= tau_min <= tau_max, got tau_min={self.tau_min}, "
                              f"tau_max={self.tau_max}")
         if not 0 <= self.queue_low < self.queue_high:
-            raise ValueError(f"need 0 <= queue_low < queue_high, got queue_low={self.queue_low}, "
-                             f"queue_high={self.queue_high}")
+            raise ValueError(f"need 0 <= queue_low (--queue-low) < queue_high (--queue-high), got {self.queue_low} and "
+                             f"{self.queue_high}")
 
     def check_base(self, tau: float) -> float:
         """Validate a base tau (from the command line or the admin call) and return it.

@@ -78,6 +78,10 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--max-tokens-limit", "64", "--default-max-tokens", "128"]) == 2
     err = capsys.readouterr().err
     assert "--default-max-tokens" in err and "--max-tokens-limit" in err and err.count("\n") == 1
+    for queues in (["--queue-low", "5", "--queue-high", "2"], ["--queue-low", "-1"]):  # named in the policy's words
+        assert main([str(tmp_path), *queues]) == 2
+        err = capsys.readouterr().err
+        assert "need 0 <= queue_low (--queue-low) < queue_high (--queue-high), got " in err and err.count("\n") == 1
     for flag in ("--max-body-bytes", "--max-prompt-tokens", "--max-tokens-limit", "--default-max-tokens"):
         assert main([str(tmp_path), flag, "0"]) == 2  # each limit's error names the option to change
         err = capsys.readouterr().err
@@ -93,8 +97,14 @@ def test_serve_cli_reports_errors_in_one_line(tmp_path, capsys):
                                                            "the 59 tokens a prompt can have (the 64 positions"),
     (["--max-seq-len", "100000"], "error: max_seq_len (--max-seq-len) 100000 exceeds the {context} positions a slot "
                                   "can hold (the model's max context); give at most {context}\n"),
-    (["--threads", "-1"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got -1\n")],
-    ids=["prompt-beyond-context", "prompt-beyond-max-seq-len", "max-seq-len", "threads"])
+    (["--threads", "-1"], "error: argument --threads: must be in 0..256 (0 lets onnxruntime choose), got -1\n"),
+    (["--max-seq-len", "5"], "error: max_seq_len (--max-seq-len) 5 leaves no room for a request: a slot holds a prompt "
+                             "of at least 1 token, 1 token to generate and the window of a decode step (4); give at "
+                             "least 6\n"),
+    (["--max-seq-len", "2"], "error: max_seq_len (--max-seq-len) 2 leaves no room for a request"),
+    (["--max-seq-len", "5", "--max-prompt-tokens", "3"], "error: max_seq_len (--max-seq-len) 5 leaves no room")],
+    ids=["prompt-beyond-context", "prompt-beyond-max-seq-len", "max-seq-len", "threads", "max-seq-len-below-window",
+         "max-seq-len-2", "max-seq-len-before-max-prompt-tokens"])
 def test_an_engine_option_out_of_range_is_one_line_naming_the_option(tiny_bundle, monkeypatch, capsys, options,
                                                                      message):
     """--max-prompt-tokens past the context was accepted silently (every longer prompt then got the context's 400),
@@ -220,9 +230,17 @@ def test_a_whitespace_api_key_is_refused_in_one_line(tmp_path, monkeypatch, caps
                                        "key, or leave it empty or unset to serve without one\n")
 
 
-def test_generate_cli_names_a_negative_seed(tmp_path, capsys):
-    assert generate.main([str(tmp_path), "--prompt", "hi", "--seed", "-1"]) == 2
-    assert capsys.readouterr().err == "error: seed must be an integer >= 0 (or none: fresh entropy), got -1\n"
+@pytest.mark.parametrize("options, message", [
+    (["--seed", "-1"], "seed (--seed) must be an integer >= 0 (or none: fresh entropy), got -1"),
+    (["--max-new-tokens", "0"], "max_new_tokens (--max-new-tokens) must be >= 1, got 0"),
+    (["--top-p", "0"], "top_p (--top-p) must be in (0, 1], got 0.0"),
+    (["--top-k", "-1"], "top_k (--top-k) must be >= 0 (0 = off), got -1"),
+    (["--block-size", "0"], "block_size (--block-size) must be >= 1, got 0")])
+def test_generate_cli_names_the_option_of_a_bad_decode_parameter(tmp_path, capsys, options, message):
+    """The decode parameters' errors named the request field (``max_new_tokens must be >= 1``): they name the
+    option too, before the bundle loads (tmp_path is none)."""
+    assert generate.main([str(tmp_path), "--prompt", "hi", *options]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
 
 
 @pytest.mark.parametrize("content", ["{bad", "[1, 2]", "\xff"])

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from runtime import serve as single  # noqa: E402
 from runtime import serve_ray  # noqa: E402
-from runtime.serving import ray_deploy, ray_launch, ray_proxy, ray_replica  # noqa: E402
+from runtime.serving import kv_memory, ray_deploy, ray_launch, ray_proxy, ray_replica  # noqa: E402
 from runtime.serving.ray_board import NAMESPACE, FleetBoard, add_fleet_routes, merge_metrics  # noqa: E402
 from runtime.serving.ray_deploy import FleetOptions, deploy  # noqa: E402
 from runtime.serving.errors import install_error_handlers  # noqa: E402
@@ -122,6 +122,7 @@ def test_fleet_options_reject_bad_counts():
                                             (["--replicas", "two"], "argument --replicas: invalid int value: 'two'"),
                                             (["--port", "80x"], "argument --port: must be a port number"),
                                             (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1"),
+                                            (["--threads", "300"], "argument --threads: must be in 0..256"),
                                             (["--bogus"], "unrecognized arguments: --bogus")])
 def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, capsys, options, named):
     _, bundle = tiny_bundle("llama", 4)
@@ -130,6 +131,42 @@ def test_bad_server_options_stop_before_ray_starts(tiny_bundle, monkeypatch, cap
     assert serve_ray.main([str(bundle), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("options", [["--max-batch-size", "100000"], ["--max-seq-len", "99999"],
+                                     ["--max-seq-len", "5"]], ids=["kv-memory", "past-context", "below-window"])
+def test_an_engine_option_the_bundle_refuses_stops_main_before_ray_in_the_servers_words(tiny_bundle, monkeypatch,
+                                                                                        capsys, options):
+    """--max-batch-size 100000 or --max-seq-len 99999 started Ray, and 17-45 s later ~200 lines of replica
+    tracebacks ended in 'Deploying application mars failed'. They are checked against the bundle's config before
+    Ray starts (one replica's KV cache against this machine's memory; the context's limits), in the one line
+    python -m runtime.serve gives."""
+    _, bundle = tiny_bundle("llama", 4)
+    capsys.readouterr()  # the bundle's export output, if it was made now
+    monkeypatch.setattr(kv_memory, "host_memory_available", lambda: (64 << 20, "MemAvailable in /proc/meminfo"))
+    monkeypatch.setattr(single, "make_server", lambda *a: pytest.fail("the server started"))
+    assert single.main([str(bundle), "--port", "0", *options]) == 2
+    expected = capsys.readouterr().err
+    assert expected.startswith("error: ") and expected.count("\n") == 1 and "(--m" in expected, expected
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    assert serve_ray.main([str(bundle), *options]) == 2
+    assert capsys.readouterr().err == expected
+
+
+def test_replicas_on_a_cluster_are_not_held_to_this_machines_memory(tiny_bundle, monkeypatch):
+    """With --address the replicas may run on other machines: their KV cache is not checked against this one's
+    memory before Ray starts (each replica checks its own), while the bundle's context still is."""
+    _, bundle = tiny_bundle("llama", 4)
+    monkeypatch.setattr(kv_memory, "host_memory_available", lambda: (64 << 20, "MemAvailable in /proc/meminfo"))
+
+    def joined(**kwargs):  # the cluster is joined: stop there
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "init", joined)
+    with pytest.raises(KeyboardInterrupt):
+        serve_ray.main([str(bundle), "--max-batch-size", "100000", "--address", "ray://elsewhere:10001"])
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    assert serve_ray.main([str(bundle), "--max-seq-len", "99999", "--address", "ray://elsewhere:10001"]) == 2
 
 
 def test_our_own_ray_gives_the_serve_proxy_time_to_start(tiny_bundle, monkeypatch):
@@ -238,10 +275,12 @@ def test_a_port_in_use_stops_main_before_ray_starts(tiny_bundle, monkeypatch, ca
             serve_ray.main([str(bundle), "--port", str(port), "--address", "ray://elsewhere:10001"])
 
 
-def test_main_serves_until_a_signal_then_stops_the_deployment(monkeypatch, capsys):
-    """main's steps in order: check the options, launch, one line saying where it runs, wait for SIGTERM or Ctrl-C,
-    stop; after the first signal both are back to their default, so a second one ends the command at once.
-    Ray and Serve are stubbed (launch and stop)."""
+def test_main_serves_until_a_signal_then_stops_the_deployment(tiny_bundle, monkeypatch, capsys):
+    """main's steps in order: check the options (against the bundle's config too), launch, one line saying where
+    it runs, wait for SIGTERM or Ctrl-C, stop; after the first signal both are back to their default, so a second
+    one ends the command at once. Ray and Serve are stubbed (launch and stop)."""
+    bundle = str(tiny_bundle("llama", 4)[1])
+    capsys.readouterr()  # the bundle's export output, if it was made now
     deployed = ray_deploy.Deployed("http://127.0.0.1:8123", board=None, shutdown_timeout_s=5.0)
     calls = []
     monkeypatch.setattr(serve_ray, "launch", lambda argv, fleet, address: calls.append(("launch", argv)) or deployed)
@@ -255,13 +294,13 @@ def test_main_serves_until_a_signal_then_stops_the_deployment(monkeypatch, capsy
     sender = threading.Thread(target=send_sigterm)
     sender.start()
     try:
-        assert serve_ray.main(["BUNDLE", "--replicas", "2", "--max-replicas", "3", "--port", "0"]) == 0
+        assert serve_ray.main([bundle, "--replicas", "2", "--max-replicas", "3", "--port", "0"]) == 0
         assert [signal.getsignal(sig) for sig in before] == [signal.SIG_DFL, signal.SIG_DFL]
     finally:
         sender.join()
         for sig, handler in before.items():
             signal.signal(sig, handler)
-    assert calls == [("launch", ["BUNDLE", "--port", "0"]), ("stop", deployed)]
+    assert calls == [("launch", [bundle, "--port", "0"]), ("stop", deployed)]
     assert capsys.readouterr().out == ("mars-edge on Ray Serve running on http://127.0.0.1:8123 (replicas: 2 to 3); "
                                        "Ctrl-C stops it\n")
 

@@ -6,8 +6,9 @@ every other refusal of these commands is: one ``error: ...`` line and exit statu
 (``--help`` still prints the usage). The commands catch :class:`UsageError` with their other errors; the scripts
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
 An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
-A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau, and a ``--threads``
-value with :func:`threads_value`, the backend's rule on its onnxruntime threads.
+A ``--tau`` value is parsed with :func:`tau_value`, the runtime's one rule on tau (several, ``--taus``, with
+:func:`make_taus_value`'s), and a ``--threads`` value with :func:`threads_value`, the backend's rule on its
+onnxruntime threads.
 """
 
 from __future__ import annotations
@@ -68,19 +69,32 @@ def naming_options(options: dict[str, str]) -> Iterator[None]:
 
 
 def tau_value(text: str) -> float:
-    """``type=`` of a ``--tau``/``--taus`` argument: the number, or argparse's refusal in the words of the one rule
-    on tau (:func:`runtime.decode.params.check_tau`), before anything is loaded."""
+    """``type=`` of an option taking one tau (``--tau``): the number, or argparse's refusal in the words of the one
+    rule on tau (:func:`runtime.decode.params.check_tau`), naming the value as typed, before anything is loaded."""
     from runtime.decode.params import ParamError, check_tau  # imported here: the module loads numpy
 
     try:
         value = float(text)
     except ValueError:
-        value = text  # no number: check_tau refuses it, naming it as given
+        value = None  # no number: check_tau refuses it
     try:
-        return check_tau(value)
+        return check_tau(value, shown=text if text.strip() else repr(text))
     except ParamError as e:
-        hint = "; separate taus by spaces (--taus 0.9 0.8)" if "," in text else ""
-        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def make_taus_value(option: str) -> Callable[[str], float]:
+    """``type=`` of ``option``, one taking several taus (``nargs="+"``): :func:`tau_value`, whose refusal of a
+    value with a comma adds how to give several (``separate taus by spaces (--taus 0.9 0.8)``, naming ``option``)."""
+
+    def taus_value(text: str) -> float:
+        try:
+            return tau_value(text)
+        except argparse.ArgumentTypeError as e:
+            hint = f"; separate taus by spaces ({option} 0.9 0.8)" if "," in text else ""
+            raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+    return taus_value
 
 
 def threads_value(text: str) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, UsageError, tau_value, threads_value
+from runtime.command_line import ArgumentParser, UsageError, make_taus_value, threads_value
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation import tasks
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=50, metavar="N", help="first N records of each file (default 50)")
     p.add_argument("--from-end", action="store_true", help="take the last N records of each file instead")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    p.add_argument("--taus", type=tau_value, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
+    p.add_argument("--taus", type=make_taus_value("--taus"), nargs="+", default=list(DEFAULT_TAUS), metavar="T",
                    help="thresholds (default 1.0 0.95 0.9 0.8 0.7 0.6 0.5); 1.0 is added if none is >= 1")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None, metavar="B",
                    help="run-time block sizes, each <= the bundle's B (default: 4 and 8 where the bundle allows)")

@@ -8,7 +8,8 @@ run ``main`` through :func:`run_main`, which reports a bad input path (no bundle
 An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
 A ``--tau`` value is parsed with :func:`tau_value`, the runtime's one rule on tau (several, ``--taus``, with
 :func:`make_taus_value`'s), and a ``--threads`` value with :func:`threads_value`, the backend's rule on its
-onnxruntime threads.
+onnxruntime threads. A folder of result files is checked by :func:`check_results_folder` (``--force`` to replace
+an earlier run's).
 """
 
 from __future__ import annotations
@@ -51,6 +52,31 @@ def existing_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder" if path.exists() else
                                          f"{text} does not exist; give an existing folder")
     return path
+
+
+def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:
+    """Refuse, before anything is loaded, a results folder ``out`` (given as ``option``) that the result files
+    ``names`` cannot be written to: a file, or a path under one; one where a result's path is a folder, which no
+    run can replace; and, unless ``force``, one that holds results of an earlier run, which this run would replace
+    (``mars-eval --out``, the scripts in ``bench/``).
+
+    Raises:
+        UsageError: naming the path and the fix.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option} {out} is a file, not a directory; choose another {option}")
+    above = next((folder for folder in out.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UsageError(f"{option} {out} lies under {above}, which is a file, not a directory, so no results can "
+                         f"be written there; choose another {option}")
+    folder = next((out / name for name in names if (out / name).is_dir()), None)
+    if folder is not None:
+        raise UsageError(f"{option} {out}: {folder} is a folder, where this run writes a file, and --force replaces "
+                         f"only files; move it away or choose another {option}")
+    earlier = [name for name in names if (out / name).exists()]
+    if earlier and not force:
+        raise UsageError(f"{option} {out} already holds {', '.join(earlier)} of an earlier run; choose another "
+                         f"{option} or pass --force to replace them")
 
 
 @contextmanager

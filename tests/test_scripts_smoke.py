@@ -518,6 +518,40 @@ def test_an_input_path_that_is_not_there_or_of_another_kind_is_one_error_line(ca
     assert os.listdir(tmp_path) == ["mine"] and sorted(os.listdir(mine)) == ["data.jsonl", "text.jsonl"]
 
 
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank-lines"])
+@pytest.mark.parametrize("option", ["--gsm8k", "--chat"])
+def test_tpf_vs_training_refuses_a_prompt_file_without_records_before_the_model_loads(option, content, tmp_path):
+    """--gsm8k (or --chat) a file of 0 bytes or only blank lines: the model loaded, then TPF divided by zero
+    forwards (ZeroDivisionError). One line naming the file, exit status 2, nothing written."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text(content)
+    files = {"--gsm8k": "empty.jsonl", "--chat": "data.jsonl"} if option == "--gsm8k" else \
+        {"--gsm8k": "data.jsonl", "--chat": "empty.jsonl"}
+    done = run_in(tmp_path, "bench/tpf_vs_training.py", ["run", "--out", "out", *sum(files.items(), ())], {})
+    assert_one_error_line(done, f"{option}: empty.jsonl holds no records (it is empty or only blank lines)")
+    assert sorted(os.listdir(tmp_path)) == ["data.jsonl", "empty.jsonl", "run"]
+
+
+def test_tpf_vs_training_replaces_an_earlier_curve_only_with_force(tmp_path):
+    """The default --out is bench/results: a run silently overwrote the committed tpf_vs_training.json/.png. They
+    are refused, as mars-eval refuses its earlier results (runtime.command_line.check_results_folder), unless
+    --force, or --append, which adds to the curve."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tpf_vs_training.png").write_text("earlier")
+    (tmp_path / "empty.jsonl").write_text("")
+    args = ["run", "--gsm8k", "empty.jsonl", "--out", "out"]
+    done = run_in(tmp_path, "bench/tpf_vs_training.py", args, {})
+    assert_one_error_line(done, "--out out already holds tpf_vs_training.png of an earlier run; choose another --out "
+                                "or pass --force to replace them")
+    for extra in ("--force", "--append"):  # past the check: to the next one, the empty --gsm8k
+        done = run_in(tmp_path, "bench/tpf_vs_training.py", [*args, extra], {})
+        assert_one_error_line(done, "--gsm8k: empty.jsonl holds no records")
+    assert os.listdir(tmp_path / "out") == ["tpf_vs_training.png"]
+    assert (tmp_path / "out" / "tpf_vs_training.png").read_text() == "earlier"
+
+
 @pytest.mark.parametrize("second, message", [
     ({"rows": [{"engine": "llamacpp", "variant": "gguf f32", "batch_size": 1, "status": "ok",
                 "decode_tokens_per_second": 9.0}]}, "no row ran in every run; pass runs of the same settings"),

@@ -8,8 +8,8 @@ run ``main`` through :func:`run_main`, which reports a bad input path (no bundle
 An engine's or backend's setting out of range names the option that sets it (:func:`naming_options`).
 A ``--tau`` value is parsed with :func:`tau_value`, the runtime's one rule on tau (several, ``--taus``, with
 :func:`make_taus_value`'s), and a ``--threads`` value with :func:`threads_value`, the backend's rule on its
-onnxruntime threads. A folder of result files is checked by :func:`check_results_folder` (``--force`` to replace
-an earlier run's).
+onnxruntime threads. An output path must not be empty or blank (:func:`check_path_given`); a folder of result files
+is checked by :func:`check_results_folder` (``--force`` to replace an earlier run's).
 """
 
 from __future__ import annotations
@@ -52,6 +52,17 @@ def existing_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a file; give a folder" if path.exists() else
                                          f"{text} does not exist; give an existing folder")
     return path
+
+
+def check_path_given(text: str, option: str, what: str) -> None:
+    """Refuse an empty or blank ``option`` value (``--output ""``, ``--out " "``), which ``Path`` would read as the
+    current directory or a folder named by spaces; ``what`` says what to give.
+
+    Raises:
+        UsageError: ``--output is empty: give WHAT``.
+    """
+    if not text.strip():
+        raise UsageError(f"{option} is {'empty' if not text else f'only spaces ({text!r})'}: give {what}")
 
 
 def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import (ArgumentParser, UsageError, check_results_folder, make_taus_value,
-                                  threads_value)
+from runtime.command_line import (ArgumentParser, UsageError, check_path_given, check_results_folder,
+                                  make_taus_value, threads_value)
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation import tasks
@@ -99,8 +99,7 @@ def check_args(args: argparse.Namespace) -> None:
     DecodeParams(metric=args.metric)  # raises ValueError on an unknown metric
     if len({Path(b).resolve() for b in args.bundles}) < len(args.bundles):
         raise UsageError("a bundle directory is given twice")
-    if args.out == "":  # a path would read it as the current directory
-        raise UsageError("--out is empty: give the directory to write the results to (default ./mars-eval-results)")
+    check_path_given(args.out, "--out", "the directory to write the results to (default ./mars-eval-results)")
     check_results_folder(Path(args.out), [RESULTS_FILE, SUMMARY_FILE, PLOT_FILE], args.force)
 
 

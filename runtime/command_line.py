@@ -62,7 +62,7 @@ def check_path_given(text: str, option: str, what: str) -> None:
         UsageError: ``--output is empty: give WHAT``.
     """
     if not text.strip():
-        raise UsageError(f"{option} is {'empty' if not text else f'only spaces ({text!r})'}: give {what}")
+        raise UsageError(f"{option} is {'empty' if not text else f'blank ({text!r})'}: give {what}")
 
 
 def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:

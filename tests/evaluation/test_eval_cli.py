@@ -161,7 +161,7 @@ def test_an_out_that_is_a_file_is_refused_as_the_other_tools_refuse_it(bundle, d
     assert capsys.readouterr().err == "error: --out is empty: give the directory to write the results to (default " \
                                       "./mars-eval-results)\n"
     assert main(eval_args(bundle, data, "  ")) == 2  # not a folder named by two spaces
-    assert capsys.readouterr().err == "error: --out is only spaces ('  '): give the directory to write the results " \
+    assert capsys.readouterr().err == "error: --out is blank ('  '): give the directory to write the results " \
                                       "to (default ./mars-eval-results)\n"
 
 

@@ -201,7 +201,7 @@ def test_the_help_names_every_model_name(capsys):
     (["m", "--data", "d", "--output", "o", "--lora-init", "a"], "--lora-init continues a LoRA adapter: add --lora"),
     (["m", "--data", "d", "--output", ""], "--output is empty: give the directory to write the checkpoints and the "
                                            "final model to"),  # was read as the current directory
-    (["m", "--data", "d", "--output", " "], "--output is only spaces (' '): give the directory to write the "
+    (["m", "--data", "d", "--output", " "], "--output is blank (' '): give the directory to write the "
                                             "checkpoints and the final model to"),  # trained into a folder ' '
     (["distill", "m", "--prompts", "p", "--output", ""], "--output is empty: give the path of the JSONL file to "
                                                          "write"),  # said '--output . is a directory'

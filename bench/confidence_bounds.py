@@ -68,7 +68,7 @@ from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from mars_export.confidence_gate import MARGIN_ABSOLUTE, MARGIN_RELATIVE, UNIT, slack  # noqa: E402
 from mars_export.default_model import check_model_spec  # noqa: E402
-from runtime.command_line import ArgumentParser, UsageError, run_main, tau_value  # noqa: E402
+from runtime.command_line import ArgumentParser, UsageError, make_taus_value, run_main  # noqa: E402
 
 
 def screening_session(weight: np.ndarray):
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default="default-mars", help="model spec of mars-export (default default-mars)")
-    p.add_argument("--taus", type=tau_value, nargs="+", default=[0.9, 0.7, 0.5])
+    p.add_argument("--taus", type=make_taus_value("--taus"), nargs="+", default=[0.9, 0.7, 0.5])
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--block", type=int, default=4, help="block size B = window W of the reference decoder")
@@ -237,7 +237,7 @@ def main() -> None:
     args = p.parse_args()
     if shared_data_missing():
         p.error(shared_data_missing())
-    if any(tau >= 1 for tau in args.taus) or args.block < 2:  # tau_value refused the rest
+    if any(tau >= 1 for tau in args.taus) or args.block < 2:  # make_taus_value refused the rest
         p.error("each --taus value must be below 1 (at 1 no confidence is tested) and --block at least 2")
     try:
         check_model_spec(args.model)

@@ -36,7 +36,7 @@ from support import shared_data_file, shared_data_missing
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, run_main, tau_value, threads_value
+from runtime.command_line import ArgumentParser, make_taus_value, run_main, threads_value
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.engine import Engine, EngineConfig
 from runtime.decode.params import DRAFTS, DecodeParams, ParamError
@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("bundle")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--schemes", nargs="+", default=["continuous", "block"], choices=["continuous", "block"])
-    p.add_argument("--taus", type=tau_value, nargs="+", default=[0.95, 0.9, 0.8])
+    p.add_argument("--taus", type=make_taus_value("--taus"), nargs="+", default=[0.95, 0.9, 0.8])
     p.add_argument("--block-sizes", type=int, nargs="+", default=None,
                    help="per-request block sizes for threshold and verify mode (default: the bundle's B)")
     p.add_argument("--num-prompts", type=int, default=16)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 # the project is not installed in the peer venvs; runtime/command_line.py needs nothing but argparse
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.command_line import ArgumentParser, UsageError, existing_file, run_main, tau_value  # noqa: E402
+from runtime.command_line import ArgumentParser, UsageError, existing_file, make_taus_value, run_main  # noqa: E402
 
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
@@ -763,7 +763,7 @@ def main() -> None:
     pp.add_argument("--max-new-tokens", type=int, default=128)
     pp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     pp.add_argument("--threads", type=int, default=0, help="threads of every engine (default: all cores)")
-    pp.add_argument("--taus", type=tau_value, nargs="+", default=[0.95, 0.9, 0.8, 0.7])
+    pp.add_argument("--taus", type=make_taus_value("--taus"), nargs="+", default=[0.95, 0.9, 0.8, 0.7])
     pp.add_argument("--llamacpp-n-batch", type=int, default=LLAMACPP_N_BATCH,
                     help=f"llama.cpp's most prompt tokens per forward (default {LLAMACPP_N_BATCH}; 1 works around "
                          "llama.cpp's AMX crash on multi-token forwards, see LLAMACPP_N_BATCH)")

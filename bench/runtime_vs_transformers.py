@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from mars_export.model_source import default_checkpoint
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import load_config
-from runtime.command_line import ArgumentParser, run_main, tau_value
+from runtime.command_line import ArgumentParser, make_taus_value, run_main
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.text.tokenizer import Tokenizer
@@ -98,7 +98,7 @@ def main() -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--checkpoint", default=None, help="HF checkpoint of the baseline (default: the default model)")
-    p.add_argument("--taus", type=tau_value, nargs="+", default=[1.0, 0.9])
+    p.add_argument("--taus", type=make_taus_value("--taus"), nargs="+", default=[1.0, 0.9])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()

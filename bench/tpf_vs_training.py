@@ -3,7 +3,7 @@
     python bench/tpf_vs_training.py RUN_DIR --gsm8k FILE [--chat FILE] [--num-prompts 5]
         [--max-new-tokens 64] [--tau 0.9] [--block-size 4] [--every 50] [--data FILE ...]
         [--init-adapter DIR] [--name tpf_vs_training] [--compare JSON ...] [--out bench/results]
-        [--init-steps N --append]
+        [--force] [--init-steps N --append]
 
 For the starting model and each ``checkpoint-N`` in RUN_DIR: merge the adapter into the
 default model and decode held-out prompts with the PyTorch reference MARS decoder (same
@@ -20,7 +20,8 @@ The starting model (the first row) is the base model, or with ``--init-adapter``
 adapter the run continued (``mars-train --lora-init``). x axes: examples seen (steps x
 batch) and, with ``--data`` (the run's training files), example tokens seen, estimated as
 examples seen x the mean tokens of an example of the data. Writes ``NAME.json`` and
-``NAME.png`` (after every row); ``--compare`` adds other curves (JSON files this script wrote) to the plot.
+``NAME.png`` (after every row; those of an earlier run are replaced only with ``--force``); ``--compare`` adds
+other curves (JSON files this script wrote) to the plot.
 A run continued from an earlier run's checkpoint is added to its curve with
 ``--init-steps`` (the steps the initial adapter had) and ``--append``.
 """
@@ -36,8 +37,8 @@ from peft import PeftModel
 
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
-from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, run_main,
-                                  tau_value)
+from runtime.command_line import (ArgumentParser, UsageError, check_results_folder, existing_file, existing_folder,
+                                  run_main, tau_value)
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 from runtime.evaluation.tasks import DataError, load_chat, read_jsonl
@@ -116,9 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps the run's --lora-init adapter had already trained; added to each checkpoint's step")
     p.add_argument("--append", action="store_true",
                    help="add rows to the existing NAME.json (same settings; no new first row)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the NAME.json and NAME.png of an earlier run in --out (default: refuse)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.every < 1:
         p.error("--num-prompts and --every must be >= 1")
+    check_results_folder(args.out, [f"{args.name}.json", f"{args.name}.png"], args.force or args.append)
     return args
 
 
@@ -130,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
             prompt_sets["chat"] = [item.messages() for item in load_chat(args.chat, args.num_prompts)]
         except DataError as e:
             raise UsageError(f"--chat: {e}") from e
+        if not prompt_sets["chat"]:
+            raise UsageError(f"--chat: {args.chat} holds no records (it is empty or only blank lines); give an "
+                             "OpenAssistant tree file (chat_multiturn/oasst_en_100_tree.jsonl)")
     try:
         tokens_per_example = mean_example_tokens(args.data) if args.data else None
     except ValueError as e:  # a missing or malformed training file, as mars-train reads it
@@ -154,6 +161,9 @@ def gsm8k_questions(args) -> list[str]:
         records = read_jsonl(args.gsm8k, args.num_prompts)
     except DataError as e:
         raise UsageError(f"--gsm8k: {e}") from e
+    if not records:
+        raise UsageError(f"--gsm8k: {args.gsm8k} holds no records (it is empty or only blank lines); give a GSM8K "
+                         "JSON-lines file, one question a line")
     for number, _, record in records:
         if not isinstance(record.get("question"), str):
             raise UsageError(f"--gsm8k: {args.gsm8k}:{number}: a GSM8K record needs a string field 'question'")

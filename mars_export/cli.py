@@ -32,7 +32,7 @@ from mars_export.hub_model import check_revision, fetch_snapshot, is_hub_id
 from mars_export.output_dir import check_output_dir, landing_if_other, landing_path, model_paths, named_path
 from runtime.backends.providers import OnnxRuntimeMissing
 from runtime.bundle import GRAPHS, BundleError
-from runtime.command_line import ArgumentParser, UsageError
+from runtime.command_line import ArgumentParser, UsageError, check_path_given
 from runtime.trt_build import MAX_CONTEXT_CAP, TrtBuildOptions
 
 FP32_PARITY_TOL = 1e-3
@@ -248,9 +248,11 @@ def _precision_problem(args: argparse.Namespace) -> str | None:
 
 
 def _output_problem(args: argparse.Namespace) -> str | None:
-    """Why ``-o`` names no directory (an empty string, which paths would read as the current directory), or None."""
-    if args.output == "":
-        return "-o is empty: give the directory to write the bundle to (e.g. -o bundles/mine)"
+    """Why ``-o`` names no directory (empty or blank: :func:`~runtime.command_line.check_path_given`), or None."""
+    try:
+        check_path_given(args.output, "-o", "the directory to write the bundle to (e.g. -o bundles/mine)")
+    except UsageError as e:
+        return str(e)
     return None
 
 

@@ -4,8 +4,9 @@
 or hold the model it is exported from or what a link in the model's folder points to (a Hugging Face hub
 snapshot's ``blobs/``; a bundle inside a model's folder is fine), an existing directory is replaced only when
 it is a bundle (holds ``mars_config.json``) or is empty, and the export must be able to make its folders there
-(:func:`check_can_write`). Torch-free: ``mars-export`` checks before it loads the model. The rule that an output may not be or hold the model (:func:`check_apart_from_model`) also guards
-``mars-train --output`` (:mod:`mars_export.training.output_dir`).
+(:func:`check_can_write`). Torch-free: ``mars-export`` checks before it loads the model. The rules that an output
+may not be or hold the model (:func:`check_apart_from_model`) and that it must take a new folder
+(:func:`check_can_write`) also guard ``mars-train --output`` (:mod:`mars_export.training.output_dir`).
 """
 
 from __future__ import annotations
@@ -69,21 +70,30 @@ def check_output_dir(out_dir: Path, model_paths: list[Path], overwrite: bool) ->
     check_can_write(out_dir)
 
 
-def check_can_write(out_dir: Path) -> None:
+def check_can_write(out_dir: Path, flag: str = "-o", into: bool = False) -> None:
     """Raise ValueError where the export could not make its first folder: its work directory beside ``out_dir``
     (:func:`partial_prefix`; renamed to ``out_dir`` at the end) or, where ``out_dir``'s parent is missing, the
     folder :func:`make_parent_folders` makes first in the nearest existing folder above it. Tried as the export
     does it (a hidden folder made there and removed at once), so a read-only disk, missing permissions (also for
     root on a read-only mount) and a folder that takes no new entries (``/proc``) all fail here, before the model
-    loads. One killed meanwhile is a stale partial (:func:`remove_stale_partials`)."""
-    base = next(folder for folder in landing_path(out_dir).parents if folder.exists())  # the root always exists
+    loads. One killed meanwhile is a stale partial (:func:`remove_stale_partials`).
+
+    Args:
+        out_dir: the output as given.
+        flag: the option that gives it, named in the message (``-o``; ``--output`` for ``mars-train``).
+        into: the command writes into ``out_dir`` itself (``mars-train`` its checkpoints): an existing ``out_dir``
+            must take a new folder, not the folder above it.
+    """
+    where = landing_path(out_dir)
+    above = next(folder for folder in where.parents if folder.exists())  # the root always exists
+    base = where if into and where.is_dir() else above
     try:
         os.rmdir(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=base))
     except OSError as e:
         problem = (e.strerror or str(e)).lower()
-        todo = {errno.EROFS: "choose an -o on a writable disk", errno.EACCES: "choose an -o where you may write",
-                errno.EPERM: "choose an -o where you may write"}.get(e.errno, "choose another -o")
-        raise ValueError(f"-o {named_path(out_dir)} cannot be written: no folder can be made in {base} "
+        todo = {errno.EROFS: f"choose an {flag} on a writable disk", errno.EACCES: f"choose an {flag} where you may "
+                "write", errno.EPERM: f"choose an {flag} where you may write"}.get(e.errno, f"choose another {flag}")
+        raise ValueError(f"{flag} {named_path(out_dir)} cannot be written: no folder can be made in {base} "
                          f"({problem}); {todo}") from e
 
 

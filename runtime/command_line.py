@@ -7,8 +7,10 @@ every other refusal of these commands is: one ``error: ...`` line and exit statu
 run ``main`` through :func:`run_main`, which reports a bad input path (no bundle, no such file) the same way.
 An engine's or backend's setting, or a request's parameter, out of range names the option that sets it
 (:func:`naming_options`).
-A ``--tau``/``--taus`` value is parsed with :func:`tau_value`, the runtime's one rule on tau, and a ``--threads``
-value with :func:`threads_value`, the backend's rule on its onnxruntime threads.
+A ``--tau`` value is parsed with :func:`tau_value`, the runtime's one rule on tau (several, ``--taus``, with
+:func:`make_taus_value`'s), and a ``--threads`` value with :func:`threads_value`, the backend's rule on its
+onnxruntime threads. An output path must not be empty or blank (:func:`check_path_given`); a folder of result files
+is checked by :func:`check_results_folder` (``--force`` to replace an earlier run's).
 """
 
 from __future__ import annotations
@@ -53,6 +55,42 @@ def existing_folder(text: str) -> Path:
     return path
 
 
+def check_path_given(text: str, option: str, what: str) -> None:
+    """Refuse an empty or blank ``option`` value (``--output ""``, ``--out " "``), which ``Path`` would read as the
+    current directory or a folder named by spaces; ``what`` says what to give.
+
+    Raises:
+        UsageError: ``--output is empty: give WHAT``.
+    """
+    if not text.strip():
+        raise UsageError(f"{option} is {'empty' if not text else f'blank ({text!r})'}: give {what}")
+
+
+def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:
+    """Refuse, before anything is loaded, a results folder ``out`` (given as ``option``) that the result files
+    ``names`` cannot be written to: a file, or a path under one; one where a result's path is a folder, which no
+    run can replace; and, unless ``force``, one that holds results of an earlier run, which this run would replace
+    (``mars-eval --out``, the scripts in ``bench/``).
+
+    Raises:
+        UsageError: naming the path and the fix.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option} {out} is a file, not a directory; choose another {option}")
+    above = next((folder for folder in out.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UsageError(f"{option} {out} lies under {above}, which is a file, not a directory, so no results can "
+                         f"be written there; choose another {option}")
+    folder = next((out / name for name in names if (out / name).is_dir()), None)
+    if folder is not None:
+        raise UsageError(f"{option} {out}: {folder} is a folder, where this run writes a file, and --force replaces "
+                         f"only files; move it away or choose another {option}")
+    earlier = [name for name in names if (out / name).exists()]
+    if earlier and not force:
+        raise UsageError(f"{option} {out} already holds {', '.join(earlier)} of an earlier run; choose another "
+                         f"{option} or pass --force to replace them")
+
+
 @contextmanager
 def naming_options(options: dict[str, str]) -> Iterator[None]:
     """Within it, a :class:`~runtime.decode.admission.SettingError` of a setting in ``options`` (setting -> the
@@ -73,19 +111,32 @@ def naming_options(options: dict[str, str]) -> Iterator[None]:
 
 
 def tau_value(text: str) -> float:
-    """``type=`` of a ``--tau``/``--taus`` argument: the number, or argparse's refusal in the words of the one rule
-    on tau (:func:`runtime.decode.params.check_tau`), before anything is loaded."""
+    """``type=`` of an option taking one tau (``--tau``): the number, or argparse's refusal in the words of the one
+    rule on tau (:func:`runtime.decode.params.check_tau`), naming the value as typed, before anything is loaded."""
     from runtime.decode.params import ParamError, check_tau  # imported here: the module loads numpy
 
     try:
         value = float(text)
     except ValueError:
-        value = text  # no number: check_tau refuses it, naming it as given
+        value = None  # no number: check_tau refuses it
     try:
-        return check_tau(value)
+        return check_tau(value, shown=text if text.strip() else repr(text))
     except ParamError as e:
-        hint = "; separate taus by spaces (--taus 0.9 0.8)" if "," in text else ""
-        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def make_taus_value(option: str) -> Callable[[str], float]:
+    """``type=`` of ``option``, one taking several taus (``nargs="+"``): :func:`tau_value`, whose refusal of a
+    value with a comma adds how to give several (``separate taus by spaces (--taus 0.9 0.8)``, naming ``option``)."""
+
+    def taus_value(text: str) -> float:
+        try:
+            return tau_value(text)
+        except argparse.ArgumentTypeError as e:
+            hint = f"; separate taus by spaces ({option} 0.9 0.8)" if "," in text else ""
+            raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+
+    return taus_value
 
 
 def threads_value(text: str) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, UsageError, tau_value
+from runtime.command_line import ArgumentParser, UsageError, make_taus_value
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams, ParamError
@@ -35,7 +35,7 @@ PROMPTS = Path(__file__).parent / "prompts" / "demo_prompts.json"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle")
-    p.add_argument("--tau", type=tau_value, nargs="+", default=[1.0, 0.9])
+    p.add_argument("--tau", type=make_taus_value("--tau"), nargs="+", default=[1.0, 0.9])
     p.add_argument("--draft", choices=["masks", "lookup", "both"], default="both",
                    help="draft source in every run (default both: lookup drafts, then masks; masks: plain MARS)")
     p.add_argument("--adaptive-masks", action="store_true",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from runtime.bundle import BundleError
-from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, naming_options,
-                                  run_main, tau_value, threads_value)
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, make_taus_value,
+                                  naming_options, run_main, tau_value, threads_value)
 from runtime.decode.admission import SettingError
 from runtime.decode.params import ParamError
 from runtime.evaluation.tasks import DataError
@@ -108,18 +108,35 @@ def test_the_decode_package_summary_names_the_home_of_setting_errors():
     assert "SettingError" in line
 
 
+RULE = "tau must be a finite number >= 0, got {}; tau >= 1 means one token per step (greedy AR)"
+
+
 @pytest.mark.parametrize("text, message", [
-    ("0.9,abc", "tau must be a finite number >= 0, got 0.9,abc; tau >= 1 means one token per step (greedy AR); "
-                "separate taus by spaces (--taus 0.9 0.8)"),
-    *((text, f"tau must be a finite number >= 0, got {text}") for text in ("-0.5", "nan", "inf"))])
+    ("0.9,abc", RULE.format("0.9,abc") + "; separate taus by spaces (--taus 0.9 0.8)"),
+    *((text, RULE.format(text)) for text in ("-0.5", "-1", "nan", "inf", "abc")),
+    ("", RULE.format("''")), (" ", RULE.format("' '"))])
 def test_tau_value_refuses_in_the_words_of_the_one_rule_on_tau(text, message):
     """The scripts' --tau/--taus took any float (a comma list was 'invalid float value', a negative or nan tau ran
-    until the decoder refused it, or not at all): tau_value applies check_tau, the runtime's one rule."""
+    until the decoder refused it, or not at all): tau_value applies check_tau, the runtime's one rule. The value is
+    named as typed: '-1' said 'got -1.0', and an empty one 'got ;'."""
     p = ArgumentParser()
-    p.add_argument("--taus", type=tau_value, nargs="+")
+    p.add_argument("--taus", type=make_taus_value("--taus"), nargs="+")
     assert p.parse_args(["--taus", "0", "0.9", "1", "1.5"]).taus == [0.0, 0.9, 1.0, 1.5]
-    with pytest.raises(UsageError, match=re.escape(f"argument --taus: {message}")):
+    with pytest.raises(UsageError) as caught:
         p.parse_args(["--taus", "0.9", text])
+    assert str(caught.value) == f"argument --taus: {message}"
+
+
+@pytest.mark.parametrize("option, nargs", [("--tau", None), ("--tau", "+"), ("--taus", "+")])
+def test_the_comma_hint_names_the_option_and_only_where_several_taus_are_allowed(option, nargs):
+    """'--tau 0.9,abc' said 'separate taus by spaces (--taus 0.9 0.8)' in scripts that take one --tau (and so no
+    taus to separate), and named --taus where the option of several is --tau (samples/demo.py)."""
+    p = ArgumentParser()
+    p.add_argument(option, type=tau_value if nargs is None else make_taus_value(option), nargs=nargs)
+    with pytest.raises(UsageError) as caught:
+        p.parse_args([option, "0.9,abc"])
+    hint = "" if nargs is None else f"; separate taus by spaces ({option} 0.9 0.8)"
+    assert str(caught.value) == f"argument {option}: {RULE.format('0.9,abc')}{hint}"
 
 
 def test_threads_value_refuses_in_the_words_of_the_backends_rule():

@@ -489,6 +489,9 @@ def test_an_empty_output_is_refused_not_read_as_the_current_directory(checkpoint
     monkeypatch.chdir(tmp_path)
     code, err = run_export(capsys, checkpoint, "", "--block", "4", "--mask-token", "<mask>")
     assert code == 2 and err == ["error: -o is empty: give the directory to write the bundle to (e.g. -o bundles/mine)"]
+    code, err = run_export(capsys, checkpoint, " ", "--block", "4", "--mask-token", "<mask>")  # wrote a bundle ' '
+    assert code == 2 and err == ["error: -o is blank (' '): give the directory to write the bundle to (e.g. -o "
+                                 "bundles/mine)"]
     assert os.listdir(tmp_path) == []
 
 

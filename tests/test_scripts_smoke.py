@@ -297,6 +297,8 @@ def test_a_bad_command_line_is_one_error_line_in_every_script(script, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+SEVERAL_TAUS = {"bench/confidence_bounds.py", "bench/engine_modes.py", "bench/peers.py",  # whose tau option takes
+                "bench/runtime_vs_transformers.py", "samples/demo.py"}  # several taus
 BAD_TAUS = {  # script -> a command line whose TAUS is a bad value of its tau option, refused before anything loads
     "bench/c_sample.py": ["BUNDLE", "--binary", f"c={sys.executable}", "--tau", "TAUS"],
     "bench/confidence_bounds.py": ["--taus", "TAUS"],
@@ -312,7 +314,7 @@ BAD_TAUS = {  # script -> a command line whose TAUS is a bad value of its tau op
 
 @pytest.mark.parametrize("script", sorted(BAD_TAUS))
 @pytest.mark.parametrize("taus, message", [("0.9,abc", "got 0.9,abc; tau >= 1 means one token per step (greedy AR)"),
-                                           ("-1", "got -1.0;")], ids=["comma-list", "negative"])
+                                           ("-1", "got -1;")], ids=["comma-list", "negative"])
 def test_a_bad_tau_is_one_error_line_in_the_words_of_the_one_rule(script, taus, message, tmp_path):
     """'--taus 0.9,abc' said 'invalid float value' and a negative tau ran until the decoder refused it (or, in
     tpf_vs_training.py, until a model had loaded): every script that takes taus parses them with
@@ -322,6 +324,9 @@ def test_a_bad_tau_is_one_error_line_in_the_words_of_the_one_rule(script, taus, 
     done = run_in(tmp_path, script, BAD_TAUS[script], places)
     option = BAD_TAUS[script][BAD_TAUS[script].index("TAUS") - 1]
     assert_one_error_line(done, f"argument {option}: tau must be a finite number >= 0, {message}")
+    several = script in SEVERAL_TAUS and "," in taus  # the hint named --taus where the option was --tau, or took one
+    assert ("separate taus" in done.stderr) == several, done.stderr
+    assert not several or done.stderr.rstrip().endswith(f"; separate taus by spaces ({option} 0.9 0.8)"), done.stderr
     assert os.listdir(tmp_path) == ["data.jsonl"]
 
 
@@ -512,6 +517,40 @@ def test_an_input_path_that_is_not_there_or_of_another_kind_is_one_error_line(ca
         message = message.replace(name, str(path))
     assert_one_error_line(done, message)
     assert os.listdir(tmp_path) == ["mine"] and sorted(os.listdir(mine)) == ["data.jsonl", "text.jsonl"]
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank-lines"])
+@pytest.mark.parametrize("option", ["--gsm8k", "--chat"])
+def test_tpf_vs_training_refuses_a_prompt_file_without_records_before_the_model_loads(option, content, tmp_path):
+    """--gsm8k (or --chat) a file of 0 bytes or only blank lines: the model loaded, then TPF divided by zero
+    forwards (ZeroDivisionError). One line naming the file, exit status 2, nothing written."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text(content)
+    files = {"--gsm8k": "empty.jsonl", "--chat": "data.jsonl"} if option == "--gsm8k" else \
+        {"--gsm8k": "data.jsonl", "--chat": "empty.jsonl"}
+    done = run_in(tmp_path, "bench/tpf_vs_training.py", ["run", "--out", "out", *sum(files.items(), ())], {})
+    assert_one_error_line(done, f"{option}: empty.jsonl holds no records (it is empty or only blank lines)")
+    assert sorted(os.listdir(tmp_path)) == ["data.jsonl", "empty.jsonl", "run"]
+
+
+def test_tpf_vs_training_replaces_an_earlier_curve_only_with_force(tmp_path):
+    """The default --out is bench/results: a run silently overwrote the committed tpf_vs_training.json/.png. They
+    are refused, as mars-eval refuses its earlier results (runtime.command_line.check_results_folder), unless
+    --force, or --append, which adds to the curve."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tpf_vs_training.png").write_text("earlier")
+    (tmp_path / "empty.jsonl").write_text("")
+    args = ["run", "--gsm8k", "empty.jsonl", "--out", "out"]
+    done = run_in(tmp_path, "bench/tpf_vs_training.py", args, {})
+    assert_one_error_line(done, "--out out already holds tpf_vs_training.png of an earlier run; choose another --out "
+                                "or pass --force to replace them")
+    for extra in ("--force", "--append"):  # past the check: to the next one, the empty --gsm8k
+        done = run_in(tmp_path, "bench/tpf_vs_training.py", [*args, extra], {})
+        assert_one_error_line(done, "--gsm8k: empty.jsonl holds no records")
+    assert os.listdir(tmp_path / "out") == ["tpf_vs_training.png"]
+    assert (tmp_path / "out" / "tpf_vs_training.png").read_text() == "earlier"
 
 
 @pytest.mark.parametrize("second, message", [

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mars_export.hub_model import check_revision
+from runtime.command_line import check_path_given
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -98,8 +99,7 @@ class TrainConfig:
         check_revision(self.model, self.revision)
         if not self.data:
             raise ValueError("give at least one --data FILE")
-        if not self.output:  # a path would read it as the current directory
-            raise ValueError("--output is empty: give the directory to write the checkpoints and the final model to")
+        check_path_given(self.output, "--output", "the directory to write the checkpoints and the final model to")
         checks = {"--block-size": self.block_size, "--batch-size": self.batch_size,
                   "--grad-accum": self.grad_accum, "--logging-steps": self.logging_steps}
         for name, value in checks.items():

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_export.hub_model import check_revision
 from mars_export.training.data import Messages, read_records, record_prompt_messages
+from runtime.command_line import check_path_given
 
 # runtime.bundle.CONFIG_FILE, not imported: the GPU training tree (scripts/gpu_train.py) has no runtime package
 BUNDLE_CONFIG_FILE = "mars_config.json"
@@ -122,11 +123,12 @@ def distill(model_spec: str, prompts_paths: list[str | Path], output_path: str |
         revision: the branch, tag or commit of a ``model_spec`` given as a hub id (None: ``main``).
 
     Raises:
-        ValueError: a bad argument (``output_path`` a directory or in a missing one: before any export),
+        ValueError: a bad argument (``output_path`` empty, a directory or in a missing one: before any export),
             a malformed prompt record, or a prompt too long for the model.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens}, {batch_size}")
+    check_path_given(str(output_path), "--output", "the path of the JSONL file to write")
     output_path = Path(output_path)
     if output_path.is_dir():
         raise ValueError(f"--output {output_path} is a directory; give the path of the JSONL file to write")

@@ -6,8 +6,8 @@ written to a hidden folder there first (:data:`FINAL_WORK_DIR`) and moved in onc
 final model's whole, as :data:`FINAL_MANIFEST` lists it (:func:`move_final_model`): a run killed while saving it
 leaves no half-written model among them.
 Hence: a fresh run takes a missing or empty directory; ``--resume`` takes one that holds a run's checkpoints (that
-run's own ``--output``); neither a file, nor the model it trains, the adapter it starts from (``--lora-init``) or a
-folder holding them.
+run's own ``--output``); either must be one training can make or write in, and neither a file, nor the model it
+trains, the adapter it starts from (``--lora-init``) or a folder holding them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
-from mars_export.output_dir import check_apart_from_model, model_paths
+from mars_export.output_dir import check_apart_from_model, check_can_write, model_paths
 from mars_export.training.config import TrainConfig
 
 FINAL_WORK_DIR = ".final-model.partial"  # in --output: the final model while it is written
@@ -32,12 +32,12 @@ WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensor
 
 
 def find_resume_checkpoint(config: TrainConfig) -> str | None:
-    """The checkpoint to resume from, or None for a fresh run; nothing is touched.
+    """The checkpoint to resume from, or None for a fresh run; nothing is left changed.
 
     Raises:
-        ValueError: ``--output`` is a file, is or contains the model or the ``--lora-init`` adapter, or is
-            not empty on a fresh run (naming ``--resume`` when it holds checkpoints); ``--resume`` without a
-            checkpoint in ``--output``.
+        ValueError: ``--output`` is a file, is or contains the model or the ``--lora-init`` adapter, cannot be
+            made or written (:func:`~mars_export.output_dir.check_can_write`), or is not empty on a fresh run
+            (naming ``--resume`` when it holds checkpoints); ``--resume`` without a checkpoint in ``--output``.
     """
     output = Path(config.output)
     check_apart_from_model(output, model_paths(config.model), "--output")
@@ -45,6 +45,7 @@ def find_resume_checkpoint(config: TrainConfig) -> str | None:
         check_apart_from_model(output, [Path(config.lora.init)], "--output", "the adapter")
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {output} is a file, not a directory; choose another --output")
+    check_can_write(output, "--output", into=True)
     last = get_last_checkpoint(str(output)) if output.is_dir() else None
     if config.resume and last is None:
         raise ValueError(f"--resume: no checkpoint-* directory in {output}; point --output at the folder holding "

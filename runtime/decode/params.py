@@ -145,14 +145,20 @@ class DecodeParams:
                              "use temperature 0 or draft 'masks'")
 
 
-def check_tau(tau) -> float:
+def check_tau(tau, shown: str | None = None) -> float:
     """Return ``tau`` if it is a finite number >= 0.
+
+    Args:
+        tau: the value to check.
+        shown: how the message names the value, where it was typed as text (a command line's ``-1``, not ``-1.0``);
+            default ``tau`` itself.
 
     Raises:
         ParamError: otherwise (field ``tau``).
     """
     if not _is_number(tau) or tau < 0:
-        raise ParamError("tau", f"tau must be a finite number >= 0, got {tau}; tau >= 1 means one token per step (greedy AR)")
+        raise ParamError("tau", f"tau must be a finite number >= 0, got {tau if shown is None else shown}; "
+                                "tau >= 1 means one token per step (greedy AR)")
     return float(tau)
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, UsageError, tau_value, threads_value
+from runtime.command_line import (ArgumentParser, UsageError, check_path_given, check_results_folder,
+                                  make_taus_value, threads_value)
 from runtime.decode.admission import why_no_adaptive_masks
 from runtime.decode.params import DRAFTS, DecodeParams
 from runtime.evaluation import tasks
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=50, metavar="N", help="first N records of each file (default 50)")
     p.add_argument("--from-end", action="store_true", help="take the last N records of each file instead")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
-    p.add_argument("--taus", type=tau_value, nargs="+", default=list(DEFAULT_TAUS), metavar="T",
+    p.add_argument("--taus", type=make_taus_value("--taus"), nargs="+", default=list(DEFAULT_TAUS), metavar="T",
                    help="thresholds (default 1.0 0.95 0.9 0.8 0.7 0.6 0.5); 1.0 is added if none is >= 1")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None, metavar="B",
                    help="run-time block sizes, each <= the bundle's B (default: 4 and 8 where the bundle allows)")
@@ -98,29 +99,8 @@ def check_args(args: argparse.Namespace) -> None:
     DecodeParams(metric=args.metric)  # raises ValueError on an unknown metric
     if len({Path(b).resolve() for b in args.bundles}) < len(args.bundles):
         raise UsageError("a bundle directory is given twice")
-    if args.out == "":  # a path would read it as the current directory
-        raise UsageError("--out is empty: give the directory to write the results to (default ./mars-eval-results)")
-    check_out_dir(Path(args.out), args.force)
-
-
-def check_out_dir(out: Path, force: bool = False) -> None:
-    """Refuse an ``--out`` that is a file or lies under one (the results could not be written there), in the words
-    mars-export and mars-train use for their outputs, and (unless ``force``) one that holds the results of an
-    earlier run, which this run would replace.
-
-    Raises:
-        UsageError: naming the file and the fix.
-    """
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory; choose another --out")
-    above = next((folder for folder in out.parents if folder.exists()), None)
-    if above is not None and not above.is_dir():
-        raise UsageError(f"--out {out} lies under {above}, which is a file, not a directory, so no results can be "
-                         "written there; choose another --out")
-    earlier = [name for name in (RESULTS_FILE, SUMMARY_FILE, PLOT_FILE) if (out / name).exists()]
-    if earlier and not force:
-        raise UsageError(f"--out {out} already holds {', '.join(earlier)} of an earlier run; choose another --out "
-                         "or pass --force to replace them")
+    check_path_given(args.out, "--out", "the directory to write the results to (default ./mars-eval-results)")
+    check_results_folder(Path(args.out), [RESULTS_FILE, SUMMARY_FILE, PLOT_FILE], args.force)
 
 
 def load_items(args: argparse.Namespace) -> list[tasks.EvalItem]:

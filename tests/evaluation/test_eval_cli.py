@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -159,6 +160,9 @@ def test_an_out_that_is_a_file_is_refused_as_the_other_tools_refuse_it(bundle, d
     assert main(eval_args(bundle, data, "")) == 2  # not read as the current directory
     assert capsys.readouterr().err == "error: --out is empty: give the directory to write the results to (default " \
                                       "./mars-eval-results)\n"
+    assert main(eval_args(bundle, data, "  ")) == 2  # not a folder named by two spaces
+    assert capsys.readouterr().err == "error: --out is blank ('  '): give the directory to write the results " \
+                                      "to (default ./mars-eval-results)\n"
 
 
 def test_mars_eval_imports_without_torch():
@@ -318,3 +322,19 @@ def test_an_out_with_earlier_results_is_refused_unless_force(bundle, data, tmp_p
     assert main(eval_args(bundle, data, out, "--force")) == 0
     assert (out / "summary.csv").read_text() != "earlier" and (out / "results.json").is_file()
     assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_a_results_path_that_is_a_folder_is_refused_before_anything_is_loaded(bundle, data, tmp_path, capsys,
+                                                                                 monkeypatch, force):
+    """OUT/results.json a folder: --force ran the whole evaluation, then failed writing it (IsADirectoryError).
+    A folder cannot be replaced by a results file: one line at the start, the folder kept as it was."""
+    out = tmp_path / "out"
+    (out / "results.json").mkdir(parents=True)
+    (out / "results.json" / "mine.txt").write_text("mine")
+    monkeypatch.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
+    assert main(eval_args(bundle, data, out, *force)) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: {out / 'results.json'} is a folder, where this run "
+                                       "writes a file, and --force replaces only files; move it away or choose "
+                                       "another --out\n")
+    assert os.listdir(out) == ["results.json"] and os.listdir(out / "results.json") == ["mine.txt"]

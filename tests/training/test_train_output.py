@@ -3,8 +3,10 @@ would overwrite; a fresh run takes a new or empty folder, ``--resume`` the run's
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,39 @@ def test_an_output_training_would_overwrite_is_refused(model, tiny_jsonl, tmp_pa
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0]
     assert files_under(tmp_path) == before
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_that_cannot_be_made_is_refused_before_the_model_loads(model, tiny_jsonl, capsys, monkeypatch):
+    """--output /sys/kernel/x (here /proc/x: /proc takes no new folders, for root too) loaded the model, then the
+    Trainer failed making it: a PermissionError traceback, exit status 1. mars-export's rule (check_can_write)
+    refuses it in one line, before the model loads."""
+    monkeypatch.setattr("mars_export.training.trainer.load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main([str(model), "--data", tiny_jsonl, "--output", "/proc/x", "--max-steps", "1"]) == 2
+    line, = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert line.startswith("error: --output /proc/x cannot be written: no folder can be made in /proc ("), line
+    assert "choose" in line and "Errno" not in line
+
+
+def test_an_existing_output_training_cannot_write_in_is_refused(tmp_path, monkeypatch):
+    """Training writes into --output itself (its checkpoints), so an existing folder is tried, not the one above
+    it: a read-only one (root on a read-only disk) is refused naming it, and nothing is left there."""
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+
+    def refuse(*args, dir=None, **kwargs):
+        if Path(dir) == run:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(ValueError) as raised:
+        find_resume_checkpoint(config(run, resume=True))
+    assert str(raised.value) == (f"--output {run} cannot be written: no folder can be made in {run} (read-only file "
+                                 "system); choose an --output on a writable disk")
+    monkeypatch.undo()
+    assert find_resume_checkpoint(config(run, resume=True)) == str(run / "checkpoint-2")
+    assert os.listdir(run) == ["checkpoint-2"]
 
 
 def config(output: Path, resume: bool = False, model: str = "default", lora: LoraSettings | None = None):

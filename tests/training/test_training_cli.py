@@ -201,6 +201,10 @@ def test_the_help_names_every_model_name(capsys):
     (["m", "--data", "d", "--output", "o", "--lora-init", "a"], "--lora-init continues a LoRA adapter: add --lora"),
     (["m", "--data", "d", "--output", ""], "--output is empty: give the directory to write the checkpoints and the "
                                            "final model to"),  # was read as the current directory
+    (["m", "--data", "d", "--output", " "], "--output is blank (' '): give the directory to write the "
+                                            "checkpoints and the final model to"),  # trained into a folder ' '
+    (["distill", "m", "--prompts", "p", "--output", ""], "--output is empty: give the path of the JSONL file to "
+                                                         "write"),  # said '--output . is a directory'
     (["distill", "m", "--prompts", "p", "--output", "o", "--batch-size", "q"],
      "argument --batch-size: invalid int value: 'q'")])
 def test_a_bad_command_line_is_one_error_line_like_every_other_refusal(argv, message, tmp_path, monkeypatch, capsys):

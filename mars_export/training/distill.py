@@ -33,10 +33,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_export.hub_model import check_revision
 from mars_export.training.data import Messages, read_records, record_prompt_messages
+from runtime.bundle import CONFIG_FILE
 from runtime.command_line import check_path_given
 
-# runtime.bundle.CONFIG_FILE, not imported: the GPU training tree (scripts/gpu_train.py) has no runtime package
-BUNDLE_CONFIG_FILE = "mars_config.json"
 EXPORT_BLOCK_SIZE = 4  # block size of the temporary export; distillation runs at tau 1, so any B works
 
 
@@ -91,7 +90,7 @@ def open_bundle(model_spec: str, mask_token: str | None = None, revision: str | 
     Raises:
         ValueError: as :func:`mars_export.model_source.load_model`; ParityError if the export fails its check.
     """
-    if (Path(model_spec) / BUNDLE_CONFIG_FILE).is_file():
+    if (Path(model_spec) / CONFIG_FILE).is_file():
         yield Path(model_spec)
         return
     from mars_export.bundle_writer import write_bundle

@@ -1061,9 +1061,9 @@ def test_demo_with_adaptive_masks_on_a_fixed_window_bundle_stops_with_one_line(t
 
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
-    (["--tau", "-1"], "tau must be a finite number >= 0, got -1.0"),
+    (["--tau", "-1"], "tau must be a finite number >= 0, got -1"),
     (["--tau", "nan"], "tau must be a finite number >= 0, got nan"),
-    (["--tau", "1.0", "-1"], "tau must be a finite number >= 0, got -1.0"),  # not after the tau 1.0 run
+    (["--tau", "1.0", "-1"], "tau must be a finite number >= 0, got -1"),  # not after the tau 1.0 run
     (["--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit: after the longest prompt ("),
     (["--bundle-is-a-file"], "is not a MARS bundle: it is a file"),
 ], ids=["max-new-tokens-0", "tau-negative", "tau-nan", "second-tau-negative", "beyond-context", "not-a-bundle"])

@@ -8,7 +8,8 @@ runs the subcommands below, each engine in its own process and venv:
     python bench/peers.py checkpoint --out CKPT           # project venv: HF checkpoint of the merged MARS weights
     python bench/peers.py prompts --work DIR [options]   # project venv: prompt ids + settings -> DIR/prompts.json
     python bench/peers.py run --engine E --work DIR --model PATH [--tag T]   # E's rows -> DIR/rows-E[-T].json
-    python bench/peers.py record --engine E --work DIR --status S --log FILE [--tag T]   # could not install/run
+    python bench/peers.py record --engine E --work DIR --status S --log FILE [--tag T] [--exit-status N]
+                                                         # could not install/run
     python bench/peers.py quantize-gguf --type q4_0|q4_1 --input F32.gguf --out OUT.gguf   # llamacpp venv
     python bench/peers.py report --work DIR --out bench/results    # peers.{json,csv,png} + a Markdown table
 
@@ -40,6 +41,7 @@ import json
 import os
 import platform
 import re
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -174,6 +176,15 @@ def key_error_line(text: str) -> str:
             line = " ".join(lines[i:i + 2]) if pattern == "CMake Error" else lines[i]
             return line[:300]
     return lines[-1][:300] if lines else "(empty log)"
+
+
+def exit_status_text(status: int) -> str:
+    """How a command ended, from the shell's exit status: ``killed by signal 11 (SIGSEGV)`` for 128 + a signal's
+    number, else ``exit status N``."""
+    number = status - 128
+    if number in {s.value for s in signal.Signals}:
+        return f"killed by signal {number} ({signal.Signals(number).name})"
+    return f"exit status {status}"
 
 
 def installed_packages() -> dict:
@@ -544,8 +555,11 @@ def run_key(settings: dict) -> dict:
 
 def record_status(args) -> None:
     """Write a single status row for an engine that could not be installed or run (key line of its log), under the
-    settings of the work folder's prompts.json where there is one (so a later run with other settings leaves it out)."""
+    settings of the work folder's prompts.json where there is one (so a later run with other settings leaves it out).
+    With ``--exit-status`` the error ends with how the command ended (a crash's log may end on an ordinary line)."""
     error = key_error_line(Path(args.log).read_text(errors="replace")) if args.log else args.error
+    if args.exit_status is not None:
+        error = f"{error}; {exit_status_text(args.exit_status)}"
     name = rows_name(args.engine, args.tag)
     info = {"settings": run_key(read_settings(args.work))} if (args.work / "prompts.json").exists() else {}
     write_rows(args.work, name, [status_row(args.engine, args.tag or "", None, args.status, error)], info)
@@ -778,6 +792,7 @@ def main() -> None:
     ps.add_argument("--status", required=True)
     ps.add_argument("--log", type=existing_file, default=None, help="log whose key error line is recorded")
     ps.add_argument("--error", default="")
+    ps.add_argument("--exit-status", type=int, default=None, help="the failed command's exit status ($?)")
     pq = sub.add_parser("quantize-gguf", help="quantize an F32 GGUF with llama.cpp's quantizer (llamacpp venv)")
     pq.add_argument("--type", required=True, choices=sorted(GGUF_QUANTIZED_TYPES))
     pq.add_argument("--input", type=Path, required=True, help="the F32 GGUF (convert_hf_to_gguf.py --outtype f32)")

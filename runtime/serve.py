@@ -63,10 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ui", action="store_true", help="do not serve the browser playground at /")
     g = p.add_argument_group("engine")
     g.add_argument("--max-batch-size", type=_make_engine_int("max_batch_size"), default=None,
-                   help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or a TensorRT "
-                        "engine's largest batch when smaller). One long request grows every slot to its length, so "
-                        "start-up refuses slots x --max-seq-len whose KV cache cannot fit the free memory (RAM; a "
-                        "TensorRT engine's GPU), naming the largest values that fit")
+                   help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or the backend's "
+                        "largest batch when smaller: a TensorRT engine's, a fused bundle's 1). One long request grows "
+                        "every slot to its length, so start-up refuses slots x --max-seq-len whose KV cache cannot fit "
+                        "the free memory (RAM; a TensorRT engine's GPU), naming the largest values that fit")
     g.add_argument("--scheme", default="continuous", choices=SCHEMES,
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")

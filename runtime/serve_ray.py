@@ -54,7 +54,8 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
     p.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="autoscaling target per replica (default: --max-batch-size)")
+                   help="autoscaling target per replica (default: a replica's batch, --max-batch-size or its "
+                        "default, 1 for a fused bundle)")
     p.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="most requests a replica holds (default: --max-batch-size + --queue-high, so the load "
                         "policy sees its whole range)")
@@ -70,10 +71,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return make_parser().parse_known_args(argv)
 
 
-def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace) -> FleetOptions:
-    """Ray's options from both command lines; the request targets default to the replicas' batch
-    (``--max-batch-size``, else the server's default, before any engine is loaded)."""
-    batch = single.resolve_max_batch_size(args.max_batch_size)
+def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace, batch: int) -> FleetOptions:
+    """Ray's options from both command lines; the request targets default to ``batch``, the batch each replica runs
+    (:func:`check_engine_settings`)."""
     return FleetOptions(ray_args.replicas, ray_args.max_replicas,
                         ray_args.target_ongoing_requests or batch,
                         ray_args.max_ongoing_requests or batch + args.queue_high,
@@ -113,19 +113,21 @@ def prepare_fleet(ray_args: argparse.Namespace, serve_argv: list[str], is_local:
     serve_args = single.parse_args(serve_argv)
     single.server_settings(serve_args)
     single.resolve_host(serve_args.host)
-    fleet = fleet_options(ray_args, serve_args)
     import_onnxruntime()
-    check_engine_settings(serve_args, is_local)
-    return fleet
+    return fleet_options(ray_args, serve_args, check_engine_settings(serve_args, is_local))
 
 
-def check_engine_settings(args: argparse.Namespace, is_local: bool) -> None:
+def check_engine_settings(args: argparse.Namespace, is_local: bool) -> int:
     """The engine options against the bundle's ``mars_config.json`` alone, with no session (each replica checks
     them again once its backend loads, as ``python -m runtime.serve`` does), so that a bad one is one error line
     here, not every replica's traceback once Ray has started: ``--max-batch-size`` and ``--max-seq-len`` against
     the model's limits (a TensorRT engine's profile is read as a replica loads it), and, where the replicas run on
     this machine on onnxruntime, one replica's KV cache against this machine's free memory (a TensorRT engine's
     lives in GPU memory, checked as a replica loads it).
+
+    Returns:
+        The batch each replica runs, as the server resolves it: ``--max-batch-size``, else the default within the
+        bundle's largest batch (1 for a fused bundle; a TensorRT engine's profile is not read here).
 
     Raises:
         BundleError: the path is no bundle.
@@ -141,6 +143,7 @@ def check_engine_settings(args: argparse.Namespace, is_local: bool) -> None:
     with naming_options(single.ENGINE_FLAGS):
         kv_memory.check_engine_fits(config, EngineConfig(batch, args.scheme, args.max_seq_len), max_batch, max_past,
                                     1, available)
+    return batch
 
 
 def print_error(error: Exception, status: int) -> int:

@@ -111,7 +111,8 @@ setup_venv() {  # setup_venv NAME PINS...: a venv under $PEER_ENVS with exactly 
     echo "$*" >"$venv/.pins"
 }
 
-record() {  # record ENGINE STATUS LOG [--tag TAG]: a status row with the key line of LOG
+record() {  # record ENGINE STATUS LOG [--tag TAG] [--exit-status N]: a status row with the key line of LOG
+    # (and how the failed command ended: a crash's log may end on an ordinary line)
     "$PY" bench/peers.py record --engine "$1" --work "$WORK" --status "$2" --log "$3" "${@:4}"
 }
 
@@ -123,7 +124,7 @@ run_engine() {  # run_engine ENGINE PYTHON [--tag TAG] ARGS...: one engine (TAG:
     if step "run $name" "$log" "$python" bench/peers.py run --engine "$engine" "${tag[@]}" --work "$WORK" "$@"; then
         grep -E 'tok/s|^error' "$log" || true
     else
-        record "$engine" failed "$log" "${tag[@]}"
+        record "$engine" failed "$log" "${tag[@]}" --exit-status "$?"
     fi
 }
 
@@ -132,7 +133,8 @@ ours_variant() {  # ours_variant TAG EXPORT_FLAGS...: our bundle $BUNDLE-TAG (ex
     shift
     if [ ! -f "$bundle/mars_config.json" ]; then
         step "export $tag bundle" "$LOGS/bundle-$tag.export.log" .venv/bin/mars-export "$MODEL" --block 4 \
-            "$@" -o "$bundle" || { record ours failed "$LOGS/bundle-$tag.export.log" --tag "$tag"; return; }
+            "$@" -o "$bundle" \
+            || { record ours failed "$LOGS/bundle-$tag.export.log" --tag "$tag" --exit-status "$?"; return; }
     fi
     run_engine ours "$PY" --tag "$tag" --model "$bundle"
 }
@@ -144,7 +146,7 @@ peer_ortgenai() {
     if [ ! -f "$model/genai_config.json" ]; then
         step "build ortgenai model" "$LOGS/ortgenai.build.log" "$venv/bin/python" -m onnxruntime_genai.models.builder \
             -i "$CKPT" -o "$model" -p fp32 -e cpu -c "$PEER_ENVS/cache/ortgenai" \
-            || { record ortgenai failed "$LOGS/ortgenai.build.log"; return; }
+            || { record ortgenai failed "$LOGS/ortgenai.build.log" --exit-status "$?"; return; }
     fi
     run_engine ortgenai "$venv/bin/python" --model "$model"
 }
@@ -156,7 +158,7 @@ peer_optimum() {
     if [ ! -f "$model/model.onnx" ]; then
         step "export optimum model" "$LOGS/optimum.export.log" "$venv/bin/optimum-cli" export onnx -m "$CKPT" \
             --task text-generation-with-past --dtype fp32 "$model" \
-            || { record optimum failed "$LOGS/optimum.export.log"; return; }
+            || { record optimum failed "$LOGS/optimum.export.log" --exit-status "$?"; return; }
     fi
     run_engine optimum "$venv/bin/python" --model "$model"
 }

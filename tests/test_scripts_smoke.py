@@ -752,6 +752,36 @@ def test_bench_peers_rounds_try_a_failed_setup_once(smoke_model, tmp_path):
     assert assert_results(out, "peers_runs")["left_out"] == []
 
 
+@pytest.mark.usefixtures("shared_data")
+def test_bench_peers_records_an_engine_killed_by_a_signal(smoke_model, tmp_path):
+    """An engine run killed by a signal (llama.cpp segfaulting) is a failed row whose error says so after its log's
+    last line (that line alone, a speed, read as the reason)."""
+    peers = tmp_path / "peers"
+    (peers / "ckpt" / "m").mkdir(parents=True)
+    (peers / "ckpt" / "m" / "config.json").write_text("{}")  # the checkpoint the peers read: there already
+    (peers / "optimum-model" / "m").mkdir(parents=True)
+    (peers / "optimum-model" / "m" / "model.onnx").write_text("")  # the export: there already
+    venv = peers / "optimum"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".pins").write_text("stub\n")  # the venv is up to date with OPTIMUM_PINS=stub
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho 'optimum fp32 batch 1: 2.5 tok/s'\nkill -SEGV $$\n")
+    (venv / "bin" / "python").chmod(0o755)
+    run("bash", "scripts/bench_peers.sh", "--num-prompts", "1", "--max-new-tokens", "4", "--batch-sizes", "1",
+        "--threads", "1", "--taus", "0.9",
+        env={"ENGINES": "optimum", "OPTIMUM_PINS": "stub", "BUNDLE": str(smoke_model[1]), "MODEL": "m",
+             "PEER_ENVS": str(peers), "OUT": str(tmp_path / "out")})
+    rows = assert_results(tmp_path / "out", "peers")["rows"]
+    assert [(r["status"], r["error"]) for r in rows] == \
+        [("failed", "optimum fp32 batch 1: 2.5 tok/s; killed by signal 11 (SIGSEGV)")]
+
+
+def test_bench_peers_exit_status_text():
+    """128 + a signal's number is that signal; any other status (255: 127 is no signal) is an exit status."""
+    peers = load_script(ROOT / "bench" / "peers.py")
+    assert [peers.exit_status_text(status) for status in (139, 137, 1, 255)] == \
+        ["killed by signal 11 (SIGSEGV)", "killed by signal 9 (SIGKILL)", "exit status 1", "exit status 255"]
+
+
 @pytest.mark.parametrize("env, message", [
     ({"ROUNDS": "0"}, "ROUNDS takes a whole number of rounds >= 1, got '0'"),
     ({"ROUNDS": "two"}, "ROUNDS takes a whole number of rounds >= 1, got 'two'"),
@@ -832,10 +862,10 @@ def test_bench_peers_report_leaves_out_rows_of_other_settings(tmp_path, capsys):
     other = {**settings, "prompts": [{**prompts[0], "id": "other"}]}
     (tmp_path / "prompts.json").write_text(json.dumps(other))  # an earlier run's: its status rows carry its settings
     peers.record_status(argparse.Namespace(engine="optimum", tag=None, status="not installable here", log=None,
-                                           error="no wheel", work=tmp_path))
+                                           error="no wheel", exit_status=None, work=tmp_path))
     (tmp_path / "prompts.json").write_text(json.dumps(settings))
     peers.record_status(argparse.Namespace(engine="transformers", tag=None, status="failed", log=None, error="boom",
-                                           work=tmp_path))  # this run's failure: reported
+                                           exit_status=None, work=tmp_path))  # this run's failure: reported
     rows_file("ours", "ar", peers.run_key(settings))
     rows_file("ortgenai", "model builder fp32", peers.run_key(other))
     peers.report(argparse.Namespace(work=tmp_path, out=tmp_path / "out"))

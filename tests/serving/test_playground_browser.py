@@ -154,7 +154,7 @@ def test_a_chat_streams_the_api_answer_at_tau_one(page, server):
 
 def test_moving_the_slider_changes_the_tau_sent(page, server):
     slider = page.find_element(By.ID, "tau")
-    slider.click()  # the middle of 0.5..1.0
+    slider.click()  # the middle of 0..1
     slider.send_keys(Keys.END, *[Keys.ARROW_LEFT] * 6)
     assert page.find_element(By.ID, "tau-value").text == "0.70"
     answer = chat_in_page(page, "Hi")
@@ -194,6 +194,20 @@ def test_the_chat_tau_follows_the_server_default_until_the_slider_moves(page, se
         assert shown.text == "0.80" and slider.get_property("value") == "0.8"
     finally:
         server.http.post("/admin/tau", json={"tau": 1.0}, headers=auth)
+
+
+def test_the_sliders_reach_a_server_tau_below_one_half(driver, tiny_bundle):
+    """A server started at --tau 0.3: the chat slider shows its default tau where it is (it was parked at 0.5, the
+    sliders' old lower end). Each slider spans the taus a request may set, 0..1 (the server takes any request tau)."""
+    _, bundle = tiny_bundle("llama", 4)
+    with serve_recorded(str(bundle), "--tau", "0.3") as low_server:
+        driver.get(low_server.url)
+        wait(driver, lambda d: "default tau 0.30 (base 0.30)" in d.find_element(By.ID, "server-status").text)
+        assert driver.find_element(By.ID, "tau-value").text == "0.30"
+        assert driver.find_element(By.ID, "tau").get_property("value") == "0.3"
+        for name in ("tau", "tau-a", "tau-b"):
+            slider = driver.find_element(By.ID, name)
+            assert (slider.get_attribute("min"), slider.get_attribute("max")) == ("0", "1"), name
 
 
 def test_new_chat_aborts_the_answer_streaming(page, server):

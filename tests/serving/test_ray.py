@@ -23,6 +23,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from server_support import DEADLINE_S, wait_until
+from support import export
 from test_server import MAX_NEW, PROMPTS, chat, complete, runtime_parts  # noqa: F401 (a fixture)
 
 ray = pytest.importorskip("ray", reason="needs the serve-ray extra")
@@ -562,14 +563,18 @@ def test_stop_waits_as_long_as_deploy_gave_the_replicas(tiny_bundle, stubbed_ser
     assert timeout_s + ray_launch.STOP_MARGIN_S - 5 < waits[0] <= timeout_s + ray_launch.STOP_MARGIN_S
 
 
-def test_fleet_options_default_to_the_servers_batch():
-    """Without --max-batch-size (the README's command) the targets follow the server's default batch."""
-    ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2"])
-    fleet = serve_ray.fleet_options(ray_args, single.parse_args(serve_argv))
-    assert (fleet.target_ongoing_requests, fleet.max_ongoing_requests) == \
-        (single.DEFAULT_MAX_BATCH, single.DEFAULT_MAX_BATCH + single.parse_args(["BUNDLE"]).queue_high)
-    ray_args, serve_argv = serve_ray.parse_args(["BUNDLE", "--replicas", "2", "--max-batch-size", "3"])
-    assert serve_ray.fleet_options(ray_args, single.parse_args(serve_argv)).target_ongoing_requests == 3
+def test_fleet_options_default_to_the_replicas_batch(tiny_bundle, tmp_path):
+    """Without --max-batch-size (the README's command) the request targets follow the batch each replica runs: the
+    server's default for a step bundle, 1 for a fused bundle (it runs one sequence at a time; 8 kept the autoscaler
+    from adding a replica until 8 requests waited on each)."""
+    ckpt, step_bundle = tiny_bundle("llama", 4)
+    fused_bundle = export(str(ckpt), tmp_path / "fused", 4, 4, "--mask-token", "<mask>", "--graph", "fused")
+    queue_high = single.parse_args(["BUNDLE"]).queue_high
+    for bundle, options, batch in [(step_bundle, [], single.DEFAULT_MAX_BATCH),
+                                   (step_bundle, ["--max-batch-size", "3"], 3), (fused_bundle, [], 1)]:
+        ray_args, serve_argv = serve_ray.parse_args([str(bundle), "--replicas", "2", *options])
+        fleet = serve_ray.prepare_fleet(ray_args, serve_argv, is_local=False)
+        assert (fleet.target_ongoing_requests, fleet.max_ongoing_requests) == (batch, batch + queue_high), bundle
 
 
 def test_fleet_routes_answer_a_503_json_error_when_the_board_is_gone(fleet):

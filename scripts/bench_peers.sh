@@ -98,17 +98,24 @@ step() {  # step NAME LOG CMD...: run CMD into LOG, note its exit status and sec
     return "$rc"
 }
 
-setup_venv() {  # setup_venv NAME PINS...: a venv under $PEER_ENVS with exactly these pins (skipped if unchanged)
-    local name=$1 venv=$PEER_ENVS/$1
+setup_venv() {  # setup_venv NAME [--cmake-args ARGS] PINS...: a venv under $PEER_ENVS with exactly these pins
+    # (skipped if unchanged). --cmake-args: a package compiled here (llama-cpp-python) is built with CMAKE_ARGS=ARGS,
+    # which counts as a pin: other ARGS rebuild it, past pip's cache of the wheel built with the old ones
+    local name=$1 venv=$PEER_ENVS/$1 with=() fresh=()
     shift
-    if [ -f "$venv/.pins" ] && [ "$(cat "$venv/.pins")" = "$*" ]; then
+    if [ "${1:-}" = --cmake-args ]; then
+        with=(env "CMAKE_ARGS=$2") fresh=(--no-cache-dir --force-reinstall)
+        shift 2
+    fi
+    local key="$*${with[1]:+ ${with[1]}}"
+    if [ -f "$venv/.pins" ] && [ "$(cat "$venv/.pins")" = "$key" ]; then
         return 0
     fi
     case $FAILED_SETUPS in *" $name "*) return 1 ;; esac
     [ -x "$venv/bin/python" ] || "$BASE_PYTHON" -m venv "$venv"
-    step "install $name" "$LOGS/$name.install.log" "$venv/bin/pip" install --disable-pip-version-check "$@" \
-        || { FAILED_SETUPS="$FAILED_SETUPS$name "; return 1; }
-    echo "$*" >"$venv/.pins"
+    step "install $name" "$LOGS/$name.install.log" "${with[@]}" "$venv/bin/pip" install --disable-pip-version-check \
+        "${fresh[@]}" "$@" || { FAILED_SETUPS="$FAILED_SETUPS$name "; return 1; }
+    echo "$key" >"$venv/.pins"
 }
 
 record() {  # record ENGINE STATUS LOG [--tag TAG] [--exit-status N]: a status row with the key line of LOG
@@ -173,7 +180,7 @@ peer_llamacpp() {
         tar -xzf "$PEER_ENVS/sdist/llama_cpp_python-$LLAMACPP_VERSION.tar.gz" -C "$PEER_ENVS/src"
     fi
     # shellcheck disable=SC2086
-    CMAKE_ARGS=$LLAMACPP_CMAKE_ARGS setup_venv llamacpp $LLAMACPP_PINS \
+    setup_venv llamacpp --cmake-args "$LLAMACPP_CMAKE_ARGS" $LLAMACPP_PINS \
         || { record llamacpp "not installable here" "$LOGS/llamacpp.install.log"; return; }
     # shellcheck disable=SC2086
     setup_venv gguf-convert $GGUF_PINS || { record llamacpp "not installable here" "$LOGS/gguf-convert.install.log"; return; }

@@ -775,6 +775,36 @@ def test_bench_peers_records_an_engine_killed_by_a_signal(smoke_model, tmp_path)
         [("failed", "optimum fp32 batch 1: 2.5 tok/s; killed by signal 11 (SIGSEGV)")]
 
 
+@pytest.mark.usefixtures("shared_data")
+def test_bench_peers_llamacpp_cmake_args_are_a_pin(smoke_model, tmp_path):
+    """llama.cpp's venv is rebuilt when LLAMACPP_CMAKE_ARGS change (pip told to skip its cache of the wheel built
+    with the old ones), and kept when they and the pins are unchanged."""
+    peers = tmp_path / "peers"
+    (peers / "ckpt" / "m").mkdir(parents=True)
+    (peers / "ckpt" / "m" / "config.json").write_text("{}")  # the checkpoint the peers read: there already
+    (peers / "src" / "llama_cpp_python-0.3.36").mkdir(parents=True)  # the sdist: there already
+    calls = tmp_path / "pip_calls"
+    for venv in ("llamacpp", "gguf-convert"):
+        (peers / venv / "bin").mkdir(parents=True)
+        (peers / venv / "bin" / "pip").write_text(f'#!/bin/sh\necho "{venv} CMAKE_ARGS=$CMAKE_ARGS $*" >> {calls}\n'
+                                                  "exit 1\n")
+        (peers / venv / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")  # the venv is there: not made anew
+        for stub in (peers / venv / "bin").iterdir():
+            stub.chmod(0o755)
+    (peers / "llamacpp" / ".pins").write_text("stub CMAKE_ARGS=-DOLD=ON\n")  # built with other CMake arguments
+    env = {"ENGINES": "llamacpp", "LLAMACPP_PINS": "stub", "GGUF_PINS": "stub", "BUNDLE": str(smoke_model[1]),
+           "MODEL": "m", "PEER_ENVS": str(peers), "OUT": str(tmp_path / "out")}
+    args = ("bash", "scripts/bench_peers.sh", "--num-prompts", "1", "--max-new-tokens", "4", "--batch-sizes", "1",
+            "--threads", "1", "--taus", "0.9")
+    run(*args, env={**env, "LLAMACPP_CMAKE_ARGS": "-DNEW=ON"})
+    assert calls.read_text().splitlines() == [
+        "llamacpp CMAKE_ARGS=-DNEW=ON install --disable-pip-version-check --no-cache-dir --force-reinstall stub"]
+    calls.unlink()
+    (peers / "llamacpp" / ".pins").write_text("stub CMAKE_ARGS=-DNEW=ON\n")  # as a successful build leaves it
+    run(*args, env={**env, "LLAMACPP_CMAKE_ARGS": "-DNEW=ON"})
+    assert calls.read_text().splitlines() == ["gguf-convert CMAKE_ARGS= install --disable-pip-version-check stub"]
+
+
 def test_bench_peers_exit_status_text():
     """128 + a signal's number is that signal; any other status (255: 127 is no signal) is an exit status."""
     peers = load_script(ROOT / "bench" / "peers.py")

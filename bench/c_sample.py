@@ -14,8 +14,9 @@ graph takes only W-wide steps, where they cannot act, stops before any run. Writ
 ``{name}.json`` (rows and a summary of medians, each engine against the first), ``{name}.csv``
 and ``{name}.png`` (prompt tokens/s of the prefill against prompt length); prints the summary
 as a markdown table. Bad arguments (a binary that is missing or not built among them) stop before anything
-runs with one ``error:`` line, exit status 2; a binary that fails during the run stops it with exit status 1
-and the end of its stderr. Either way nothing is written.
+runs with one ``error:`` line, exit status 2; a binary that fails during the run stops it with exit status 1,
+how it ended (its exit status, or the signal that killed it) and the end of its stderr. Either way nothing is
+written.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def run(args) -> dict:
                                                              num_threads=args.threads, timeout=600,
                                                              adaptive_masks=args.adaptive_masks)
                     except wrapper.MarsCError as e:
-                        raise wrapper.MarsCError(f"--binary {name}={binary} failed on the {length}-token prompt:\n"
-                                                 f"{e}") from e
+                        ended = f" ({e.ended})" if e.ended else ""
+                        raise wrapper.MarsCError(f"--binary {name}={binary} failed on the {length}-token "
+                                                 f"prompt{ended}:\n{e}", e.ended) from e
                     prefill_s, forwards, decode_forwards, decode_tps = (
                         counts["prefill_seconds"], counts["num_prefill_forwards"], counts["num_forwards"],
                         counts["decode_tokens_per_second"])

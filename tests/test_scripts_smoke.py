@@ -1118,11 +1118,14 @@ FAKE_BINARIES = {  # case -> (a shell script standing in for mars_c, exit status
     "missing": (None, 2, ["error: argument --binary: BINARY is no file; build mars_c first (see samples/c/README.md)"]),
     "fails": ("for i in $(seq 1 30); do echo \"onnxruntime log line $i\" >&2; done\n"
               "echo 'mars_c: error at model.c:42: out of memory' >&2\nexit 1\n", 1,
-              ["error: --binary c=BINARY failed on the 64-token prompt:",
+              ["error: --binary c=BINARY failed on the 64-token prompt (exit status 1):",
                *(f"onnxruntime log line {i}" for i in range(22, 31)), "mars_c: error at model.c:42: out of memory"]),
     "is-no-mars_c": ("exit 0\n", 1, ["error: --binary c=BINARY failed on the 64-token prompt:",
                                      "BINARY printed no token ids and counts line as mars_c does; is it a mars_c "
                                      "build? (see samples/c/README.md)"]),
+    "crashes": ("echo 'onnxruntime: loading the session' >&2\nkill -SEGV $$\n", 1,
+                ["error: --binary c=BINARY failed on the 64-token prompt (killed by signal 11 (SIGSEGV)):",
+                 "onnxruntime: loading the session"]),
 }
 
 
@@ -1131,7 +1134,8 @@ FAKE_BINARIES = {  # case -> (a shell script standing in for mars_c, exit status
 def test_c_sample_names_a_binary_that_is_not_built_or_fails_without_a_traceback(smoke_model, tmp_path, case):
     """A binary that is not there is a bad command line (one line naming how to build it, exit status 2); one that
     fails during the run stops it with exit status 1 and the end of its stderr (all of it was printed, and a program
-    that printed nothing, not being mars_c, ended in an IndexError traceback). Nothing is written either way."""
+    that printed nothing, not being mars_c, ended in an IndexError traceback), after how it ended: its exit status,
+    or the signal that killed it (a crash showed only its stderr). Nothing is written either way."""
     script, status, lines = FAKE_BINARIES[case]
     binary = tmp_path / "mars_c"
     if script is not None:

@@ -2,7 +2,7 @@
 
     python bench/c_sample.py BUNDLE --binary NAME=PATH [--binary NAME=PATH ...] [--python]
                              [--prompt-lengths 64 512] [--max-new-tokens 32] [--tau 1.0] [--adaptive-masks]
-                             [--repeats 5] [--threads 2] [--out bench/results] [--name c_sample]
+                             [--repeats 5] [--threads 2] [--out bench/results] [--name c_sample] [--force]
 
 Prompts are real text (GSM8K test questions, joined, through the bundle's tokenizer) cut to each
 length in tokens. Every repeat runs each prompt length through every engine in turn (interleaved,
@@ -14,8 +14,9 @@ graph takes only W-wide steps, where they cannot act, stops before any run. Writ
 ``{name}.json`` (rows and a summary of medians, each engine against the first), ``{name}.csv``
 and ``{name}.png`` (prompt tokens/s of the prefill against prompt length); prints the summary
 as a markdown table. Bad arguments (a binary that is missing or not built among them) stop before anything
-runs with one ``error:`` line, exit status 2; a binary that fails during the run stops it with exit status 1
-and the end of its stderr. Either way nothing is written.
+runs with one ``error:`` line, exit status 2; a binary that fails during the run stops it with exit status 1,
+how it ended (its exit status, or the signal that killed it) and the end of its stderr. Either way nothing is
+written.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from results_files import write_results  # noqa: E402 (bench/ is on the path as a script)
+from results_files import add_results_options, check_results, write_results  # noqa: E402 (bench/ on the path)
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from runtime.backends.onnx import OnnxBackend  # noqa: E402
 from runtime.bundle import BundleError, load_config  # noqa: E402
-from runtime.command_line import ArgumentParser, run_main, tau_value, threads_value  # noqa: E402
+from runtime.command_line import ArgumentParser, UsageError, run_main, tau_value, threads_value  # noqa: E402
 from runtime.decode.decoder import Decoder  # noqa: E402
 from runtime.decode.admission import why_no_adaptive_masks  # noqa: E402
 from runtime.decode.params import DecodeParams  # noqa: E402
@@ -92,8 +93,9 @@ def run(args) -> dict:
                                                              num_threads=args.threads, timeout=600,
                                                              adaptive_masks=args.adaptive_masks)
                     except wrapper.MarsCError as e:
-                        raise wrapper.MarsCError(f"--binary {name}={binary} failed on the {length}-token prompt:\n"
-                                                 f"{e}") from e
+                        ended = f" ({e.ended})" if e.ended else ""
+                        raise wrapper.MarsCError(f"--binary {name}={binary} failed on the {length}-token "
+                                                 f"prompt{ended}:\n{e}", e.ended) from e
                     prefill_s, forwards, decode_forwards, decode_tps = (
                         counts["prefill_seconds"], counts["num_prefill_forwards"], counts["num_forwards"],
                         counts["decode_tokens_per_second"])
@@ -186,8 +188,10 @@ def usage_problem(args) -> str | None:
         return str(e)
     if "/" in args.name or not args.name:
         return f"--name is a file stem without '/', got {args.name!r}"
-    if args.out.exists() and not args.out.is_dir():
-        return f"--out {args.out} is a file, not a folder"
+    try:
+        check_results(args)
+    except UsageError as e:
+        return str(e)
     missing = shared_data_missing()
     if missing:
         return missing
@@ -221,8 +225,7 @@ def main() -> int:
                    help="feed mask tokens only while they gain tokens, in every engine (runtime.decode.mask_backoff)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=threads_value, default=2, help="onnxruntime intra-op threads (0: its choice)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--name", default="c_sample", help="stem of the output files (default c_sample)")
+    add_results_options(p, "c_sample")
     args = p.parse_args()
     problem = usage_problem(args)
     if problem:

@@ -2,7 +2,7 @@
 
     python bench/matmul_kernels.py BUNDLE [--formats fp32 int8-32 int8-128 int4-32 int4-128] [--rows 1 4]
                                    [--threads N] [--repeats 20] [--stream-mib 512] [--pages huge small]
-                                   [--out bench/results] [--name matmul_kernels]
+                                   [--out bench/results] [--name matmul_kernels] [--force]
 
 Dimension letters: M rows of the activation (B·W of a decode step; ``--rows``), K input and N
 output features of one weight, NB = ceil(K / block) blocks. Times in ms, bytes in decimal GB
@@ -59,7 +59,7 @@ from onnx import TensorProto, helper, numpy_helper
 from runtime import bundle
 from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.command_line import ArgumentParser, run_main
-from results_files import write_results  # bench/ is on the path when this file runs as a script
+from results_files import add_results_options, check_results, write_results  # bench/ is on the path
 from scaling import GB, machine_info, stream_bandwidth, time_calls  # bench/ is on the path when this file runs as a script
 
 FORMAT = re.compile(r"^(fp32|int(8|4)-(\d+))$")
@@ -236,8 +236,7 @@ def main() -> None:
     p.add_argument("--pages", nargs="+", choices=["huge", "small"], default=["huge"],
                    help="weights on huge pages as the runtime loads them (huge), on onnxruntime's own pages (small), "
                         "or both")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="matmul_kernels", help="stem of the output files")
+    add_results_options(p, "matmul_kernels")
     args = p.parse_args()
     if min(args.rows) < 1 or args.repeats < 1 or args.stream_mib < 1 or not 1 <= args.threads <= 256:
         p.error("--rows, --repeats and --stream-mib must be >= 1, --threads in 1..256")
@@ -246,6 +245,7 @@ def main() -> None:
             parse_format(name)
         except ValueError as e:
             p.error(str(e))  # a bad argument: one error: line and exit status 2, as for the others
+    check_results(args)
     try:
         result = run(args)
     except ValueError as e:  # a graph without the weights to time (BundleError among them)

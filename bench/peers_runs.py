@@ -1,6 +1,6 @@
 """Several runs of the peer benchmark summed up: each row's decode tok/s per run, and our speed over a peer's within each run.
 
-    python bench/peers_runs.py RUN_DIR [RUN_DIR ...] [--out bench/results] [--name peers_runs]
+    python bench/peers_runs.py RUN_DIR [RUN_DIR ...] [--out bench/results] [--name peers_runs] [--force]
 
 Each RUN_DIR holds the ``peers.json`` one ``scripts/bench_peers.sh`` run wrote (its ``OUT``), or one
 round of a run with ``ROUNDS=N`` (``OUT/round1`` ..., which that run sums up itself).
@@ -23,7 +23,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from results_files import write_results  # bench/ is on the path when this file runs as a script
+from results_files import add_results_options, check_results, write_results  # bench/ is on the path
 from runtime.command_line import ArgumentParser, UsageError, run_main
 
 OK = "ok"
@@ -135,9 +135,9 @@ def plot(ratios: list[dict], path: Path) -> None:
 def main() -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path, nargs="+", help="folders of peers.json, one per scripts/bench_peers.sh run")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="peers_runs", help="stem of the output files (default peers_runs)")
+    add_results_options(p, "peers_runs")
     args = p.parse_args()
+    check_results(args)
     runs = [read_run(run_dir) for run_dir in args.runs]
     summary = summarize(runs)
     if not summary["speeds"]:

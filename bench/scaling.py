@@ -3,7 +3,7 @@
     python bench/scaling.py [BUNDLE] [--contexts 128 256 512 1024 2048] [--batch-sizes 1 4 16] [--window W ...]
                             [--prompt-lengths 128 256 512 1024] [--prefill-batch 4] [--threads N] [--repeats 10]
                             [--warmup 2] [--max-seconds 6] [--rounds 1] [--max-kv-gib 4] [--stream-mib 1024]
-                            [--out bench/results] [--name scaling]
+                            [--out bench/results] [--name scaling] [--force]
 
 Dimension letters: B batch, W decode window (--window), P past length, T prompt
 tokens, L layers, H KV heads, D head dim, V vocabulary. Times in ms or s as named; bytes in
@@ -57,7 +57,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from results_files import write_results  # bench/ is on the path when this file runs as a script
+from results_files import add_results_options, check_results, write_results  # bench/ is on the path
 from runtime import bundle
 from runtime.backends.fused import written_positions
 from runtime.backends.onnx import OnnxBackend
@@ -533,8 +533,7 @@ def main() -> None:
     p.add_argument("--max-kv-gib", type=float, default=4.0, help="skip points whose past KV exceeds this")
     p.add_argument("--stream-mib", type=int, default=1024, help="MiB per STREAM array (3 arrays)")
     p.add_argument("--stream-repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="scaling", help="stem of the output files (default scaling)")
+    add_results_options(p, "scaling")
     args = p.parse_args()
     for name in ("contexts", "batch_sizes", "prompt_lengths", "window"):
         if getattr(args, name) is not None and min(getattr(args, name)) < 1:
@@ -542,6 +541,7 @@ def main() -> None:
     if (not 1 <= args.threads <= 256 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_batch < 1
             or args.rounds < 1):
         p.error("--threads must be in 1..256 and --repeats, --prefill-repeats, --prefill-batch, --rounds at least 1")
+    check_results(args)
     result = run(args)  # a BundleError: one error line (run_main)
     write_results(args.out, args.name, result, result["rows"], partial(plot, result["rows"]))
     print(markdown(result))

@@ -2,6 +2,7 @@
 
     python bench/step_ablation.py BUNDLE [--parts attention norms activation] [--pasts 128 1024] [--windows 1]
                                   [--steps 20] [--rounds 5] [--threads N] [--out bench/results] [--name step_ablation]
+                                  [--force]
 
 Dimension letters: W window (--windows), P past length (--pasts), H query heads, D head dim. Times in ms.
 
@@ -57,7 +58,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from profile_step import interleaved_times, make_session, step_call  # bench/ is on the path when this file runs as a script
-from results_files import write_results
+from results_files import add_results_options, check_results, write_results
 from runtime import bundle
 from runtime.command_line import ArgumentParser, run_main
 from scaling import decode_inputs, machine_info, rotated
@@ -286,13 +287,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per timing sample")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime intra-op threads")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="step_ablation", help="stem of the output files")
+    add_results_options(p, "step_ablation")
     args = p.parse_args()
     if min(args.pasts) < 0 or min(args.windows) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--pasts must be >= 0; --windows, --steps and --rounds at least 1")
     if not 1 <= args.threads <= 256:
         p.error(f"--threads must be in 1..256, got {args.threads}")
+    check_results(args)
     args.parts = list(dict.fromkeys(args.parts))
     try:
         result = run(args)

@@ -6,7 +6,8 @@ snapshot's ``blobs/``; a bundle inside a model's folder is fine), an existing di
 it is a bundle (holds ``mars_config.json``) or is empty, and the export must be able to make its folders there
 (:func:`check_can_write`). Torch-free: ``mars-export`` checks before it loads the model. The rules that an output
 may not be or hold the model (:func:`check_apart_from_model`) and that it must take a new folder
-(:func:`check_can_write`) also guard ``mars-train --output`` (:mod:`mars_export.training.output_dir`).
+(:func:`check_can_write`) also guard ``mars-train --output`` (:mod:`mars_export.training.output_dir`); the latter
+also ``mars-eval --out`` (:mod:`runtime.evaluation.cli`).
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def check_can_write(out_dir: Path, flag: str = "-o", into: bool = False) -> None
 
     Args:
         out_dir: the output as given.
-        flag: the option that gives it, named in the message (``-o``; ``--output`` for ``mars-train``).
-        into: the command writes into ``out_dir`` itself (``mars-train`` its checkpoints): an existing ``out_dir``
-            must take a new folder, not the folder above it.
+        flag: the option that gives it, named in the message (``-o``; ``--output`` for ``mars-train``, ``--out``
+            for ``mars-eval``).
+        into: the command writes into ``out_dir`` itself (``mars-train`` its checkpoints, ``mars-eval`` its
+            results): an existing ``out_dir`` must take a new folder, not the folder above it.
     """
     where = landing_path(out_dir)
     above = next(folder for folder in where.parents if folder.exists())  # the root always exists

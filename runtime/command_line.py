@@ -9,7 +9,8 @@ An engine's or backend's setting, or a request's parameter, out of range names t
 (:func:`naming_options`).
 A ``--tau`` value is parsed with :func:`tau_value`, the runtime's one rule on tau (several, ``--taus``, with
 :func:`make_taus_value`'s), and a ``--threads`` value with :func:`threads_value`, the backend's rule on its
-onnxruntime threads. An output path must not be empty or blank (:func:`check_path_given`); a folder of result files
+onnxruntime threads; an engine's integer setting (``--max-batch-size``) with :func:`make_engine_int_value`, the
+engine's rule. An output path must not be empty or blank (:func:`check_path_given`); a folder of result files
 is checked by :func:`check_results_folder` (``--force`` to replace an earlier run's).
 """
 
@@ -22,6 +23,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+# The option that sets each field, for naming_options (the one home of these tables): an EngineConfig setting of
+# python -m runtime.serve (and serve_ray), named in its errors that reach past parsing (a TensorRT engine's limits;
+# --threads is refused at parsing, by threads_value); a DecodeParams field of python -m runtime.generate (--tau,
+# --mode, --draft and --metric are refused at parsing).
+ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len"}
+PARAM_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size", "temperature": "--temperature",
+               "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
 
 
 class UsageError(ValueError):
@@ -153,6 +162,30 @@ def threads_value(text: str) -> int:
         return check_num_threads(value)
     except SettingError as e:
         raise argparse.ArgumentTypeError(e.detail) from None
+
+
+def make_engine_int_value(setting: str) -> Callable[[str], int]:
+    """``type=`` of the option that sets the integer :class:`~runtime.decode.engine.EngineConfig` ``setting``
+    (``--max-batch-size``, ``--max-seq-len``): the number, or argparse's refusal by EngineConfig's own rule and in
+    its words (``argument --max-batch-size: must be >= 1, got 0``), before any bundle loads; the limits that need
+    the bundle (its context, a TensorRT profile) are the engine's, once it loads."""
+
+    def engine_int_value(text: str) -> int:
+        # imported here: the modules load numpy
+        from runtime.decode.admission import SettingError
+        from runtime.decode.engine import EngineConfig
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        try:
+            EngineConfig(**{setting: value})
+        except SettingError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+        return value
+
+    return engine_int_value
 
 
 def run_main(main: Callable[[], object]) -> int:

@@ -13,17 +13,12 @@ import sys
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError, load_config
-from runtime.command_line import ArgumentParser, naming_options, run_main, tau_value, threads_value
+from runtime.command_line import PARAM_FLAGS, ArgumentParser, naming_options, run_main, tau_value, threads_value
 from runtime.decode.acceptance import METRICS
 from runtime.decode.decoder import Decoder
 from runtime.decode.params import DecodeParams
 from runtime.decode.params import DRAFTS, MODES
 from runtime.text.tokenizer import Tokenizer
-
-# DecodeParams field -> the option that sets it, named in its errors (runtime.command_line.naming_options); --tau,
-# --mode, --draft and --metric are refused at parsing.
-PARAM_FLAGS = {"max_new_tokens": "--max-new-tokens", "block_size": "--block-size", "temperature": "--temperature",
-               "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,8 +22,8 @@ from fastapi import FastAPI
 
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing
 from runtime.bundle import BundleError
-from runtime.command_line import ArgumentParser, naming_options, threads_value
-from runtime.decode.admission import SettingError
+from runtime.command_line import (ENGINE_FLAGS, ArgumentParser, make_engine_int_value, naming_options, tau_value,
+                                  threads_value)
 from runtime.decode.engine import EngineConfig
 from runtime.decode.scheduler import SCHEMES
 from runtime.serving.app import ServerContext, ServerLimits, check_limits_fit, make_app
@@ -39,9 +39,6 @@ API_KEY_ENV = "MARS_API_KEY"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 256  # max_tokens of a request that sets none, unless --max-tokens-limit is lower
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM / Ctrl-C, how long open requests may still run before they are aborted
-# EngineConfig setting -> the option that sets it, named in its errors that reach past parsing (a TensorRT engine's
-# limits; :func:`runtime.command_line.naming_options`). --threads is refused at parsing (threads_value).
-ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len"}
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start (uvicorn.config.STARTUP_FAILURE, 0.31+)
 
 
@@ -62,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="model id in responses (default: the bundle's folder name)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the browser playground at /")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-batch-size", type=_make_engine_int("max_batch_size"), default=None,
+    g.add_argument("--max-batch-size", type=make_engine_int_value("max_batch_size"), default=None,
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or the backend's "
                         "largest batch when smaller: a TensorRT engine's, a fused bundle's 1). One long request grows "
                         "every slot to its length, so start-up refuses slots x --max-seq-len whose KV cache cannot fit "
@@ -70,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--scheme", default="continuous", choices=SCHEMES,
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")
-    g.add_argument("--max-seq-len", type=_make_engine_int("max_seq_len"), default=None,
+    g.add_argument("--max-seq-len", type=make_engine_int_value("max_seq_len"), default=None,
                    help="tokens per slot (default: the model's context, or a TensorRT engine's profile; at least the "
                         "bundle's window + 2: a 1-token prompt, 1 token to generate and a decode step); checked "
                         "with --max-batch-size against the free memory at start-up")
@@ -127,30 +124,13 @@ def _port(text: str) -> int:
 
 def _tau(text: str) -> float:
     try:
-        tau = float(text)
-    except ValueError:
-        tau = -1.0
-    if not 0 <= tau <= 1:
+        tau = tau_value(text)  # the one rule on tau: a finite number >= 0
+    except argparse.ArgumentTypeError:
+        tau = None
+    if tau is None or tau > 1:
         raise argparse.ArgumentTypeError(f"must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
                                          f"tau decodes the same), got {text}")
     return tau
-
-
-def _make_engine_int(setting: str):
-    """``type=`` of the option that sets the :class:`EngineConfig` integer ``setting``: refused at parsing, before
-    any bundle loads, by EngineConfig's own rule and in its words (``argument --max-batch-size: must be >= 1, got
-    0``); the limits that need the bundle (its context, a TensorRT profile) are the engine's, once it loads."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        try:
-            EngineConfig(**{setting: value})
-        except SettingError as e:
-            raise argparse.ArgumentTypeError(e.detail) from None
-        return value
-    return parse
 
 
 def _non_negative_seconds(text: str) -> float:

@@ -36,7 +36,7 @@ import threading
 
 from runtime import serve as single
 from runtime.backends.providers import OnnxRuntimeMissing, import_onnxruntime
-from runtime.command_line import ArgumentParser, naming_options
+from runtime.command_line import ENGINE_FLAGS, ArgumentParser, naming_options
 from runtime.decode.engine import EngineConfig
 from runtime.serving import kv_memory
 from runtime.serving.ray_deploy import Deployed, FleetOptions
@@ -140,7 +140,7 @@ def check_engine_settings(args: argparse.Namespace, is_local: bool) -> int:
     max_batch, max_past = (None, config.max_context) if plan else onnx_limits(config)
     available = kv_memory.host_memory_available() if is_local and plan is None else None
     batch = single.resolve_max_batch_size(args.max_batch_size, max_batch)
-    with naming_options(single.ENGINE_FLAGS):
+    with naming_options(ENGINE_FLAGS):
         kv_memory.check_engine_fits(config, EngineConfig(batch, args.scheme, args.max_seq_len), max_batch, max_past,
                                     1, available)
     return batch

@@ -248,4 +248,5 @@ for round in $(seq "$ROUNDS"); do
     "$PY" bench/peers.py report --work "$WORK" --out "$OUT/round$round"
     rounds+=("$OUT/round$round")
 done
-"$PY" bench/peers_runs.py "${rounds[@]}" --out "$OUT" --name peers_runs
+# --force: an earlier summary in $OUT is replaced, as its rounds' reports were
+"$PY" bench/peers_runs.py "${rounds[@]}" --out "$OUT" --name peers_runs --force

@@ -365,6 +365,21 @@ def test_adaptive_masks_on_a_fixed_window_bundle_give_clear_error(mars_c, tiny_b
     assert "--adaptive-masks needs a step graph with a dynamic window axis" in message and "W = 4 wide" in message
 
 
+
+def test_a_failed_binary_says_how_it_ended(tmp_path):
+    """A binary that failed printing nothing on stderr was named with 'exited with status -11' where a signal had
+    killed it: its end is the exit status, or the signal by number and name (MarsCError.ended, which
+    bench/c_sample.py shows too)."""
+    assert [wrapper.how_it_ended(code) for code in (1, -11, -200)] == [
+        "exit status 1", "killed by signal 11 (SIGSEGV)", "killed by signal 200"]
+    binary = tmp_path / "mars_c"
+    binary.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    binary.chmod(0o755)
+    with pytest.raises(wrapper.MarsCError) as error:
+        wrapper.run_binary(binary, tmp_path, [1, 2], timeout=60)
+    assert str(error.value) == f"{binary} failed (killed by signal 11 (SIGSEGV)) printing nothing on stderr"
+    assert error.value.ended == "killed by signal 11 (SIGSEGV)"
+
 def test_non_integer_ids_give_clear_error(mars_c, tiny_bundle):
     proc = subprocess.run([str(mars_c), str(tiny_bundle("llama", 4)[1])], input="1 2 x3", capture_output=True,
                           text=True, timeout=120)
@@ -408,7 +423,7 @@ def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
                                "argument --threads: must be in 0..256"),
                               (["--binary", f"a={mars_c}", "--tau", "nan"], "tau must be"),
                               (["--binary", f"a={mars_c}", "--name", "x/y"], "--name is a file stem"),
-                              (["--binary", f"a={mars_c}", "--out", str(not_executable)], "is a file, not a folder"),
+                              (["--binary", f"a={mars_c}", "--out", str(not_executable)], "is a file, not a directory"),
                               (["--binary", f"a={mars_c}", "--prompt-lengths", "600"], "exceeds the bundle's context")]:
         out = tmp_path / "bad"
         bad = subprocess.run([sys.executable, str(script), str(bundle), "--out", str(out), *bad_args],
@@ -423,7 +438,8 @@ def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
     assert "re-export" in bad.stderr and "Traceback" not in bad.stderr and not out.exists()
     no_model = Path(shutil.copytree(bundle, tmp_path / "no-model"))
     (no_model / "model.onnx").unlink()  # the binary's own error, after the arguments passed
-    failed = subprocess.run([*command[:2], str(no_model), *command[3:]], capture_output=True, text=True, timeout=600)
+    failed = subprocess.run([*command[:2], str(no_model), *command[3:], "--force"],  # smoke.* are the first run's
+                            capture_output=True, text=True, timeout=600)
     assert failed.returncode == 1 and "re-export the bundle" in failed.stderr and "Traceback" not in failed.stderr
 
 

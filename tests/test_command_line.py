@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from runtime.bundle import BundleError
-from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, make_taus_value,
-                                  naming_options, run_main, tau_value, threads_value)
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, make_engine_int_value,
+                                  make_taus_value, naming_options, run_main, tau_value, threads_value)
 from runtime.decode.admission import SettingError
 from runtime.decode.params import ParamError
 from runtime.evaluation.tasks import DataError
@@ -151,6 +151,21 @@ def test_threads_value_refuses_in_the_words_of_the_backends_rule():
         with pytest.raises(UsageError, match=re.escape(f"argument --threads: {message}")):
             p.parse_args(["--threads", text])
 
+
+
+def test_make_engine_int_value_refuses_in_the_words_of_the_engines_rule():
+    """python -m runtime.serve's --max-batch-size and --max-seq-len are refused at parsing by EngineConfig's own
+    rule; the option type lives beside threads_value, the command line's other types (it was serve's own)."""
+    p = ArgumentParser()
+    p.add_argument("--max-batch-size", type=make_engine_int_value("max_batch_size"))
+    p.add_argument("--max-seq-len", type=make_engine_int_value("max_seq_len"))
+    assert p.parse_args(["--max-batch-size", "4", "--max-seq-len", "2"]).max_batch_size == 4
+    for options, message in [(["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1, got 0"),
+                             (["--max-seq-len", "1"], "argument --max-seq-len: must be >= 2, got 1"),
+                             (["--max-seq-len", "two"], "argument --max-seq-len: invalid int value: 'two'")]:
+        with pytest.raises(UsageError) as caught:
+            p.parse_args(options)
+        assert str(caught.value) == message
 
 MEMORY = [sys.executable, "-m", "runtime.memory", "samples/jetson/configs/qwen2.5-7b-instruct", "--batch",
           *map(str, range(1, 200)), "--context", "512", "1024", "2048"]  # a report longer than a pipe's buffer

@@ -553,6 +553,38 @@ def test_tpf_vs_training_replaces_an_earlier_curve_only_with_force(tmp_path):
     assert (tmp_path / "out" / "tpf_vs_training.png").read_text() == "earlier"
 
 
+
+WRITES_RESULTS = {  # script -> (its default --name, a command line with OUT its --out, the error past the check)
+    **{script: (Path(script).stem, NOT_A_BUNDLE[script], "BUNDLE is not a MARS bundle")
+       for script in ("bench/c_sample.py", "bench/matmul_kernels.py", "bench/scaling.py", "bench/step_ablation.py")},
+    "bench/peers_runs.py": ("peers_runs", ["BUNDLE", "--out", "OUT"], "BUNDLE/peers.json not found"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(WRITES_RESULTS))
+def test_the_scripts_writing_result_files_replace_an_earlier_run_only_with_force(script, tmp_path, request):
+    """bench/results_files.write_results overwrote an earlier run's NAME.json/.csv/.png silently (the default --out
+    is bench/results, where the committed results are). Each script that writes them refuses, before anything loads,
+    as mars-eval and bench/tpf_vs_training.py do (check_results_folder), unless --force."""
+    if script in NEEDS_SHARED_DATA:
+        request.getfixturevalue("shared_data")
+    name, args, past = WRITES_RESULTS[script]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / f"{name}.csv").write_text("earlier")
+    places = {"BUNDLE": tmp_path / "none", "OUT": tmp_path / "out"}
+    done = run_in(tmp_path, script, args, places)
+    assert_one_error_line(done, f"--out {tmp_path / 'out'} already holds {name}.csv of an earlier run; choose another "
+                                "--out or pass --force to replace them")
+    done = run_in(tmp_path, script, [*args, "--force"], places)  # past the check: to the missing bundle
+    assert_one_error_line(done, past.replace("BUNDLE", str(tmp_path / "none")))
+    assert os.listdir(tmp_path / "out") == [f"{name}.csv"] and (tmp_path / "out" / f"{name}.csv").read_text() == "earlier"
+
+
+def test_every_script_that_writes_result_files_is_tried_on_an_earlier_run():
+    files = {str(path.relative_to(ROOT)): path.read_text() for path in (ROOT / "bench").glob("*.py")}
+    assert {name for name, text in files.items() if "write_results(" in text} - {"bench/results_files.py"} == \
+        set(WRITES_RESULTS)
+
 @pytest.mark.parametrize("second, message", [
     ({"rows": [{"engine": "llamacpp", "variant": "gguf f32", "batch_size": 1, "status": "ok",
                 "decode_tokens_per_second": 9.0}]}, "no row ran in every run; pass runs of the same settings"),
@@ -722,8 +754,8 @@ def test_bench_peers_ours_only(smoke_model, tmp_path):
     assert fused_over_step["per_run"] == [speeds["fused ar"] / speeds["ar"] for speeds in ar]
     assert not any("GenAI" in r["ratio"] or r["batch_size"] == 2 and "fused" in r["ratio"] for r in ratios)
     assert "| fused fp32 ar / ours fp32 ar | 1 |" in printed
-    missing = subprocess.run([sys.executable, "bench/peers_runs.py", tmp_path / "peers"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=TIMEOUT_S)
+    missing = subprocess.run([sys.executable, "bench/peers_runs.py", tmp_path / "peers", "--out", tmp_path / "none"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert missing.returncode != 0 and "peers.json not found" in missing.stderr
 
 
@@ -1146,11 +1178,14 @@ FAKE_BINARIES = {  # case -> (a shell script standing in for mars_c, exit status
     "missing": (None, 2, ["error: argument --binary: BINARY is no file; build mars_c first (see samples/c/README.md)"]),
     "fails": ("for i in $(seq 1 30); do echo \"onnxruntime log line $i\" >&2; done\n"
               "echo 'mars_c: error at model.c:42: out of memory' >&2\nexit 1\n", 1,
-              ["error: --binary c=BINARY failed on the 64-token prompt:",
+              ["error: --binary c=BINARY failed on the 64-token prompt (exit status 1):",
                *(f"onnxruntime log line {i}" for i in range(22, 31)), "mars_c: error at model.c:42: out of memory"]),
     "is-no-mars_c": ("exit 0\n", 1, ["error: --binary c=BINARY failed on the 64-token prompt:",
                                      "BINARY printed no token ids and counts line as mars_c does; is it a mars_c "
                                      "build? (see samples/c/README.md)"]),
+    "crashes": ("echo 'onnxruntime: loading the session' >&2\nkill -SEGV $$\n", 1,
+                ["error: --binary c=BINARY failed on the 64-token prompt (killed by signal 11 (SIGSEGV)):",
+                 "onnxruntime: loading the session"]),
 }
 
 
@@ -1159,7 +1194,8 @@ FAKE_BINARIES = {  # case -> (a shell script standing in for mars_c, exit status
 def test_c_sample_names_a_binary_that_is_not_built_or_fails_without_a_traceback(smoke_model, tmp_path, case):
     """A binary that is not there is a bad command line (one line naming how to build it, exit status 2); one that
     fails during the run stops it with exit status 1 and the end of its stderr (all of it was printed, and a program
-    that printed nothing, not being mars_c, ended in an IndexError traceback). Nothing is written either way."""
+    that printed nothing, not being mars_c, ended in an IndexError traceback), after how it ended: its exit status,
+    or the signal that killed it (a crash showed only its stderr). Nothing is written either way."""
     script, status, lines = FAKE_BINARIES[case]
     binary = tmp_path / "mars_c"
     if script is not None:

@@ -486,7 +486,7 @@ def test_the_server_checks_the_kv_cache_against_free_gpu_memory(engine_bundle, s
     num_slots, max_len = largest_fitting(2, 64, 2 * 512, 150_000, 6)
     assert (num_slots, max_len) == (1, 41) and len(err) == 1
     assert err[0].startswith("error: the KV cache may need 0.2 MiB (2 slots (--max-batch-size) x 64 positions "
-                             "(--max-seq-len) x 1,024 bytes, plus the 32 per slot it grows from; ")
+                             "(--max-seq-len) x 1,024 bytes, plus the 32 positions per slot it grows from; ")
     assert err[0].endswith("but 0.1 MiB is available (free GPU memory): lower --max-batch-size to 1 or --max-seq-len "
                            "to 41")
     for option, value in (("--max-batch-size", "1"), ("--max-seq-len", "41")):

@@ -26,6 +26,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from mars_export.output_dir import check_can_write  # torch-free, as mars-eval must be
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
 from runtime.command_line import (ArgumentParser, UsageError, check_path_given, check_results_folder,
@@ -86,6 +87,8 @@ def check_args(args: argparse.Namespace) -> None:
 
     Raises:
         UsageError: naming the bad value and what is allowed.
+        ValueError: ``--out`` cannot be written (no folder can be made there: :func:`check_can_write`), or an
+            unknown metric.
     """
     if args.gsm8k is None and args.humaneval is None and args.chat is None:
         raise UsageError("give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE")
@@ -101,6 +104,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("a bundle directory is given twice")
     check_path_given(args.out, "--out", "the directory to write the results to (default ./mars-eval-results)")
     check_results_folder(Path(args.out), [RESULTS_FILE, SUMMARY_FILE, PLOT_FILE], args.force)
+    check_can_write(Path(args.out), "--out", into=True)
 
 
 def load_items(args: argparse.Namespace) -> list[tasks.EvalItem]:
@@ -188,10 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if args.humaneval:
         verify_harness()
     out_dir = Path(args.out)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # no permission, a read-only disk
-        raise UsageError(f"cannot make --out {out_dir} ({(e.strerror or str(e)).lower()}); choose another --out") from e
+    out_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for bundle in args.bundles:
         records += run_bundle(bundle, labels[bundle], items, args.taus, args.block_sizes, args.max_new_tokens,

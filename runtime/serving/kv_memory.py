@@ -90,7 +90,7 @@ def check_fits(num_slots: int, max_len: int, per_position: int, available: int, 
     if need <= available:
         return
     growing = KVCache.peak_positions(max_len) - max_len
-    also = f", plus the {growing} per slot it grows from" if growing else ""
+    also = f", plus the {growing} positions per slot it grows from" if growing else ""
     num_fitting, len_fitting = largest_fitting(num_slots, max_len, per_position, available, min_len)
     fixes = ([f"--max-batch-size to {num_fitting}"] if num_fitting else []) + (
         [f"--max-seq-len to {len_fitting}"] if len_fitting else [])

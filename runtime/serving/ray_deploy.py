@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve.schema import LoggingConfig
 
 from runtime import serve as single
-from runtime.command_line import naming_options
+from runtime.command_line import ENGINE_FLAGS, naming_options
 from runtime.serving.ray_board import NAMESPACE, FleetBoard
 from runtime.serving.ray_proxy import free_port, head_node_ip, http_url, start_serve, wait_for_proxy
 from runtime.serving.ray_replica import MarsReplica
@@ -136,7 +136,7 @@ def check_serve_args(serve_argv: list[str]) -> argparse.Namespace:
     args = single.parse_args(serve_argv)
     single.resolve_host(args.host)
     backend, _, _ = load_backend(args.path, args.provider, 1)
-    with naming_options(single.ENGINE_FLAGS):  # as python -m runtime.serve names them
+    with naming_options(ENGINE_FLAGS):  # as python -m runtime.serve names them
         check_max_batch_size(single.resolve_max_batch_size(args.max_batch_size, backend.max_batch), backend.max_batch)
     return args
 

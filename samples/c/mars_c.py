@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,28 @@ STDERR_TAIL_LINES = 10  # of a failed binary's stderr, in MarsCError's message
 
 class MarsCError(RuntimeError):
     """The binary exited with an error; the message is its own (``mars_c: error at FILE:LINE: ...``), the end of its
-    stderr, or says that it ran too long or printed what mars_c does not."""
+    stderr, or says that it ran too long or printed what mars_c does not.
+
+    Attributes:
+        ended: how the binary ended where it failed (:func:`how_it_ended`: ``exit status 1``, ``killed by signal 11
+            (SIGSEGV)``), else None (it ran too long, or exited 0 printing what mars_c does not).
+    """
+
+    def __init__(self, message: str, ended: str | None = None):
+        super().__init__(message)
+        self.ended = ended
+
+
+def how_it_ended(returncode: int) -> str:
+    """A failed process's end, from its ``subprocess`` return code: ``exit status 1``, or for a negative code (the
+    signal that killed it) ``killed by signal 11 (SIGSEGV)``."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        name = f" ({signal.Signals(-returncode).name})"
+    except ValueError:  # no signal of this platform's
+        name = ""
+    return f"killed by signal {-returncode}{name}"
 
 
 def binary_problem(binary: str | Path) -> str | None:
@@ -79,7 +101,9 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
         raise MarsCError(f"{binary} ran past {timeout:g} s and was stopped") from e
     lines = proc.stderr.strip().splitlines()
     if proc.returncode != 0:
-        raise MarsCError("\n".join(lines[-STDERR_TAIL_LINES:]) or f"{binary} exited with status {proc.returncode}")
+        ended = how_it_ended(proc.returncode)
+        raise MarsCError("\n".join(lines[-STDERR_TAIL_LINES:]) or f"{binary} failed ({ended}) printing nothing on "
+                         "stderr", ended)
     try:
         return [int(t) for t in proc.stdout.split()], json.loads(lines[-1])
     except (IndexError, ValueError) as e:  # no counts line, or no ids: not what mars_c prints

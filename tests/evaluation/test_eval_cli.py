@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,32 @@ def test_an_out_that_is_a_file_is_refused_as_the_other_tools_refuse_it(bundle, d
     assert capsys.readouterr().err == "error: --out is blank ('  '): give the directory to write the results " \
                                       "to (default ./mars-eval-results)\n"
 
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_that_cannot_be_written_is_refused_before_anything_is_loaded(bundle, data, tmp_path, capsys,
+                                                                           monkeypatch):
+    """--out was tried only when it was made, after the bundles loaded and the items were read: --out /proc/x (a
+    folder that takes no new entries, for root too) failed then, and an existing --out on a read-only disk only
+    when the results were written, after the whole run. Both are refused at the start, by mars-export's and
+    mars-train's rule (check_can_write), naming --out."""
+    monkeypatch.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
+    assert main(eval_args(bundle, data, "/proc/x")) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --out /proc/x cannot be written: no folder can be made in /proc ("), line
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def refuse(*args, dir=None, **kwargs):
+        if Path(dir) == out:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    assert main(eval_args(bundle, data, out)) == 2
+    assert capsys.readouterr().err == (f"error: --out {out} cannot be written: no folder can be made in {out} "
+                                       "(read-only file system); choose an --out on a writable disk\n")
+    assert os.listdir(out) == []
 
 def test_mars_eval_imports_without_torch():
     script = ("import sys; sys.modules['torch'] = None\n"

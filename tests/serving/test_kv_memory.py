@@ -89,7 +89,7 @@ def test_the_refusal_is_one_line_naming_both_options_and_the_largest_values():
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("the KV cache may need 1054.7 GiB (2000 slots (--max-batch-size) x 8192 positions "
-                              "(--max-seq-len) x 46,080 bytes, plus the 4096 per slot it grows from; ")
+                              "(--max-seq-len) x 46,080 bytes, plus the 4096 positions per slot it grows from; ")
     assert message.endswith(f"but 20.0 GiB is available (MemAvailable in /proc/meminfo): lower --max-batch-size to "
                             f"{num_slots} or --max-seq-len to {max_len}")
     with pytest.raises(ValueError, match="not even 1 slot of 6 positions fits: free memory"):
@@ -167,7 +167,7 @@ def test_a_server_whose_cache_cannot_fit_refuses_to_start_in_one_line(tiny, monk
     code, err = run_main([str(bundle), "--max-batch-size", "100000"], capsys)
     assert code == 2 and len(err) == 1 and not allocated, err
     assert err[0].startswith("error: the KV cache may need 36.6 GiB (100000 slots (--max-batch-size) x 512 positions "
-                             "(--max-seq-len) x 512 bytes, plus the 256 per slot it grows from; ")
+                             "(--max-seq-len) x 512 bytes, plus the 256 positions per slot it grows from; ")
     assert err[0].endswith("but 64.0 MiB is available (MemAvailable in /proc/meminfo): lower --max-batch-size to "
                            f"{64 * MIB // (768 * per_position)}")  # not even W + 2 positions for 100000 slots
     code, err = run_main([str(bundle), "--max-batch-size", "2000"], capsys)

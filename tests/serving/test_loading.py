@@ -143,6 +143,22 @@ def test_a_tau_option_out_of_range_stops_the_server_before_the_bundle_loads(tiny
     assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
 
 
+
+def test_the_servers_tau_options_are_parsed_by_the_one_rule_on_tau(tmp_path, monkeypatch):
+    """serve parsed --tau, --tau-min and --tau-max with a float parser of its own: they go through check_tau (the
+    runtime's one rule, via runtime.command_line.tau_value) before the server's own 0..1 bound."""
+    from runtime.decode import params
+
+    def refuse_half(tau, shown=None):
+        if tau == 0.5:
+            raise params.ParamError("tau", "refused by check_tau")
+        return tau
+    monkeypatch.setattr(params, "check_tau", refuse_half)
+    assert parse_args([str(tmp_path), "--tau", "0.9"]).tau == 0.9
+    for option in ("--tau", "--tau-min", "--tau-max"):
+        with pytest.raises(ValueError, match=f"argument {option}: must be a number in 0..1"):
+            parse_args([str(tmp_path), option, "0.5"])
+
 def test_the_default_tau_range_is_tau_to_1(tmp_path):
     policy = server_settings(parse_args([str(tmp_path), "--tau", "0.9"]))[0]
     assert (policy.tau_min, policy.tau_max) == (0.9, 1.0)

@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import re
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -49,7 +48,8 @@ from pathlib import Path
 
 # the project is not installed in the peer venvs; runtime/command_line.py needs nothing but argparse
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.command_line import ArgumentParser, UsageError, existing_file, make_taus_value, run_main  # noqa: E402
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, how_it_ended,  # noqa: E402
+                                  make_taus_value, run_main)
 
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
@@ -176,15 +176,6 @@ def key_error_line(text: str) -> str:
             line = " ".join(lines[i:i + 2]) if pattern == "CMake Error" else lines[i]
             return line[:300]
     return lines[-1][:300] if lines else "(empty log)"
-
-
-def exit_status_text(status: int) -> str:
-    """How a command ended, from the shell's exit status: ``killed by signal 11 (SIGSEGV)`` for 128 + a signal's
-    number, else ``exit status N``."""
-    number = status - 128
-    if number in {s.value for s in signal.Signals}:
-        return f"killed by signal {number} ({signal.Signals(number).name})"
-    return f"exit status {status}"
 
 
 def installed_packages() -> dict:
@@ -559,7 +550,7 @@ def record_status(args) -> None:
     With ``--exit-status`` the error ends with how the command ended (a crash's log may end on an ordinary line)."""
     error = key_error_line(Path(args.log).read_text(errors="replace")) if args.log else args.error
     if args.exit_status is not None:
-        error = f"{error}; {exit_status_text(args.exit_status)}"
+        error = f"{error}; {how_it_ended(args.exit_status, shell=True)}"
     name = rows_name(args.engine, args.tag)
     info = {"settings": run_key(read_settings(args.work))} if (args.work / "prompts.json").exists() else {}
     write_rows(args.work, name, [status_row(args.engine, args.tag or "", None, args.status, error)], info)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -186,6 +187,20 @@ def make_engine_int_value(setting: str) -> Callable[[str], int]:
         return value
 
     return engine_int_value
+
+
+def how_it_ended(returncode: int, shell: bool = False) -> str:
+    """How a failed process ended, for a message: ``exit status 1``, or ``killed by signal 11 (SIGSEGV)``.
+
+    Args:
+        returncode: ``subprocess``'s return code (a negative one is the signal that killed the process) or, with
+            ``shell``, a shell's ``$?`` (128 + the signal's number where a signal killed it).
+    """
+    number = (returncode - 128 if returncode > 128 else 0) if shell else -returncode
+    names = {s.value: s.name for s in signal.Signals}
+    if number > 0 and (number in names or not shell):  # a shell's 128 + N that is no signal is the command's own
+        return f"killed by signal {number}" + (f" ({names[number]})" if number in names else "")
+    return f"exit status {returncode}"
 
 
 def run_main(main: Callable[[], object]) -> int:

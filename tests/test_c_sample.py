@@ -370,8 +370,6 @@ def test_a_failed_binary_says_how_it_ended(tmp_path):
     """A binary that failed printing nothing on stderr was named with 'exited with status -11' where a signal had
     killed it: its end is the exit status, or the signal by number and name (MarsCError.ended, which
     bench/c_sample.py shows too)."""
-    assert [wrapper.how_it_ended(code) for code in (1, -11, -200)] == [
-        "exit status 1", "killed by signal 11 (SIGSEGV)", "killed by signal 200"]
     binary = tmp_path / "mars_c"
     binary.write_text("#!/bin/sh\nkill -SEGV $$\n")
     binary.chmod(0o755)

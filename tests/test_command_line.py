@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from runtime.bundle import BundleError
-from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, make_engine_int_value,
-                                  make_taus_value, naming_options, run_main, tau_value, threads_value)
+from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, how_it_ended,
+                                  make_engine_int_value, make_taus_value, naming_options, run_main, tau_value,
+                                  threads_value)
 from runtime.decode.admission import SettingError
 from runtime.decode.params import ParamError
 from runtime.evaluation.tasks import DataError
@@ -182,3 +183,13 @@ def test_a_closed_stdout_ends_a_command_quietly(command):
     done = subprocess.run(command, cwd=ROOT, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
     os.close(writer)
     assert (done.returncode, done.stderr) == (1, "")
+
+
+def test_how_it_ended_reads_both_conventions():
+    """subprocess's negative return code and a shell's 128 + N both name the signal; a shell status over 128 that is
+    no signal, and any other code, are the exit status (one rule for bench/peers.py and samples/c/mars_c.py)."""
+    assert [how_it_ended(code) for code in (0, 1, -11, -200)] == [
+        "exit status 0", "exit status 1", "killed by signal 11 (SIGSEGV)", "killed by signal 200"]
+    assert [how_it_ended(status, shell=True) for status in (139, 137, 1, 128, 255)] == [
+        "killed by signal 11 (SIGSEGV)", "killed by signal 9 (SIGKILL)", "exit status 1", "exit status 128",
+        "exit status 255"]

@@ -837,13 +837,6 @@ def test_bench_peers_llamacpp_cmake_args_are_a_pin(smoke_model, tmp_path):
     assert calls.read_text().splitlines() == ["gguf-convert CMAKE_ARGS= install --disable-pip-version-check stub"]
 
 
-def test_bench_peers_exit_status_text():
-    """128 + a signal's number is that signal; any other status (255: 127 is no signal) is an exit status."""
-    peers = load_script(ROOT / "bench" / "peers.py")
-    assert [peers.exit_status_text(status) for status in (139, 137, 1, 255)] == \
-        ["killed by signal 11 (SIGSEGV)", "killed by signal 9 (SIGKILL)", "exit status 1", "exit status 255"]
-
-
 @pytest.mark.parametrize("env, message", [
     ({"ROUNDS": "0"}, "ROUNDS takes a whole number of rounds >= 1, got '0'"),
     ({"ROUNDS": "two"}, "ROUNDS takes a whole number of rounds >= 1, got 'two'"),

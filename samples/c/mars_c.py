@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from runtime.command_line import ArgumentParser, UsageError, tau_value, threads_value
+from runtime.command_line import ArgumentParser, UsageError, how_it_ended, tau_value, threads_value
 
 DEFAULT_BINARY = Path(__file__).resolve().parents[2] / "build" / "c" / "mars_c"
 
@@ -33,25 +32,13 @@ class MarsCError(RuntimeError):
     stderr, or says that it ran too long or printed what mars_c does not.
 
     Attributes:
-        ended: how the binary ended where it failed (:func:`how_it_ended`: ``exit status 1``, ``killed by signal 11
-            (SIGSEGV)``), else None (it ran too long, or exited 0 printing what mars_c does not).
+        ended: how the binary ended where it failed (:func:`runtime.command_line.how_it_ended`: ``exit status 1``,
+            ``killed by signal 11 (SIGSEGV)``), else None (it ran too long, or exited 0 printing what mars_c does not).
     """
 
     def __init__(self, message: str, ended: str | None = None):
         super().__init__(message)
         self.ended = ended
-
-
-def how_it_ended(returncode: int) -> str:
-    """A failed process's end, from its ``subprocess`` return code: ``exit status 1``, or for a negative code (the
-    signal that killed it) ``killed by signal 11 (SIGSEGV)``."""
-    if returncode >= 0:
-        return f"exit status {returncode}"
-    try:
-        name = f" ({signal.Signals(-returncode).name})"
-    except ValueError:  # no signal of this platform's
-        name = ""
-    return f"killed by signal {-returncode}{name}"
 
 
 def binary_problem(binary: str | Path) -> str | None:

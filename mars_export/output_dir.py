@@ -6,8 +6,7 @@ snapshot's ``blobs/``; a bundle inside a model's folder is fine), an existing di
 it is a bundle (holds ``mars_config.json``) or is empty, and the export must be able to make its folders there
 (:func:`check_can_write`). Torch-free: ``mars-export`` checks before it loads the model. The rules that an output
 may not be or hold the model (:func:`check_apart_from_model`) and that it must take a new folder
-(:func:`check_can_write`) also guard ``mars-train --output`` (:mod:`mars_export.training.output_dir`); the latter
-also ``mars-eval --out`` (:mod:`runtime.evaluation.cli`).
+(:func:`check_can_write`) also guard ``mars-train --output`` (:mod:`mars_export.training.output_dir`).
 """
 
 from __future__ import annotations

@@ -17,10 +17,12 @@ is checked by :func:`check_results_folder` (``--force`` to replace an earlier ru
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import stat
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,19 +80,23 @@ def check_path_given(text: str, option: str, what: str) -> None:
 
 def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:
     """Refuse, before anything is loaded, a results folder ``out`` (given as ``option``) that the result files
-    ``names`` cannot be written to: a file, or a path under one; one where a result's path is a folder, which no
-    run can replace; and, unless ``force``, one that holds results of an earlier run, which this run would replace
+    ``names`` cannot be written to: a file, or a path under one; a symbolic link to nowhere; one on a disk or in a
+    folder that takes no new entry; one where a result's path is a folder, which no run can replace; and, unless ``force``, one that holds results of an earlier run, which this run would replace
     (``mars-eval --out``, the scripts in ``bench/``).
 
     Raises:
         UsageError: naming the path and the fix.
     """
+    if out.is_symlink() and not out.exists():
+        raise UsageError(f"{option} {out} is a symbolic link to {os.readlink(out)}, which does not exist; make that "
+                         f"folder or choose another {option}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"{option} {out} is a file, not a directory; choose another {option}")
     above = next((folder for folder in out.parents if folder.exists()), None)
     if above is not None and not above.is_dir():
         raise UsageError(f"{option} {out} lies under {above}, which is a file, not a directory, so no results can "
                          f"be written there; choose another {option}")
+    _check_takes_a_folder(out if out.is_dir() else above or Path("."), out, option)
     folder = next((out / name for name in names if (out / name).is_dir()), None)
     if folder is not None:
         raise UsageError(f"{option} {out}: {folder} is a folder, where this run writes a file, and --force replaces "
@@ -99,6 +105,20 @@ def check_results_folder(out: Path, names: list[str], force: bool, option: str =
     if earlier and not force:
         raise UsageError(f"{option} {out} already holds {', '.join(earlier)} of an earlier run; choose another "
                          f"{option} or pass --force to replace them")
+
+
+def _check_takes_a_folder(base: Path, out: Path, option: str) -> None:
+    """Refuse ``out`` where ``base``, the folder the results (or the folders above them) are made in, takes no new
+    entry: a read-only disk, no permission (also for root on a read-only mount), ``/proc``. Tried: a hidden folder
+    made there and removed at once."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mars-write-check-", dir=base))
+    except OSError as e:
+        todo = {errno.EROFS: f"choose an {option} on a writable disk", errno.EACCES: f"choose an {option} where you "
+                "may write", errno.EPERM: f"choose an {option} where you may write"}.get(e.errno,
+                                                                                      f"choose another {option}")
+        raise UsageError(f"{option} {out} cannot be written: no folder can be made in {base} "
+                         f"({(e.strerror or str(e)).lower()}); {todo}") from e
 
 
 @contextmanager

@@ -129,7 +129,7 @@ def _tau(text: str) -> float:
         tau = None
     if tau is None or tau > 1:
         raise argparse.ArgumentTypeError(f"must be a number in 0..1 (tau 1 is greedy AR, one token per step; a larger "
-                                         f"tau decodes the same), got {text}")
+                                         f"tau decodes the same), got {text if text.strip() else repr(text)}")
     return tau
 
 

@@ -375,8 +375,22 @@ def test_a_failed_binary_says_how_it_ended(tmp_path):
     binary.chmod(0o755)
     with pytest.raises(wrapper.MarsCError) as error:
         wrapper.run_binary(binary, tmp_path, [1, 2], timeout=60)
-    assert str(error.value) == f"{binary} failed (killed by signal 11 (SIGSEGV)) printing nothing on stderr"
+    assert str(error.value) == f"{binary} printed nothing on stderr"
     assert error.value.ended == "killed by signal 11 (SIGSEGV)"
+
+
+@pytest.mark.parametrize("stderr, end, ended", [
+    ("loading bundle", "kill -SEGV $$", "killed by signal 11 (SIGSEGV)"),
+    ("mars_c: error at main.c:1: bad", "exit 3", "exit status 3")])
+def test_the_wrapper_shows_how_a_binary_ended_before_its_stderr(tmp_path, tiny_bundle, capsys, stderr, end, ended):
+    """samples/c/mars_c.py showed only the binary's stderr: a crash after a line on stderr read as that line."""
+    binary = tmp_path / "mars_c"
+    binary.write_text(f"#!/bin/sh\necho '{stderr}' >&2\n{end}\n")
+    binary.chmod(0o755)
+    bundle = tiny_bundle("llama", 4)[1]
+    capsys.readouterr()  # the bundle's making
+    assert wrapper.main([str(bundle), "--binary", str(binary), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {binary} failed ({ended}):", stderr]
 
 def test_non_integer_ids_give_clear_error(mars_c, tiny_bundle):
     proc = subprocess.run([str(mars_c), str(tiny_bundle("llama", 4)[1])], input="1 2 x3", capture_output=True,

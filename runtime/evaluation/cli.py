@@ -26,7 +26,6 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from mars_export.output_dir import check_can_write  # torch-free, as mars-eval must be
 from runtime.backends.providers import PROVIDERS, OnnxRuntimeMissing, import_onnxruntime
 from runtime.bundle import BundleError, load_config
 from runtime.command_line import (ArgumentParser, UsageError, check_path_given, check_results_folder,
@@ -86,9 +85,9 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse bad values before anything is loaded.
 
     Raises:
-        UsageError: naming the bad value and what is allowed.
-        ValueError: ``--out`` cannot be written (no folder can be made there: :func:`check_can_write`), or an
-            unknown metric.
+        UsageError: naming the bad value and what is allowed; ``--out`` that cannot be written
+            (:func:`~runtime.command_line.check_results_folder`).
+        ValueError: an unknown metric.
     """
     if args.gsm8k is None and args.humaneval is None and args.chat is None:
         raise UsageError("give at least one of --gsm8k FILE, --humaneval FILE and --chat FILE")
@@ -104,7 +103,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("a bundle directory is given twice")
     check_path_given(args.out, "--out", "the directory to write the results to (default ./mars-eval-results)")
     check_results_folder(Path(args.out), [RESULTS_FILE, SUMMARY_FILE, PLOT_FILE], args.force)
-    check_can_write(Path(args.out), "--out", into=True)
 
 
 def load_items(args: argparse.Namespace) -> list[tasks.EvalItem]:

@@ -29,7 +29,8 @@ STDERR_TAIL_LINES = 10  # of a failed binary's stderr, in MarsCError's message
 
 class MarsCError(RuntimeError):
     """The binary exited with an error; the message is its own (``mars_c: error at FILE:LINE: ...``), the end of its
-    stderr, or says that it ran too long or printed what mars_c does not.
+    stderr, or says that it printed nothing there, ran too long or printed what mars_c does not; how it ended is
+    ``ended``, which a command shows before the message.
 
     Attributes:
         ended: how the binary ended where it failed (:func:`runtime.command_line.how_it_ended`: ``exit status 1``,
@@ -89,8 +90,7 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
     lines = proc.stderr.strip().splitlines()
     if proc.returncode != 0:
         ended = how_it_ended(proc.returncode)
-        raise MarsCError("\n".join(lines[-STDERR_TAIL_LINES:]) or f"{binary} failed ({ended}) printing nothing on "
-                         "stderr", ended)
+        raise MarsCError("\n".join(lines[-STDERR_TAIL_LINES:]) or f"{binary} printed nothing on stderr", ended)
     try:
         return [int(t) for t in proc.stdout.split()], json.loads(lines[-1])
     except (IndexError, ValueError) as e:  # no counts line, or no ids: not what mars_c prints
@@ -134,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                else tokenizer.encode(args.prompt))
         token_ids, counts = run_binary(args.binary, args.bundle, ids, args.tau, args.max_new_tokens,
                                        args.block_size, args.threads, adaptive_masks=args.adaptive_masks)
-    except (BundleError, ValueError, MarsCError) as e:
+    except MarsCError as e:
+        print(f"error: {args.binary} failed ({e.ended}):\n{e}" if e.ended else f"error: {e}", file=sys.stderr)
+        return 2
+    except (BundleError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = tokenizer.decode(token_ids)

@@ -173,8 +173,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything_is_loaded(bund
                                                                            monkeypatch):
     """--out was tried only when it was made, after the bundles loaded and the items were read: --out /proc/x (a
     folder that takes no new entries, for root too) failed then, and an existing --out on a read-only disk only
-    when the results were written, after the whole run. Both are refused at the start, by mars-export's and
-    mars-train's rule (check_can_write), naming --out."""
+    when the results were written, after the whole run. Both are refused at the start, by the results folder's rule
+    (runtime.command_line.check_results_folder, the bench scripts' too), naming --out."""
     monkeypatch.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
     assert main(eval_args(bundle, data, "/proc/x")) == 2
     line, = capsys.readouterr().err.splitlines()
@@ -192,6 +192,17 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything_is_loaded(bund
     assert capsys.readouterr().err == (f"error: --out {out} cannot be written: no folder can be made in {out} "
                                        "(read-only file system); choose an --out on a writable disk\n")
     assert os.listdir(out) == []
+
+
+def test_an_out_that_links_to_nowhere_is_refused_before_anything_is_loaded(bundle, data, tmp_path, capsys,
+                                                                           monkeypatch):
+    """--out a symbolic link to a missing folder ended after the whole run in "error: [Errno 17] File exists"."""
+    monkeypatch.setattr("runtime.evaluation.cli.load_config", lambda *a: pytest.fail("a bundle was loaded"))
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "gone")
+    assert main(eval_args(bundle, data, out)) == 2
+    assert capsys.readouterr().err == (f"error: --out {out} is a symbolic link to {tmp_path / 'gone'}, which does "
+                                       "not exist; make that folder or choose another --out\n")
 
 def test_mars_eval_imports_without_torch():
     script = ("import sys; sys.modules['torch'] = None\n"

@@ -124,6 +124,8 @@ def test_an_engine_option_out_of_range_is_one_line_naming_the_option(tiny_bundle
                        "tau decodes the same), got 1.5"),
     (["--tau", "-1"], "argument --tau: must be a number in 0..1"),
     (["--tau-min", "nan"], "argument --tau-min: must be a number in 0..1"),
+    (["--tau", ""], "a larger tau decodes the same), got ''\n"),
+    (["--tau", " "], "a larger tau decodes the same), got ' '\n"),
     (["--tau-max", "1.5"], "argument --tau-max: must be a number in 0..1"),
     (["--tau", "0.5", "--tau-min", "0.9"], "error: --tau 0.5 is below --tau-min 0.9: need --tau-min <= --tau <= "
                                            "--tau-max (the base taus /admin/tau accepts)\n"),

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"KV slots: most sequences decoding at once (default {DEFAULT_MAX_BATCH}, or the backend's "
                         "largest batch when smaller: a TensorRT engine's, a fused bundle's 1). One long request grows "
                         "every slot to its length, so start-up refuses slots x --max-seq-len whose KV cache cannot fit "
-                        "the free memory (RAM; a TensorRT engine's GPU), naming the largest values that fit")
+                        "the free memory (RAM; a TensorRT engine's GPU), naming the largest values that fit 95%% of it")
     g.add_argument("--scheme", default="continuous", choices=SCHEMES,
                    help="batch scheme (default continuous; block runs every step W wide, so it refuses requests for "
                         "adaptive masks)")

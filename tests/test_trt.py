@@ -478,18 +478,18 @@ def test_the_server_checks_the_kv_cache_against_free_gpu_memory(engine_bundle, s
     """On an engine.plan the cache and the presents (2 copies) live in device memory: the start-up check reads
     cudaMemGetInfo's free bytes, and its one line names both options and what fits there."""
     from runtime import serve
-    from runtime.serving.kv_memory import largest_fitting
+    from runtime.serving.kv_memory import largest_fitting, suggestion_budget
     free = (standin.cuda.cudaError_t.cudaSuccess, 150_000, 1 << 30)  # batch 2 x 64 positions x 2 x 512 bytes x 1.5
     monkeypatch.setattr(sys.modules["cuda.bindings.runtime"], "cudaMemGetInfo", lambda: free)
     assert serve.main([str(engine_bundle / "engine.plan")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    num_slots, max_len = largest_fitting(2, 64, 2 * 512, 150_000, 6)
-    assert (num_slots, max_len) == (1, 41) and len(err) == 1
+    num_slots, max_len = largest_fitting(2, 64, 2 * 512, suggestion_budget(150_000), 6)
+    assert (num_slots, max_len) == (1, 37) and len(err) == 1
     assert err[0].startswith("error: the KV cache may need 0.2 MiB (2 slots (--max-batch-size) x 64 positions "
                              "(--max-seq-len) x 1,024 bytes, plus the 32 positions per slot it grows from; ")
     assert err[0].endswith("but 0.1 MiB is available (free GPU memory): lower --max-batch-size to 1 or --max-seq-len "
-                           "to 41")
-    for option, value in (("--max-batch-size", "1"), ("--max-seq-len", "41")):
+                           "to 37")
+    for option, value in (("--max-batch-size", "1"), ("--max-seq-len", "37")):
         app = serve.build_app(serve.parse_args([str(engine_bundle / "engine.plan"), option, value]))
         app.state.ctx.engine_thread.engine.cache.close()
 

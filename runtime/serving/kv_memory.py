@@ -46,6 +46,7 @@ MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 FLAGS = "--max-batch-size or --max-seq-len"
+SUGGESTED_SHARE = 0.95  # of the memory available, what the values a refusal names fit: free memory moves between runs
 
 
 class KVCacheOutOfMemory(RuntimeError):
@@ -79,9 +80,16 @@ def largest_fitting(num_slots: int, max_len: int, per_position: int, available: 
     return min(num_fitting, num_slots), lo if lo >= min_len else None
 
 
+def suggestion_budget(available: int) -> int:
+    """The bytes the values a refusal names must fit: ``SUGGESTED_SHARE`` of ``available``, so that they still
+    start when the free memory has moved a little (a value that fits all of it may be refused a minute later)."""
+    return int(available * SUGGESTED_SHARE)
+
+
 def check_fits(num_slots: int, max_len: int, per_position: int, available: int, where: str, min_len: int) -> None:
     """Raise ValueError, one line naming ``--max-batch-size`` and ``--max-seq-len`` and the largest values that
-    fit, where the cache's worst case (:func:`worst_case_bytes`) exceeds ``available`` bytes (read from ``where``).
+    fit :func:`suggestion_budget` of ``available``, where the cache's worst case (:func:`worst_case_bytes`) exceeds
+    ``available`` bytes (read from ``where``).
 
     Args:
         min_len: the shortest ``--max-seq-len`` that serves anything (:func:`~runtime.decode.admission.min_seq_len`).
@@ -91,7 +99,8 @@ def check_fits(num_slots: int, max_len: int, per_position: int, available: int, 
         return
     growing = KVCache.peak_positions(max_len) - max_len
     also = f", plus the {growing} positions per slot it grows from" if growing else ""
-    num_fitting, len_fitting = largest_fitting(num_slots, max_len, per_position, available, min_len)
+    num_fitting, len_fitting = largest_fitting(num_slots, max_len, per_position, suggestion_budget(available),
+                                               min_len)
     fixes = ([f"--max-batch-size to {num_fitting}"] if num_fitting else []) + (
         [f"--max-seq-len to {len_fitting}"] if len_fitting else [])
     fix = (f"lower {' or '.join(fixes)}" if fixes else

@@ -22,7 +22,8 @@ from runtime.decode.engine import CannotGrowCache, Engine, EngineConfig
 from runtime.decode.kv_cache import KVCache
 from runtime.decode.params import DecodeParams
 from runtime.serving import kv_memory
-from runtime.serving.kv_memory import check_fits, host_memory_available, largest_fitting, worst_case_bytes
+from runtime.serving.kv_memory import (check_fits, host_memory_available, largest_fitting, suggestion_budget,
+                                      worst_case_bytes)
 
 MIB = 1 << 20
 
@@ -85,7 +86,7 @@ def test_the_refusal_is_one_line_naming_both_options_and_the_largest_values():
     check_fits(8, 8192, 46_080, 20 << 30, "MemAvailable", min_len=6)  # 4.2 GiB fits: nothing raised
     with pytest.raises(ValueError) as refused:
         check_fits(2000, 8192, 46_080, 20 << 30, "MemAvailable in /proc/meminfo", min_len=6)
-    num_slots, max_len = largest_fitting(2000, 8192, 46_080, 20 << 30, 6)
+    num_slots, max_len = largest_fitting(2000, 8192, 46_080, suggestion_budget(20 << 30), 6)
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("the KV cache may need 1054.7 GiB (2000 slots (--max-batch-size) x 8192 positions "
@@ -158,7 +159,7 @@ def run_main(argv: list[str], capsys) -> tuple[int, list[str]]:
 def test_a_server_whose_cache_cannot_fit_refuses_to_start_in_one_line(tiny, monkeypatch, capsys):
     """``--max-batch-size 100000`` crashed with numpy's MemoryError traceback at the first allocation; now the
     worst case (here checked against an injected 64 MiB) stops the server first, naming both options and the
-    largest values, which then do start."""
+    largest values that fit 95% of the memory (it moves between runs), which then do start."""
     bundle, backend, config = tiny
     monkeypatch.setattr(kv_memory, "host_memory_available", lambda: (64 * MIB, "MemAvailable in /proc/meminfo"))
     allocated = []
@@ -169,18 +170,18 @@ def test_a_server_whose_cache_cannot_fit_refuses_to_start_in_one_line(tiny, monk
     assert err[0].startswith("error: the KV cache may need 36.6 GiB (100000 slots (--max-batch-size) x 512 positions "
                              "(--max-seq-len) x 512 bytes, plus the 256 positions per slot it grows from; ")
     assert err[0].endswith("but 64.0 MiB is available (MemAvailable in /proc/meminfo): lower --max-batch-size to "
-                           f"{64 * MIB // (768 * per_position)}")  # not even W + 2 positions for 100000 slots
+                           f"{suggestion_budget(64 * MIB) // (768 * per_position)}")  # no W + 2 positions for 100000
     code, err = run_main([str(bundle), "--max-batch-size", "2000"], capsys)
-    num_slots, max_len = largest_fitting(2000, 512, per_position, 64 * MIB, config.window + 2)
+    num_slots, max_len = largest_fitting(2000, 512, per_position, suggestion_budget(64 * MIB), config.window + 2)
     assert code == 2 and len(err) == 1 and not allocated, err
     assert err[0].endswith(f"lower --max-batch-size to {num_slots} or --max-seq-len to {max_len}")
     monkeypatch.undo()
     available = (64 * MIB, "injected")
     for engine_config in (EngineConfig(num_slots), EngineConfig(2000, max_seq_len=max_len)):
         assert kv_memory.make_engine(backend, config, engine_config, available).cache.max_len <= 512
-    for engine_config in (EngineConfig(num_slots + 1), EngineConfig(2000, max_seq_len=max_len + 1)):
-        with pytest.raises(ValueError, match="--max-batch-size to"):
-            kv_memory.make_engine(backend, config, engine_config, available)
+    budget = suggestion_budget(64 * MIB)  # the named values fit 95% of it, the largest that do
+    assert worst_case_bytes(num_slots + 1, 512, per_position) > budget
+    assert worst_case_bytes(2000, max_len + 1, per_position) > budget
 
 
 def test_a_first_allocation_that_fails_anyway_is_one_line(tiny, monkeypatch, capsys):

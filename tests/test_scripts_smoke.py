@@ -557,8 +557,11 @@ def test_tpf_vs_training_replaces_an_earlier_curve_only_with_force(tmp_path):
 
 WRITES_RESULTS = {  # script -> (its default --name, a command line with OUT its --out, the error past the check)
     **{script: (Path(script).stem, NOT_A_BUNDLE[script], "BUNDLE is not a MARS bundle")
-       for script in ("bench/c_sample.py", "bench/matmul_kernels.py", "bench/scaling.py", "bench/step_ablation.py")},
+       for script in ("bench/c_sample.py", "bench/engine_modes.py", "bench/matmul_kernels.py", "bench/scaling.py",
+                      "bench/step_ablation.py")},
     "bench/peers_runs.py": ("peers_runs", ["BUNDLE", "--out", "OUT"], "BUNDLE/peers.json not found"),
+    "bench/confidence_bounds.py": ("confidence_bounds", ["BUNDLE", "--out", "OUT"],
+                                   "cannot load model 'BUNDLE': no such file or directory"),
 }
 
 

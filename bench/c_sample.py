@@ -186,8 +186,6 @@ def usage_problem(args) -> str | None:
         DecodeParams(tau=args.tau, max_new_tokens=args.max_new_tokens)
     except ValueError as e:
         return str(e)
-    if "/" in args.name or not args.name:
-        return f"--name is a file stem without '/', got {args.name!r}"
     try:
         check_results(args)
     except UsageError as e:

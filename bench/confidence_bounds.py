@@ -2,6 +2,7 @@
 
     python bench/confidence_bounds.py [MODEL] [--taus 0.9 0.7 0.5] [--num-prompts 10] [--max-new-tokens 96]
                                       [--block 4] [--mask-token TOKEN] [--out bench/results] [--name confidence_bounds]
+                                      [--force]
 
 Dimension letters: K hidden size, V vocabulary, W window, M predictions of a step.
 
@@ -48,14 +49,13 @@ data folder, alternating; the rows read are the ones :func:`runtime.decode.accep
 reads. The screening logits come from onnxruntime's ``MatMulNBits`` with the greedy head's constants.
 
 Writes {name}.json (command, model, rows), {name}.csv (one row per tau) and {name}.png (per tau, the share
-of steps that would still read the float32 head) to --out, and prints a Markdown table.
+of steps that would still read the float32 head) to --out (refusing to replace an earlier run's without
+--force), and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import platform
 import sys
@@ -63,7 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+from results_files import add_results_options, check_results, write_results  # noqa: E402
 from support import shared_data_file, shared_data_missing  # noqa: E402
 
 from mars_export.confidence_gate import MARGIN_ABSOLUTE, MARGIN_RELATIVE, UNIT, slack  # noqa: E402
@@ -232,27 +233,21 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--block", type=int, default=4, help="block size B = window W of the reference decoder")
     p.add_argument("--mask-token", default=None, help="as mars-export's --mask-token")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="confidence_bounds", help="stem of the output files (default confidence_bounds)")
+    add_results_options(p, "confidence_bounds")
     args = p.parse_args()
     if shared_data_missing():
         p.error(shared_data_missing())
     if any(tau >= 1 for tau in args.taus) or args.block < 2:  # make_taus_value refused the rest
         p.error("each --taus value must be below 1 (at 1 no confidence is tested) and --block at least 2")
+    check_results(args)
     try:
         check_model_spec(args.model)
     except ValueError as e:  # no such file, or a folder that is no checkpoint
         p.error(str(e))
     rows = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "model": args.model,
             "command": "python bench/confidence_bounds.py " + " ".join(sys.argv[1:])}
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(args.out / f"{args.name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, args.out / f"{args.name}.png")
+    write_results(args.out, args.name, {"meta": meta, "rows": rows}, rows, lambda path: plot(rows, path))
     print("\n| tau | steps | TPF | rows read | rejected by p_ub | accepted by p_lb | undecided | steps reading the head |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

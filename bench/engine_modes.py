@@ -2,7 +2,7 @@
 
     python bench/engine_modes.py BUNDLE [--batch-sizes 1 4 16] [--taus 0.95 0.9 0.8] [--block-sizes 2 4]
                                         [--num-prompts 16] [--max-new-tokens 64] [--threads 2]
-                                        [--adaptive-masks] [--name engine_modes]
+                                        [--adaptive-masks] [--out bench/results] [--name engine_modes] [--force]
 
 One run, one process, one onnxruntime session: for every (scheme, batch size) the same
 prompts (GSM8K test questions and HumanEval prompts from the shared data folder: $MARS_SHARED_DATA,
@@ -17,12 +17,12 @@ Wall-clock covers prefill and decode of all requests (continuous batching admits
 slots free). Where it goes: the time inside onnxruntime's session calls (``graph_seconds``)
 and the rest, the runtime's own work (Python and numpy: scheduling, inputs, I/O binding,
 acceptance, the cache commit), per forward (``runtime_ms_per_forward``, prefill forwards
-counted). Writes JSON, CSV and a PNG to --out and prints ratios to AR.
+counted). Writes JSON, CSV and a PNG to --out (refusing to replace an earlier run's without --force) and prints
+ratios to AR.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import platform
@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from results_files import add_results_options, check_results, write_results  # bench/ is on the path
 from support import shared_data_file, shared_data_missing
 
 from runtime.backends.onnx import OnnxBackend
@@ -136,24 +137,18 @@ def main() -> None:
     p.add_argument("--threads", type=threads_value, default=2)
     p.add_argument("--adaptive-masks", action="store_true",
                    help="run each setting that feeds masks also with adaptive masks (runtime.decode.mask_backoff)")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="engine_modes", help="stem of the output files (default engine_modes)")
+    add_results_options(p, "engine_modes")
     args = p.parse_args()
     if shared_data_missing():
         p.error(shared_data_missing())
+    check_results(args)
     try:
         rows = run(args)
     except ParamError as e:  # e.g. a prompt + --max-new-tokens beyond the bundle's context, adaptive masks on block
         p.error(str(e))
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "bundle": str(args.bundle), "command": "python bench/engine_modes.py " + " ".join(sys.argv[1:])}
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(args.out / f"{args.name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, args.out / f"{args.name}.png")
+    write_results(args.out, args.name, {"meta": meta, "rows": rows}, rows, lambda path: plot(rows, path))
 
 
 def plot(rows: list[dict], path: Path) -> None:

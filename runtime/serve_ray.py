@@ -30,6 +30,7 @@ This module is the command.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -43,6 +44,29 @@ from runtime.serving.ray_deploy import Deployed, FleetOptions
 from runtime.serving.ray_launch import STOP_MARGIN_S, launch, stop
 
 
+def positive_number(text: str) -> float:
+    """``type=`` of ``--target-ongoing-requests``: a finite number > 0, or argparse's refusal (one ``error:`` line,
+    exit status 2); ``nan`` and ``inf`` reached Ray's autoscaler, and 0 became the default."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """``type=`` of ``--max-ongoing-requests``: an integer >= 1, or argparse's refusal (0 became the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def make_parser() -> ArgumentParser:
     """The parser of the Ray options (the rest go to ``python -m runtime.serve``'s)."""
     p = ArgumentParser(prog="python -m runtime.serve_ray", description=__doc__.splitlines()[0],
@@ -53,10 +77,10 @@ def make_parser() -> ArgumentParser:
                               "is also Serve's, for its replicas, controller and proxy).")
     p.add_argument("--replicas", type=int, default=1, help="replicas (the minimum with --max-replicas; default 1)")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
-    p.add_argument("--target-ongoing-requests", type=float, default=None,
+    p.add_argument("--target-ongoing-requests", type=positive_number, default=None,
                    help="autoscaling target per replica (default: a replica's batch, --max-batch-size or its "
                         "default, 1 for a fused bundle)")
-    p.add_argument("--max-ongoing-requests", type=int, default=None,
+    p.add_argument("--max-ongoing-requests", type=positive_int, default=None,
                    help="most requests a replica holds (default: --max-batch-size + --queue-high, so the load "
                         "policy sees its whole range)")
     p.add_argument("--upscale-delay-s", type=float, default=30.0,
@@ -73,10 +97,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def fleet_options(ray_args: argparse.Namespace, args: argparse.Namespace, batch: int) -> FleetOptions:
     """Ray's options from both command lines; the request targets default to ``batch``, the batch each replica runs
-    (:func:`check_engine_settings`)."""
+    (:func:`check_engine_settings`) where not given (``None``; a value given is FleetOptions' to check)."""
+    target, most = ray_args.target_ongoing_requests, ray_args.max_ongoing_requests
     return FleetOptions(ray_args.replicas, ray_args.max_replicas,
-                        ray_args.target_ongoing_requests or batch,
-                        ray_args.max_ongoing_requests or batch + args.queue_high,
+                        batch if target is None else target,
+                        batch + args.queue_high if most is None else most,
                         ray_args.num_cpus_per_replica, ray_args.upscale_delay_s)
 
 

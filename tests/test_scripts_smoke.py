@@ -14,6 +14,7 @@ before the first GPU call) runs here.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -556,8 +557,11 @@ def test_tpf_vs_training_replaces_an_earlier_curve_only_with_force(tmp_path):
 
 WRITES_RESULTS = {  # script -> (its default --name, a command line with OUT its --out, the error past the check)
     **{script: (Path(script).stem, NOT_A_BUNDLE[script], "BUNDLE is not a MARS bundle")
-       for script in ("bench/c_sample.py", "bench/matmul_kernels.py", "bench/scaling.py", "bench/step_ablation.py")},
+       for script in ("bench/c_sample.py", "bench/engine_modes.py", "bench/matmul_kernels.py", "bench/scaling.py",
+                      "bench/step_ablation.py")},
     "bench/peers_runs.py": ("peers_runs", ["BUNDLE", "--out", "OUT"], "BUNDLE/peers.json not found"),
+    "bench/confidence_bounds.py": ("confidence_bounds", ["BUNDLE", "--out", "OUT"],
+                                   "cannot load model 'BUNDLE': no such file or directory"),
 }
 
 
@@ -584,6 +588,33 @@ def test_every_script_that_writes_result_files_is_tried_on_an_earlier_run():
     files = {str(path.relative_to(ROOT)): path.read_text() for path in (ROOT / "bench").glob("*.py")}
     assert {name for name, text in files.items() if "write_results(" in text} - {"bench/results_files.py"} == \
         set(WRITES_RESULTS)
+
+
+BAD_NAMES = {  # a --name that is no file stem -> the start of its refusal (after 'argument --name: ')
+    "": "empty; give a file stem", " ": "blank (' '); give a file stem", "a/b": "'a/b' is a path, not a file name",
+    "../x": "'../x' is a path, not a file name", ".": "'.' is a path, not a file name",
+    "..": "'..' is a path, not a file name"}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_NAMES))
+def test_results_name_refuses_what_is_no_file_stem(name):
+    """bench/results_files.results_name, the one rule on --name of every script writing result files."""
+    results_files = load_script(ROOT / "bench/results_files.py")
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(BAD_NAMES[name])):
+        results_files.results_name(name)
+    assert results_files.results_name("run.2") == "run.2"
+
+
+@pytest.mark.parametrize("script", sorted(WRITES_RESULTS))
+@pytest.mark.parametrize("name", ["", "../x"], ids=["empty", "outside-out"])
+def test_the_scripts_writing_result_files_refuse_a_name_that_is_no_file_stem(script, name, tmp_path):
+    """--name '' wrote hidden .json/.csv/.png, --name a/b ended in a FileNotFoundError traceback after the run and
+    --name ../x wrote beside --out, not in it (only bench/c_sample.py had a rule, its own): each script parses
+    --name with results_files.results_name, one 'error:' line at parsing, nothing written."""
+    _, args, _ = WRITES_RESULTS[script]
+    done = run_in(tmp_path, script, [*args, "--name", name], {"BUNDLE": tmp_path / "none", "OUT": tmp_path / "out"})
+    assert_one_error_line(done, f"argument --name: {BAD_NAMES[name]}")
+    assert os.listdir(tmp_path) == []
 
 @pytest.mark.parametrize("second, message", [
     ({"rows": [{"engine": "llamacpp", "variant": "gguf f32", "batch_size": 1, "status": "ok",

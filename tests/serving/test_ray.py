@@ -563,6 +563,35 @@ def test_stop_waits_as_long_as_deploy_gave_the_replicas(tiny_bundle, stubbed_ser
     assert timeout_s + ray_launch.STOP_MARGIN_S - 5 < waits[0] <= timeout_s + ray_launch.STOP_MARGIN_S
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--target-ongoing-requests", "nan"], "argument --target-ongoing-requests: must be a finite number > 0, got nan"),
+    (["--target-ongoing-requests", "inf"], "argument --target-ongoing-requests: must be a finite number > 0, got inf"),
+    (["--target-ongoing-requests", "0"], "argument --target-ongoing-requests: must be a finite number > 0, got 0"),
+    (["--target-ongoing-requests", "-2"], "argument --target-ongoing-requests: must be a finite number > 0, got -2"),
+    (["--target-ongoing-requests", "x"], "argument --target-ongoing-requests: invalid float value: 'x'"),
+    (["--max-ongoing-requests", "0"], "argument --max-ongoing-requests: must be >= 1, got 0"),
+    (["--max-ongoing-requests", "2.5"], "argument --max-ongoing-requests: invalid int value: '2.5'")],
+    ids=["nan", "inf", "zero", "negative", "no-number", "max-zero", "max-float"])
+def test_request_targets_out_of_range_are_refused_at_parsing(options, message, monkeypatch, capsys, tmp_path):
+    """--target-ongoing-requests nan or inf reached Ray's autoscaler, and 0 (either option) became the default
+    (``x or batch``): one 'error:' line naming the option, exit status 2, before the bundle is read or Ray starts."""
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    assert serve_ray.main([str(tmp_path / "none"), *options]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_fleet_options_take_a_given_request_target_as_given():
+    """A target given (a Python caller's 0 too) is FleetOptions' to check, not replaced by the default; only None
+    is not given."""
+    ray_args = SimpleNamespace(replicas=1, max_replicas=None, target_ongoing_requests=None, max_ongoing_requests=None,
+                               num_cpus_per_replica=1.0, upscale_delay_s=30.0)
+    fleet = serve_ray.fleet_options(ray_args, SimpleNamespace(queue_high=4), 8)
+    assert (fleet.target_ongoing_requests, fleet.max_ongoing_requests) == (8, 12)
+    for zero in ({"target_ongoing_requests": 0.0}, {"max_ongoing_requests": 0}):
+        with pytest.raises(ValueError, match="need --target-ongoing-requests > 0, --max-ongoing-requests >= 1"):
+            serve_ray.fleet_options(SimpleNamespace(**{**vars(ray_args), **zero}), SimpleNamespace(queue_high=4), 8)
+
+
 def test_fleet_options_default_to_the_replicas_batch(tiny_bundle, tmp_path):
     """Without --max-batch-size (the README's command) the request targets follow the batch each replica runs: the
     server's default for a step bundle, 1 for a fused bundle (it runs one sequence at a time; 8 kept the autoscaler

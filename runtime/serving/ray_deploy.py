@@ -6,6 +6,7 @@ the proxy) and the :class:`Deployed` handle it returns.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,8 +55,8 @@ class FleetOptions:
         if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
             raise ValueError(f"need --replicas >= 1 and --max-replicas >= --replicas, got {self.replicas}, "
                              f"{self.max_replicas}")
-        if min(self.target_ongoing_requests, self.max_ongoing_requests) <= 0 or \
-                min(self.num_cpus, self.upscale_delay_s) < 0:
+        if not (math.isfinite(self.target_ongoing_requests) and self.target_ongoing_requests > 0) or \
+                self.max_ongoing_requests < 1 or min(self.num_cpus, self.upscale_delay_s) < 0:
             raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1, "
                              "--num-cpus-per-replica >= 0 and --upscale-delay-s >= 0")
 

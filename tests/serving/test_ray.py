@@ -110,6 +110,9 @@ def test_merge_metrics_labels_every_sample_with_its_replica():
 def test_fleet_options_reject_bad_counts():
     with pytest.raises(ValueError, match="--max-replicas"):
         FleetOptions(replicas=2, max_replicas=1)
+    for target in (float("nan"), float("inf"), 0.0):  # nan passed the check for Python callers
+        with pytest.raises(ValueError, match="--target-ongoing-requests > 0"):
+            FleetOptions(target_ongoing_requests=target)
     assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
         {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
 

@@ -75,7 +75,7 @@ from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
 from profile_step import interleaved_times, load_bundles, make_session, step_call  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
-from runtime.command_line import ArgumentParser, existing_folder, run_main, threads_value
+from runtime.command_line import ArgumentParser, existing_folder, path_value, run_main, threads_value
 from runtime.decode.batch import run_batch, run_prefill
 from scaling import decode_inputs
 
@@ -288,7 +288,7 @@ def main() -> None:
     p.add_argument("--identity-prompt", type=int, default=32, help="prompt ids before them (default 32)")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 3, 4],
                    help="window sizes the identity check cuts them into (default 1 2 3 4)")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out", type=path_value, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default="builder_step", help="stem of the output file (default builder_step)")
     args = p.parse_args()
     if min(args.pasts) < 0 or min(args.windows + args.chunks) < 1 or args.steps < 1 or args.rounds < 1:

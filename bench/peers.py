@@ -49,7 +49,7 @@ from pathlib import Path
 # the project is not installed in the peer venvs; runtime/command_line.py needs nothing but argparse
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.command_line import (ArgumentParser, UsageError, existing_file, how_it_ended,  # noqa: E402
-                                  make_taus_value, run_main)
+                                  make_taus_value, path_value, run_main)
 
 ENGINES = ("ours", "transformers", "ortgenai", "llamacpp", "optimum")
 OK, FAILED, UNSUPPORTED = "ok", "failed", "not supported"
@@ -789,7 +789,7 @@ def main() -> None:
     pq.add_argument("--input", type=Path, required=True, help="the F32 GGUF (convert_hf_to_gguf.py --outtype f32)")
     pq.add_argument("--out", type=Path, required=True)
     po = sub.add_parser("report", help="merge rows into peers.{json,csv,png}, print a Markdown table")
-    po.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    po.add_argument("--out", type=path_value, default=Path(__file__).resolve().parent / "results")
     for sp in (pr, ps):
         sp.add_argument("--tag", default=None, help="a second model of the engine (int8): rows-ENGINE-TAG.json")
     for sp in (pp, pr, ps, po):  # checkpoint needs no work folder

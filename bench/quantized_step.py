@@ -48,7 +48,7 @@ from mars_export import quantize
 from mars_export.quantize import measure_greedy_agreement, quantize_step_graph
 from runtime.backends.onnx import OnnxBackend
 from runtime.bundle import BundleConfig, load_config
-from runtime.command_line import ArgumentParser, run_main, threads_value
+from runtime.command_line import ArgumentParser, path_value, run_main, threads_value
 from runtime.decode.batch import window_mask
 from runtime.text.tokenizer import Tokenizer
 
@@ -86,7 +86,7 @@ def main() -> None:
                    help="also compare these quantized graphs of the same model; @LEVEL sets their accuracy_level")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="step time: wall clock or process CPU time")
     p.add_argument("--timing-only", action="store_true", help="only the interleaved step time")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="result folder (default bench/results)")
+    p.add_argument("--out", type=path_value, default=ROOT / "bench" / "results", help="result folder (default bench/results)")
     args = p.parse_args()
     try:
         variants = {spec: parse_variant(spec) for spec in args.variants}

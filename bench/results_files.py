@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.command_line import check_results_folder
+from runtime.command_line import check_results_folder, path_value
 
 SUFFIXES = (".json", ".csv", ".png")
 
@@ -34,7 +34,7 @@ def results_name(text: str) -> str:
 def add_results_options(p: argparse.ArgumentParser, name: str) -> None:
     """Add ``--out`` (the folder, default ``bench/results``), ``--name`` (the files' stem, default ``name``,
     checked by :func:`results_name`) and ``--force`` (replace an earlier run's files) to the script's parser ``p``."""
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+    p.add_argument("--out", type=path_value, default=Path(__file__).resolve().parent / "results",
                    help="folder of the result files (default bench/results)")
     p.add_argument("--name", type=results_name, default=name,
                    help=f"stem of the result files, no '/' (default {name})")

@@ -75,7 +75,20 @@ def check_path_given(text: str, option: str, what: str) -> None:
         UsageError: ``--output is empty: give WHAT``.
     """
     if not text.strip():
-        raise UsageError(f"{option} is {'empty' if not text else f'blank ({text!r})'}: give {what}")
+        raise UsageError(f"{option} is {_blankness(text)}: give {what}")
+
+
+def path_value(text: str) -> Path:
+    """``type=`` of an option that names an output path (a bench script's ``--out``): the path, or argparse's
+    refusal of an empty or blank one (:func:`check_path_given`'s rule: ``''`` would be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"is {_blankness(text)}: give a path")
+    return Path(text)
+
+
+def _blankness(text: str) -> str:
+    """How an empty or blank value is named in a message: ``empty``, or ``blank (' ')``."""
+    return "empty" if not text else f"blank ({text!r})"
 
 
 def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:

@@ -616,6 +616,22 @@ def test_the_scripts_writing_result_files_refuse_a_name_that_is_no_file_stem(scr
     assert_one_error_line(done, f"argument --name: {BAD_NAMES[name]}")
     assert os.listdir(tmp_path) == []
 
+@pytest.mark.parametrize("script", sorted(WRITES_RESULTS))
+@pytest.mark.parametrize("out, message", [
+    ("", "argument --out: is empty: give a path"), (" ", "argument --out: is blank (' '): give a path"),
+    ("/proc/x", "--out /proc/x cannot be written: no folder can be made in /proc (")], ids=["empty", "blank", "proc"])
+def test_the_scripts_writing_result_files_refuse_an_out_that_cannot_be_written(script, out, message, tmp_path):
+    """--out '' wrote the results into the current folder, --out ' ' into a folder named by a space, and an --out
+    that takes no new folder (a read-only disk, /proc) failed in a traceback after the whole run: one 'error:' line
+    before anything loads (path_value, check_results_folder), nothing written."""
+    if out == "/proc/x" and not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    _, args, _ = WRITES_RESULTS[script]
+    done = run_in(tmp_path, script, args, {"BUNDLE": tmp_path / "none", "OUT": out})
+    assert_one_error_line(done, message)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("second, message", [
     ({"rows": [{"engine": "llamacpp", "variant": "gguf f32", "batch_size": 1, "status": "ok",
                 "decode_tokens_per_second": 9.0}]}, "no row ran in every run; pass runs of the same settings"),

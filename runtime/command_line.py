@@ -94,8 +94,9 @@ def _blankness(text: str) -> str:
 def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:
     """Refuse, before anything is loaded, a results folder ``out`` (given as ``option``) that the result files
     ``names`` cannot be written to: a file, or a path under one; a symbolic link to nowhere; one on a disk or in a
-    folder that takes no new entry; one where a result's path is a folder, which no run can replace; and, unless ``force``, one that holds results of an earlier run, which this run would replace
-    (``mars-eval --out``, the scripts in ``bench/``).
+    folder that takes no new entry; one where a result's path is a folder, which no run can replace; and, unless
+    ``force``, one that holds results of an earlier run, which this run would replace (``mars-eval --out``, the
+    scripts in ``bench/``).
 
     Raises:
         UsageError: naming the path and the fix.

@@ -75,7 +75,8 @@ from mars_export.quantize import WEIGHT_BITS, quantize_step_graph
 from profile_step import interleaved_times, load_bundles, make_session, step_call  # bench/ is on the path as a script
 from runtime import bundle
 from runtime.backends.onnx import OnnxBackend
-from runtime.command_line import ArgumentParser, existing_folder, path_value, run_main, threads_value
+from runtime.command_line import (ArgumentParser, existing_folder, path_value, results_name, run_main,
+                                  threads_value)
 from runtime.decode.batch import run_batch, run_prefill
 from scaling import decode_inputs
 
@@ -289,7 +290,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 3, 4],
                    help="window sizes the identity check cuts them into (default 1 2 3 4)")
     p.add_argument("--out", type=path_value, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="builder_step", help="stem of the output file (default builder_step)")
+    p.add_argument("--name", type=results_name, default="builder_step",
+                   help="stem of the output file (default builder_step)")
     args = p.parse_args()
     if min(args.pasts) < 0 or min(args.windows + args.chunks) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--pasts must be >= 0; --windows, --chunks, --steps and --rounds at least 1")

@@ -59,7 +59,7 @@ from onnx import TensorProto, helper
 
 from mars_export.step_module import StepKV, rotary_joint, step_attention
 from profile_step import interleaved_times  # bench/ is on the path when this file runs as a script
-from runtime.command_line import ArgumentParser, path_value, run_main
+from runtime.command_line import ArgumentParser, path_value, results_name, run_main
 from runtime.decode.batch import window_mask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,7 +302,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 3, 4],
                    help="window sizes the identity check cuts them into (default 1 2 3 4)")
     p.add_argument("--out", type=path_value, default=ROOT / "bench" / "results")
-    p.add_argument("--name", default="gqa_attention", help="stem of the output file")
+    p.add_argument("--name", type=results_name, default="gqa_attention", help="stem of the output file")
     args = p.parse_args()
     if min(args.pasts) < 0 or min(args.windows + args.chunks) < 1 or min(args.repeats, args.rounds) < 1:
         p.error("--pasts must be >= 0; --windows, --chunks, --repeats and --rounds at least 1")

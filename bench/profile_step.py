@@ -62,7 +62,7 @@ from runtime import bundle
 from runtime.backends.fused import FusedStep, past_with_room
 from runtime.backends.huge_pages import new_memory_on_huge_pages
 from runtime.backends.kv_binding import KVBinding
-from runtime.command_line import ArgumentParser, path_value, run_main
+from runtime.command_line import ArgumentParser, path_value, results_name, run_main
 from scaling import decode_inputs  # bench/ is on the path when this file runs as a script
 
 
@@ -279,7 +279,8 @@ def main() -> None:
                    help="weights on huge pages as the runtime loads them (huge, the default), on onnxruntime's own "
                         "pages (small), or each bundle both ways")
     p.add_argument("--out", type=path_value, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--name", default="profile_step", help="stem of the output file (default profile_step)")
+    p.add_argument("--name", type=results_name, default="profile_step",
+                   help="stem of the output file (default profile_step)")
     args = p.parse_args()
     if min(args.pasts) < 0 or min(args.windows + args.batches) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--pasts must be >= 0; --windows, --batches, --steps and --rounds at least 1")

@@ -1,8 +1,8 @@
 """A benchmark's result files: ``{name}.json``, ``{name}.csv`` and ``{name}.png`` in one folder (every bench script).
 
 Imported by the scripts in ``bench/`` (their folder is on the path when they run as scripts). A script adds the
-options that place them with :func:`add_results_options` (``--name`` parsed by :func:`results_name`, the one rule
-on the files' stem), refuses to replace an earlier run's with
+options that place them with :func:`add_results_options` (``--name`` parsed by
+:func:`runtime.command_line.results_name`, the one rule on the files' stem), refuses to replace an earlier run's with
 :func:`check_results` before anything loads, and writes them with :func:`write_results`.
 """
 
@@ -14,26 +14,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.command_line import check_results_folder, path_value
+from runtime.command_line import check_results_folder, path_value, results_name
 
 SUFFIXES = (".json", ".csv", ".png")
 
 
-def results_name(text: str) -> str:
-    """``type=`` of ``--name``: the result files' stem, or argparse's refusal (one ``error:`` line, exit status 2)
-    of one that is empty or blank (hidden ``.json``, ``.csv``, ``.png``), holds a ``/`` (a folder under ``--out``
-    that may not exist, or, with ``..``, one outside it) or is ``.`` or ``..`` (a folder's name)."""
-    fix = "give a file stem (the files are NAME.json, NAME.csv and NAME.png; --out is their folder)"
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{'empty' if not text else f'blank ({text!r})'}; {fix}")
-    if "/" in text or text in (".", ".."):
-        raise argparse.ArgumentTypeError(f"{text!r} is a path, not a file name; {fix}")
-    return text
-
-
 def add_results_options(p: argparse.ArgumentParser, name: str) -> None:
     """Add ``--out`` (the folder, default ``bench/results``), ``--name`` (the files' stem, default ``name``,
-    checked by :func:`results_name`) and ``--force`` (replace an earlier run's files) to the script's parser ``p``."""
+    checked by :func:`runtime.command_line.results_name`) and ``--force`` (replace an earlier run's files) to the
+    script's parser ``p``."""
     p.add_argument("--out", type=path_value, default=Path(__file__).resolve().parent / "results",
                    help="folder of the result files (default bench/results)")
     p.add_argument("--name", type=results_name, default=name,

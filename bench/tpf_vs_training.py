@@ -38,7 +38,7 @@ from peft import PeftModel
 from mars_export.model_source import default_checkpoint, load_checkpoint
 from mars_export.reference import ReferenceDecoder
 from runtime.command_line import (ArgumentParser, UsageError, check_results_folder, existing_file, existing_folder,
-                                  path_value, run_main, tau_value)
+                                  path_value, results_name, run_main, tau_value)
 from runtime.decode.params import DecodeParams
 from runtime.evaluation.scoring import common_prefix
 from runtime.evaluation.tasks import DataError, load_chat, read_jsonl
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", action="append", default=[], help="the run's training files (for example tokens seen)")
     p.add_argument("--init-adapter", type=existing_folder, default=None,
                    help="the --lora-init adapter the run continued: measured as the first row instead of the base model")
-    p.add_argument("--name", default="tpf_vs_training", help="output file stem")
+    p.add_argument("--name", type=results_name, default="tpf_vs_training", help="output file stem")
     p.add_argument("--compare", type=existing_file, nargs="*", default=[],
                    help="other curves (JSON) to draw in the plot")
     p.add_argument("--out", type=path_value, default=Path("bench/results"))

@@ -78,6 +78,18 @@ def check_path_given(text: str, option: str, what: str) -> None:
         raise UsageError(f"{option} is {_blankness(text)}: give {what}")
 
 
+def results_name(text: str) -> str:
+    """``type=`` of a script's ``--name``: its result files' stem, or argparse's refusal (one ``error:`` line, exit
+    status 2) of one that is empty or blank (hidden ``.json``, ``.png``), holds a ``/`` (a folder under ``--out``
+    that may not exist, or, with ``..``, one outside it) or is ``.`` or ``..`` (a folder's name)."""
+    fix = "give a file stem (the files are NAME.json and the like; --out is their folder)"
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{_blankness(text)}; {fix}")
+    if "/" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is a path, not a file name; {fix}")
+    return text
+
+
 def path_value(text: str) -> Path:
     """``type=`` of an option that names an output path (a bench script's ``--out``): the path, or argparse's
     refusal of an empty or blank one (:func:`check_path_given`'s rule: ``''`` would be the current folder)."""
@@ -93,7 +105,8 @@ def _blankness(text: str) -> str:
 
 def check_results_folder(out: Path, names: list[str], force: bool, option: str = "--out") -> None:
     """Refuse, before anything is loaded, a results folder ``out`` (given as ``option``) that the result files
-    ``names`` cannot be written to: a file, or a path under one; a symbolic link to nowhere; one on a disk or in a
+    ``names`` cannot be written to: a file, or a path under one; a symbolic link to nowhere, or a path under one; a
+    result's path that is a symbolic link (the run would write where it points); one on a disk or in a
     folder that takes no new entry; one where a result's path is a folder, which no run can replace; and, unless
     ``force``, one that holds results of an earlier run, which this run would replace (``mars-eval --out``, the
     scripts in ``bench/``).
@@ -101,8 +114,10 @@ def check_results_folder(out: Path, names: list[str], force: bool, option: str =
     Raises:
         UsageError: naming the path and the fix.
     """
-    if out.is_symlink() and not out.exists():
-        raise UsageError(f"{option} {out} is a symbolic link to {os.readlink(out)}, which does not exist; make that "
+    dangling = next((path for path in (out, *out.parents) if path.is_symlink() and not path.exists()), None)
+    if dangling is not None:
+        where = f"{option} {out} is" if dangling == out else f"{option} {out} lies under {dangling},"
+        raise UsageError(f"{where} a symbolic link to {os.readlink(dangling)}, which does not exist; make that "
                          f"folder or choose another {option}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"{option} {out} is a file, not a directory; choose another {option}")
@@ -111,6 +126,10 @@ def check_results_folder(out: Path, names: list[str], force: bool, option: str =
         raise UsageError(f"{option} {out} lies under {above}, which is a file, not a directory, so no results can "
                          f"be written there; choose another {option}")
     _check_takes_a_folder(out if out.is_dir() else above or Path("."), out, option)
+    link = next((out / name for name in names if (out / name).is_symlink()), None)
+    if link is not None:
+        raise UsageError(f"{option} {out}: {link} is a symbolic link, which this run would write through (to "
+                         f"{os.readlink(link)}); remove it or choose another {option}")
     folder = next((out / name for name in names if (out / name).is_dir()), None)
     if folder is not None:
         raise UsageError(f"{option} {out}: {folder} is a folder, where this run writes a file, and --force replaces "

@@ -47,12 +47,28 @@ from runtime.serving.ray_launch import STOP_MARGIN_S, launch, stop
 def positive_number(text: str) -> float:
     """``type=`` of ``--target-ongoing-requests``: a finite number > 0, or argparse's refusal (one ``error:`` line,
     exit status 2); ``nan`` and ``inf`` reached Ray's autoscaler, and 0 became the default."""
+    value = _finite_number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    """``type=`` of ``--upscale-delay-s`` and ``--num-cpus-per-replica``: a finite number >= 0, or argparse's
+    refusal (``nan`` and ``inf`` reached Ray)."""
+    value = _finite_number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _finite_number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
 
 
@@ -83,9 +99,9 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--max-ongoing-requests", type=positive_int, default=None,
                    help="most requests a replica holds (default: --max-batch-size + --queue-high, so the load "
                         "policy sees its whole range)")
-    p.add_argument("--upscale-delay-s", type=float, default=30.0,
+    p.add_argument("--upscale-delay-s", type=non_negative_number, default=30.0,
                    help="seconds above target before the autoscaler adds a replica (default 30)")
-    p.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
+    p.add_argument("--num-cpus-per-replica", type=non_negative_number, default=1.0, help="Ray CPUs per replica (default 1)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start one on this machine)")
     return p
 

@@ -379,6 +379,17 @@ def test_a_failed_binary_says_how_it_ended(tmp_path):
     assert error.value.ended == "killed by signal 11 (SIGSEGV)"
 
 
+@pytest.mark.parametrize("content", ["#!/nonexistent/interpreter\n", "\x7fELF not this machine's\n"])
+def test_a_binary_that_cannot_be_run_is_one_error(tmp_path, content):
+    """An executable with a bad #! line or of another machine ended in a FileNotFoundError / exec format error
+    traceback."""
+    binary = tmp_path / "mars_c"
+    binary.write_text(content)
+    binary.chmod(0o755)
+    with pytest.raises(wrapper.MarsCError, match=r"cannot be run \(.*\): is it a mars_c build for this machine"):
+        wrapper.run_binary(binary, tmp_path, [1, 2], timeout=60)
+
+
 @pytest.mark.parametrize("stderr, end, ended", [
     ("loading bundle", "kill -SEGV $$", "killed by signal 11 (SIGSEGV)"),
     ("mars_c: error at main.c:1: bad", "exit 3", "exit status 3")])

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from runtime.bundle import BundleError
-from runtime.command_line import (ArgumentParser, UsageError, existing_file, existing_folder, how_it_ended,
+from runtime.command_line import (ArgumentParser, UsageError, check_results_folder, existing_file, existing_folder,
+                                  how_it_ended,
                                   make_engine_int_value, make_taus_value, naming_options, run_main, tau_value,
                                   threads_value)
 from runtime.decode.admission import SettingError
@@ -193,3 +194,19 @@ def test_how_it_ended_reads_both_conventions():
     assert [how_it_ended(status, shell=True) for status in (139, 137, 1, 128, 255)] == [
         "killed by signal 11 (SIGSEGV)", "killed by signal 9 (SIGKILL)", "exit status 1", "exit status 128",
         "exit status 255"]
+
+
+def test_a_results_folder_under_a_link_to_nowhere_or_with_a_linked_result_is_refused(tmp_path):
+    """--out LINK/sub, LINK to nowhere, passed (the check climbed to the nearest folder that exists) and the run
+    ended in a FileExistsError traceback; a result's path that is a link was written through, out of --out (with a
+    link to nowhere even without --force)."""
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UsageError, match=f"lies under {tmp_path / 'gone'}, a symbolic link to .*nowhere, which does "
+                                         "not exist"):
+        check_results_folder(tmp_path / "gone" / "sub", ["r.json"], force=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "r.json").symlink_to(tmp_path / "elsewhere.json")
+    for force in (False, True):
+        with pytest.raises(UsageError, match="r.json is a symbolic link, which this run would write through"):
+            check_results_folder(out, ["r.json"], force=force)

@@ -31,7 +31,7 @@ from support import export, fix_window, load_script
 from test_trt import GPU_MISSING
 from tiny_models import make_checkpoint
 
-from runtime.command_line import UsageError
+from runtime.command_line import UsageError, results_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900  # far above a healthy run (seconds); a smoke test is never a timing
@@ -598,11 +598,19 @@ BAD_NAMES = {  # a --name that is no file stem -> the start of its refusal (afte
 
 @pytest.mark.parametrize("name", sorted(BAD_NAMES))
 def test_results_name_refuses_what_is_no_file_stem(name):
-    """bench/results_files.results_name, the one rule on --name of every script writing result files."""
-    results_files = load_script(ROOT / "bench/results_files.py")
+    """runtime.command_line.results_name, the one rule on --name of every script writing result files."""
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(BAD_NAMES[name])):
-        results_files.results_name(name)
-    assert results_files.results_name("run.2") == "run.2"
+        results_name(name)
+    assert results_name("run.2") == "run.2"
+
+
+@pytest.mark.parametrize("script", ["bench/builder_step.py", "bench/gqa_attention.py", "bench/profile_step.py",
+                                    "bench/tpf_vs_training.py"])
+def test_the_scripts_writing_one_result_file_refuse_a_name_that_is_no_file_stem(script, tmp_path):
+    """--name ../x wrote beside --out and --name a/b failed after the run: the same rule (results_name) at parsing."""
+    done = run_in(tmp_path, script, ["--name", "../x", "x"], {})  # --name parsed before the positional
+    assert_one_error_line(done, f"argument --name: {BAD_NAMES['../x']}")
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("script", sorted(WRITES_RESULTS))
@@ -610,7 +618,7 @@ def test_results_name_refuses_what_is_no_file_stem(name):
 def test_the_scripts_writing_result_files_refuse_a_name_that_is_no_file_stem(script, name, tmp_path):
     """--name '' wrote hidden .json/.csv/.png, --name a/b ended in a FileNotFoundError traceback after the run and
     --name ../x wrote beside --out, not in it (only bench/c_sample.py had a rule, its own): each script parses
-    --name with results_files.results_name, one 'error:' line at parsing, nothing written."""
+    --name with runtime.command_line.results_name, one 'error:' line at parsing, nothing written."""
     _, args, _ = WRITES_RESULTS[script]
     done = run_in(tmp_path, script, [*args, "--name", name], {"BUNDLE": tmp_path / "none", "OUT": tmp_path / "out"})
     assert_one_error_line(done, f"argument --name: {BAD_NAMES[name]}")

@@ -56,7 +56,8 @@ class FleetOptions:
             raise ValueError(f"need --replicas >= 1 and --max-replicas >= --replicas, got {self.replicas}, "
                              f"{self.max_replicas}")
         if not (math.isfinite(self.target_ongoing_requests) and self.target_ongoing_requests > 0) or \
-                self.max_ongoing_requests < 1 or min(self.num_cpus, self.upscale_delay_s) < 0:
+                self.max_ongoing_requests < 1 or not all(math.isfinite(v) and v >= 0
+                                                         for v in (self.num_cpus, self.upscale_delay_s)):
             raise ValueError("need --target-ongoing-requests > 0, --max-ongoing-requests >= 1, "
                              "--num-cpus-per-replica >= 0 and --upscale-delay-s >= 0")
 

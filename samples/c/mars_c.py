@@ -87,6 +87,9 @@ def run_binary(binary: str | Path, bundle: str | Path, prompt_ids: list[int], ta
                               timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise MarsCError(f"{binary} ran past {timeout:g} s and was stopped") from e
+    except OSError as e:  # a build for another machine, a bad #! line, not a program
+        raise MarsCError(f"{binary} cannot be run ({(e.strerror or str(e)).lower()}): is it a mars_c build for this "
+                         "machine? (see samples/c/README.md)") from e
     lines = proc.stderr.strip().splitlines()
     if proc.returncode != 0:
         ended = how_it_ended(proc.returncode)

@@ -113,6 +113,9 @@ def test_fleet_options_reject_bad_counts():
     for target in (float("nan"), float("inf"), 0.0):  # nan passed the check for Python callers
         with pytest.raises(ValueError, match="--target-ongoing-requests > 0"):
             FleetOptions(target_ongoing_requests=target)
+    for options in ({"upscale_delay_s": float("nan")}, {"num_cpus": float("inf")}):
+        with pytest.raises(ValueError, match="--upscale-delay-s >= 0"):
+            FleetOptions(**options)
     assert FleetOptions(replicas=1, max_replicas=3).deployment_options()["autoscaling_config"] == \
         {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8.0, "upscale_delay_s": 30.0}
 
@@ -567,14 +570,18 @@ def test_stop_waits_as_long_as_deploy_gave_the_replicas(tiny_bundle, stubbed_ser
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--target-ongoing-requests", "nan"], "argument --target-ongoing-requests: must be a finite number > 0, got nan"),
-    (["--target-ongoing-requests", "inf"], "argument --target-ongoing-requests: must be a finite number > 0, got inf"),
+    (["--target-ongoing-requests", "nan"], "argument --target-ongoing-requests: must be a finite number, got nan"),
+    (["--target-ongoing-requests", "inf"], "argument --target-ongoing-requests: must be a finite number, got inf"),
     (["--target-ongoing-requests", "0"], "argument --target-ongoing-requests: must be a finite number > 0, got 0"),
     (["--target-ongoing-requests", "-2"], "argument --target-ongoing-requests: must be a finite number > 0, got -2"),
     (["--target-ongoing-requests", "x"], "argument --target-ongoing-requests: invalid float value: 'x'"),
     (["--max-ongoing-requests", "0"], "argument --max-ongoing-requests: must be >= 1, got 0"),
-    (["--max-ongoing-requests", "2.5"], "argument --max-ongoing-requests: invalid int value: '2.5'")],
-    ids=["nan", "inf", "zero", "negative", "no-number", "max-zero", "max-float"])
+    (["--max-ongoing-requests", "2.5"], "argument --max-ongoing-requests: invalid int value: '2.5'"),
+    (["--upscale-delay-s", "nan"], "argument --upscale-delay-s: must be a finite number, got nan"),
+    (["--num-cpus-per-replica", "inf"], "argument --num-cpus-per-replica: must be a finite number, got inf"),
+    (["--num-cpus-per-replica", "-1"], "argument --num-cpus-per-replica: must be a finite number >= 0, got -1")],
+    ids=["nan", "inf", "zero", "negative", "no-number", "max-zero", "max-float", "delay-nan", "cpus-inf",
+         "cpus-negative"])
 def test_request_targets_out_of_range_are_refused_at_parsing(options, message, monkeypatch, capsys, tmp_path):
     """--target-ongoing-requests nan or inf reached Ray's autoscaler, and 0 (either option) became the default
     (``x or batch``): one 'error:' line naming the option, exit status 2, before the bundle is read or Ray starts."""

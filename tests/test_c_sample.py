@@ -445,7 +445,8 @@ def test_bench_script_smoke(mars_c, tiny_bundle, tmp_path):
                               (["--binary", f"a={mars_c}", "--threads", "1000"],
                                "argument --threads: must be in 0..256"),
                               (["--binary", f"a={mars_c}", "--tau", "nan"], "tau must be"),
-                              (["--binary", f"a={mars_c}", "--name", "x/y"], "--name is a file stem"),
+                              (["--binary", f"a={mars_c}", "--name", "x/y"],
+                               "argument --name: 'x/y' is a path, not a file name"),
                               (["--binary", f"a={mars_c}", "--out", str(not_executable)], "is a file, not a directory"),
                               (["--binary", f"a={mars_c}", "--prompt-lengths", "600"], "exceeds the bundle's context")]:
         out = tmp_path / "bad"

@@ -12,7 +12,6 @@ may not be or hold the model (:func:`check_apart_from_model`) and that it must t
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 from mars_export.default_model import DEFAULT_SPEC, MARS_DEFAULT_SPEC, default_model_dir, shipped_adapter_dir
 from mars_export.hub_model import is_hub_id, repo_cache_folder
 from runtime.bundle import CONFIG_FILE
+from runtime.command_line import cannot_make_folder
 
 PARTIAL_MARK = ".partial-"  # hidden work directories: .{name}.partial-{pid}-{random}
 
@@ -80,10 +80,9 @@ def check_can_write(out_dir: Path, flag: str = "-o", into: bool = False) -> None
 
     Args:
         out_dir: the output as given.
-        flag: the option that gives it, named in the message (``-o``; ``--output`` for ``mars-train``, ``--out``
-            for ``mars-eval``).
-        into: the command writes into ``out_dir`` itself (``mars-train`` its checkpoints, ``mars-eval`` its
-            results): an existing ``out_dir`` must take a new folder, not the folder above it.
+        flag: the option that gives it, named in the message (``-o``; ``--output`` for ``mars-train``).
+        into: the command writes into ``out_dir`` itself (``mars-train`` its checkpoints): an existing ``out_dir``
+            must take a new folder, not the folder above it.
     """
     where = landing_path(out_dir)
     above = next(folder for folder in where.parents if folder.exists())  # the root always exists
@@ -91,11 +90,8 @@ def check_can_write(out_dir: Path, flag: str = "-o", into: bool = False) -> None
     try:
         os.rmdir(tempfile.mkdtemp(prefix=partial_prefix(out_dir), dir=base))
     except OSError as e:
-        problem = (e.strerror or str(e)).lower()
-        todo = {errno.EROFS: f"choose an {flag} on a writable disk", errno.EACCES: f"choose an {flag} where you may "
-                "write", errno.EPERM: f"choose an {flag} where you may write"}.get(e.errno, f"choose another {flag}")
         raise ValueError(f"{flag} {named_path(out_dir)} cannot be written: no folder can be made in {base} "
-                         f"({problem}); {todo}") from e
+                         f"{cannot_make_folder(e, flag)}") from e
 
 
 def landing_path(out_dir: Path) -> Path:

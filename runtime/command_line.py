@@ -147,11 +147,18 @@ def _check_takes_a_folder(base: Path, out: Path, option: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".mars-write-check-", dir=base))
     except OSError as e:
-        todo = {errno.EROFS: f"choose an {option} on a writable disk", errno.EACCES: f"choose an {option} where you "
-                "may write", errno.EPERM: f"choose an {option} where you may write"}.get(e.errno,
-                                                                                      f"choose another {option}")
         raise UsageError(f"{option} {out} cannot be written: no folder can be made in {base} "
-                         f"({(e.strerror or str(e)).lower()}); {todo}") from e
+                         f"{cannot_make_folder(e, option)}") from e
+
+
+def cannot_make_folder(error: OSError, option: str) -> str:
+    """Why no folder could be made for ``option``'s path, and the fix, for a message's end: ``(read-only file
+    system); choose an --out on a writable disk``; shared by the output checks of the commands (results folders
+    here, :func:`mars_export.output_dir.check_can_write`)."""
+    elsewhere = {errno.EROFS: "on a writable disk", errno.EACCES: "where you may write",
+                 errno.EPERM: "where you may write"}
+    todo = f"choose an {option} {elsewhere[error.errno]}" if error.errno in elsewhere else f"choose another {option}"
+    return f"({(error.strerror or str(error)).lower()}); {todo}"
 
 
 @contextmanager

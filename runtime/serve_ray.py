@@ -101,7 +101,8 @@ def make_parser() -> ArgumentParser:
                         "policy sees its whole range)")
     p.add_argument("--upscale-delay-s", type=non_negative_number, default=30.0,
                    help="seconds above target before the autoscaler adds a replica (default 30)")
-    p.add_argument("--num-cpus-per-replica", type=non_negative_number, default=1.0, help="Ray CPUs per replica (default 1)")
+    p.add_argument("--num-cpus-per-replica", type=non_negative_number, default=1.0,
+                   help="Ray CPUs per replica (default 1)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start one on this machine)")
     return p
 
